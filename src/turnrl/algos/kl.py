@@ -1,0 +1,74 @@
+"""KL divergence to a reference model, per token, as a reward penalty or as a loss term.
+
+Shapes: logp, logp_ref, mask, token rewards are [B, T]. logp is the current (or rollout)
+policy's log-probability of each sampled token, logp_ref the reference model's.
+With Δ = logp - logp_ref and tokens sampled from the policy (Schulman's estimators of
+KL(policy || ref)):
+    k1 = Δ                    unbiased, can be negative per token
+    k2 = ½ Δ²                 biased, low variance, ≥ 0
+    k3 = exp(-Δ) + Δ - 1      unbiased, ≥ 0
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .losses import aggregate
+
+KL_KINDS = ("k1", "k2", "k3")
+
+
+def kl_estimate(
+    logp: torch.Tensor, logp_ref: torch.Tensor, kind: str = "k3", clamp: float | None = 20.0
+) -> torch.Tensor:
+    """Per-token KL estimate [B, T] (any shape works).
+
+    Δ is clamped to [-clamp, clamp] first (None disables) so exp(-Δ) in k3 cannot overflow
+    on tokens the reference model finds near-impossible.
+    """
+    delta = logp - logp_ref
+    if clamp is not None:
+        delta = torch.clamp(delta, -clamp, clamp)
+    if kind == "k1":
+        return delta
+    if kind == "k2":
+        return 0.5 * delta**2
+    if kind == "k3":
+        return torch.exp(-delta) + delta - 1.0
+    raise ValueError(f"unknown KL estimator {kind!r}; choose one of {KL_KINDS}")
+
+
+def kl_penalized_rewards(
+    token_rewards: torch.Tensor,
+    logp: torch.Tensor,
+    logp_ref: torch.Tensor,
+    mask: torch.Tensor,
+    beta: float,
+    kind: str = "k1",
+    clamp: float | None = 20.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL as a reward penalty (PPO style): r_t <- r_t - beta * kl_t on policy tokens.
+
+    All inputs [B, T]; logp/logp_ref should be detached (rewards carry no gradient).
+    Returns (penalized rewards [B, T], kl [B, T] zeroed where mask is 0, for logging).
+    Positions with mask 0 keep their reward unchanged.
+    """
+    kl = kl_estimate(logp, logp_ref, kind, clamp)
+    kl = torch.where(mask.bool(), kl, torch.zeros_like(kl))
+    return token_rewards - beta * kl, kl
+
+
+def kl_loss(
+    logp: torch.Tensor,
+    logp_ref: torch.Tensor,
+    mask: torch.Tensor,
+    kind: str = "k3",
+    agg: str = "token-mean",
+    clamp: float | None = 20.0,
+) -> torch.Tensor:
+    """KL as a loss term (GRPO style): aggregate(kl_estimate) as a 0-dim tensor.
+
+    logp carries the gradient. The caller adds beta * kl_loss(...) to the policy loss, so the
+    same number can also be logged unscaled.
+    """
+    return aggregate(kl_estimate(logp, logp_ref, kind, clamp), mask, agg)

@@ -1,0 +1,271 @@
+"""Typed params.yaml.
+
+Every key of params.yaml is declared here, with its type, its allowed values and a short
+comment. `load_config` validates the whole file before any heavy work starts and turns
+pydantic's errors into messages that name the key path, the bad value and what is allowed:
+
+    params.yaml: train.steps = -3: must be greater than 0
+    params.yaml: train.stepz: unknown key (did you mean 'steps'?); keys under 'train': ...
+
+This module imports nothing heavy, so a stage fails within a second on a bad value.
+"""
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A params.yaml problem; the message says which key and how to fix it."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+# --------------------------------------------------------------------------- model
+class TinyModel(_Section):
+    """The embedded Qwen2-architecture model built by `prepare_model` when model.path is tiny."""
+    hidden_size: int = Field(128, gt=0, multiple_of=32)
+    num_layers: int = Field(4, gt=0)
+    num_heads: int = Field(4, gt=0)
+    num_kv_heads: int = Field(2, gt=0)
+    vocab_size: int = Field(1024, ge=300, description="byte-level BPE target size")
+    max_position_embeddings: int = Field(2048, ge=128)
+
+    @model_validator(mode="after")
+    def _heads(self) -> "TinyModel":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        return self
+
+
+class WarmStart(_Section):
+    """Supervised warm start of the tiny model on synthetic demonstrations."""
+    demonstrations: int = Field(6000, ge=0)
+    tool_fraction: float = Field(0.35, ge=0.0, le=1.0,
+                                 description="share of demonstrations that call the tool; the rest answer unaided")
+    epochs: int = Field(3, ge=0)
+    batch_size: int = Field(64, gt=0)
+    lr: float = Field(3e-3, gt=0)
+
+
+class ModelCfg(_Section):
+    path: str = Field("tiny", min_length=1, description="'tiny', a local HF folder, or a hub id")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    template_type: Literal["chat", "base"] = "chat"
+    tiny: TinyModel = TinyModel()
+    warmstart: WarmStart = WarmStart()
+
+
+# --------------------------------------------------------------------------- data
+class DataCfg(_Section):
+    train_examples: int = Field(4096, gt=0, description="synthetic training prompts")
+    heldout_examples: int = Field(256, gt=0, description="synthetic held-out prompts (the eval 'task' block)")
+    math500_path: str = Field("", description="explicit MATH-500 jsonl/parquet; empty: $TURNRL_DATA_DIR, then the hub")
+
+
+# --------------------------------------------------------------------------- env
+class CodeToolCfg(_Section):
+    min_digits: int = Field(3, ge=1, le=12)
+    max_digits: int = Field(4, ge=1, le=12)
+    timeout_s: float = Field(5.0, gt=0)
+    memory_mb: int = Field(256, ge=32)
+    max_output_chars: int = Field(200, gt=0)
+    sandbox_workers: int = Field(2, gt=0)
+
+    @model_validator(mode="after")
+    def _digits(self) -> "CodeToolCfg":
+        if self.min_digits > self.max_digits:
+            raise ValueError(f"min_digits ({self.min_digits}) must not exceed max_digits ({self.max_digits})")
+        return self
+
+
+class EnvCfg(_Section):
+    name: Literal["code_tool"] = "code_tool"
+    code_tool: CodeToolCfg = CodeToolCfg()
+
+
+# --------------------------------------------------------------------------- algorithm
+class AlgorithmCfg(_Section):
+    name: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0)
+    clip_high: float = Field(0.28, ge=0.0)
+    dual_clip: float | None = Field(None, gt=1.0)
+    kl_coef: float = Field(0.0, ge=0.0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: float = Field(0.0, ge=0.0)
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    epochs: int = Field(1, gt=0, description="passes over each rollout batch (PPO num_iterations)")
+    mini_batches: int = Field(1, gt=0, description="optimizer steps per pass")
+
+
+# --------------------------------------------------------------------------- rollout
+class RolloutCfg(_Section):
+    engine: Literal["vllm", "hf"] = "vllm"
+    n: int = Field(8, ge=1, description="group size: samples per prompt")
+    max_turns: int = Field(3, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens_per_turn: int = Field(48, gt=0)
+    max_tokens_total: int = Field(160, gt=0, description="policy + environment tokens after the prompt")
+    kv_cache_gib: float = Field(1.0, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU")
+
+
+# --------------------------------------------------------------------------- train
+class TrainCfg(_Section):
+    steps: int = Field(40, gt=0)
+    prompts_per_step: int = Field(16, gt=0)
+    lr: float = Field(5e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    samples_logged_every: int = Field(10, gt=0, description="log a table of sample trajectories every N steps")
+
+
+# --------------------------------------------------------------------------- eval
+class EvalCfg(_Section):
+    temperature: float = Field(1.0, ge=0.0, description="sampled decoding; greedy is reported too")
+    greedy: bool = True
+    math500: bool = True
+    math500_max_tokens: int = Field(96, gt=0)
+    math500_limit: int = Field(0, ge=0, description="0 = all 500 problems")
+
+
+class ClusterCfg(_Section):
+    address: str = Field("", description="empty: start a local Ray; else HOST:PORT of a Ray cluster")
+    num_cpus: int = Field(2, gt=0, description="CPUs of the local Ray started when address is empty")
+
+
+class TrackingCfg(_Section):
+    uri: str = Field("", description="empty: sqlite:///mlflow.db in the project; else any MLflow tracking URI")
+    experiment: str = Field("turnrl", min_length=1)
+
+
+class Config(_Section):
+    seed: int = Field(0, ge=0)
+    model: ModelCfg = ModelCfg()
+    data: DataCfg = DataCfg()
+    env: EnvCfg = EnvCfg()
+    algorithm: AlgorithmCfg = AlgorithmCfg()
+    rollout: RolloutCfg = RolloutCfg()
+    train: TrainCfg = TrainCfg()
+    eval: EvalCfg = EvalCfg()
+    cluster: ClusterCfg = ClusterCfg()
+    tracking: TrackingCfg = TrackingCfg()
+
+    @model_validator(mode="after")
+    def _budgets(self) -> "Config":
+        if self.rollout.max_tokens_total < self.rollout.max_tokens_per_turn:
+            raise ValueError(
+                f"rollout.max_tokens_total ({self.rollout.max_tokens_total}) must be at least "
+                f"rollout.max_tokens_per_turn ({self.rollout.max_tokens_per_turn})")
+        return self
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted keys -> values, for MLflow params."""
+        out: dict[str, Any] = {}
+
+        def walk(prefix: str, value: Any) -> None:
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    walk(f"{prefix}.{k}" if prefix else k, v)
+            else:
+                out[prefix] = value
+        walk("", self.model_dump())
+        return out
+
+
+# --------------------------------------------------------------------------- loading
+def _allowed_keys(loc: tuple) -> list[str]:
+    section: type[BaseModel] = Config
+    for part in loc[:-1]:
+        field = section.model_fields.get(str(part))
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return []
+        section = field.annotation
+    return list(section.model_fields)
+
+
+def _describe(err: dict, source: str) -> str:
+    loc = tuple(p for p in err["loc"] if not isinstance(p, int) or True)
+    key = ".".join(str(p) for p in loc) or "(top level)"
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        allowed = _allowed_keys(loc)
+        guess = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+        hint = f" (did you mean '{guess[0]}'?)" if guess else ""
+        parent = ".".join(str(p) for p in loc[:-1]) or "the top level"
+        return f"{source}: {key}: unknown key{hint}; keys under {parent}: {', '.join(allowed)}"
+    msg = err["msg"]
+    msg = msg.replace("Value error, ", "").replace("Input should be", "must be")
+    if kind == "literal_error":
+        msg = "must be one of " + err["ctx"]["expected"]
+    if not loc or kind == "value_error" and err.get("input") is not None and isinstance(err["input"], dict):
+        return f"{source}: {key}: {msg}"
+    return f"{source}: {key} = {err.get('input')!r}: {msg}"
+
+
+def parse_config(data: Any, source: str = "params.yaml") -> Config:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections (model, env, train, ...), got {type(data).__name__}")
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        lines = [_describe(e, source) for e in exc.errors()]
+        raise ConfigError("\n".join(lines)) from None
+
+
+def _set_dotted(data: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key}: '{part}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path = "params.yaml", overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read and validate params.yaml; `overrides` are `key.path=value` strings (YAML values)."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: not found; run from the project root or pass the params file path")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    data = data if data is not None else {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key.path=value")
+        key, raw = item.split("=", 1)
+        if isinstance(data, dict):
+            _set_dotted(data, key.strip(), yaml.safe_load(raw))
+    return parse_config(data, source=str(path.name))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m turnrl.config [params.yaml]`: validate and print the resolved config."""
+    import sys
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = load_config(args[0] if args else "params.yaml")
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,815 @@
+"""Real data sets loaded into one row schema.
+
+Every loader returns rows shaped as::
+
+    {"id": str,               # the set's own id, or "<source>-<index>" when it has none
+     "prompt": str,           # the problem / question text, no chat template
+     "answer": str,           # the canonical answer
+     "answers": list[str],    # every acceptable answer ([answer] for math)
+     "subject": str | None,
+     "level": int | None,
+     "source": str}           # the data set name
+
+plus any extra keys the field mapping names (``nq_open`` adds ``passages``: a list of
+``{"title", "text"}`` with the gold passage first).
+
+Where a set comes from, in order (the contract in DESIGN.md):
+
+1. an explicit ``path`` (the params key ``data.<name>_path``),
+2. ``<data_dir>/<set dir>/<file>``, ``data_dir`` being the argument or ``$TURNRL_DATA_DIR``
+   (``.jsonl``, ``.jsonl.gz``, ``.json`` and ``.parquet`` copies of the file are all accepted),
+3. the Hugging Face hub through ``datasets`` (optional; any failure is caught).
+
+If none works, :class:`DataSourceError` says how to provide each of the three.
+
+Field mapping is data, not code: a spec's ``fields`` maps schema field -> source field (dotted
+paths such as ``"ctxs.0.text"`` reach into nested values) and ``answer_transform`` names one of
+:data:`ANSWER_TRANSFORMS`. A user file with other column names loads with
+``load_rows("my.jsonl", fields={"prompt": "q", "answer": "a"})``.
+
+Malformed rows (bad JSON, missing or empty fields, wrong types, duplicate ids) are reported as
+``file:line: problem`` (1-based line of a JSONL file, 1-based row of a parquet file). With
+``on_bad_row="fail"`` (the default) the first one raises; with ``"drop"`` they are skipped and
+listed in :attr:`LoadResult.dropped`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import os
+import re
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal
+
+__all__ = [
+    "ENV_VAR",
+    "SCHEMA_FIELDS",
+    "ANSWER_TRANSFORMS",
+    "DatasetSpec",
+    "DATASETS",
+    "DataSourceError",
+    "LoadResult",
+    "load",
+    "load_rows",
+    "load_search_corpus",
+    "resolve_local_path",
+    "write_parquet",
+    "read_parquet",
+]
+
+#: Environment variable naming the local data directory (e.g. ``../shared/data``).
+ENV_VAR = "TURNRL_DATA_DIR"
+
+#: The fields every row has, in order.
+SCHEMA_FIELDS: tuple[str, ...] = ("id", "prompt", "answer", "answers", "subject", "level", "source")
+
+_FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
+
+OnBadRow = Literal["fail", "drop"]
+
+
+class DataSourceError(RuntimeError):
+    """A data set could not be found, or a row in it is malformed. The message says how to fix it."""
+
+
+class _BadRow(ValueError):
+    """Internal: one row is malformed; the message is the problem (without file:line)."""
+
+
+# --------------------------------------------------------------------------- answer transforms
+def _gsm8k_final(value: Any) -> str:
+    """GSM8K: the text after the last ``#### ``, thousands separators removed."""
+    text = _scalar_str(value, "answer")
+    if "####" not in text:
+        raise _BadRow("answer has no '#### <final answer>' marker")
+    final = text.rsplit("####", 1)[1].strip().replace(",", "")
+    if not final:
+        raise _BadRow("nothing after the '####' marker in answer")
+    return final
+
+
+_INT_RE = re.compile(r"[+-]?\d+")
+
+
+def _number(value: Any) -> str:
+    """Integer-valued numbers as plain integers (``27.0`` -> ``"27"``, ``"025"`` -> ``"25"``,
+    ``70`` -> ``"70"``); other values stripped and kept as written."""
+    if isinstance(value, bool):
+        raise _BadRow(f"answer must be a string or number, got bool {value!r}")
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise _BadRow(f"answer is not a finite number: {value!r}")
+        return str(int(value)) if value.is_integer() else repr(value)
+    text = _scalar_str(value, "answer").strip()
+    if _INT_RE.fullmatch(text):
+        return str(int(text))
+    return text
+
+
+def _strip(value: Any) -> str:
+    return _scalar_str(value, "answer").strip()
+
+
+#: Named answer transforms usable from configuration (``answer_transform: gsm8k``).
+ANSWER_TRANSFORMS: Mapping[str, Callable[[Any], str]] = MappingProxyType(
+    {"gsm8k": _gsm8k_final, "number": _number, "strip": _strip}
+)
+
+
+# --------------------------------------------------------------------------- specs
+@dataclass(frozen=True)
+class DatasetSpec:
+    """Where a data set lives and how its fields map to the schema.
+
+    ``set_dir``/``file``: location under the data directory. ``fields``: schema field -> source
+    field. ``answer_transform``: a name in :data:`ANSWER_TRANSFORMS` applied to ``answer`` and
+    each of ``answers``. ``hub_*``: the Hugging Face copy (``hub_fields`` when its columns are
+    named differently from the local file); ``hub_id=None`` means there is no usable hub copy and
+    ``hub_note`` says where to get the file instead.
+    """
+
+    name: str
+    set_dir: str
+    file: str
+    fields: Mapping[str, str]
+    answer_transform: str | None = None
+    hub_id: str | None = None
+    hub_config: str | None = None
+    hub_split: str = "train"
+    hub_fields: Mapping[str, str] | None = None
+    hub_note: str = ""
+    description: str = ""
+
+    @property
+    def relpath(self) -> str:
+        return f"{self.set_dir}/{self.file}"
+
+
+def _spec(**kw: Any) -> DatasetSpec:
+    kw["fields"] = MappingProxyType(dict(kw["fields"]))
+    if kw.get("hub_fields") is not None:
+        kw["hub_fields"] = MappingProxyType(dict(kw["hub_fields"]))
+    return DatasetSpec(**kw)
+
+
+_MATH_FIELDS = {"prompt": "problem", "answer": "answer"}
+_GSM8K_FIELDS = {"prompt": "question", "answer": "answer"}
+
+#: The registry: data set name -> :class:`DatasetSpec`.
+DATASETS: Mapping[str, DatasetSpec] = MappingProxyType(
+    {
+        s.name: s
+        for s in (
+            _spec(
+                name="math500",
+                set_dir="math500",
+                file="test.jsonl",
+                fields={"id": "unique_id", **_MATH_FIELDS, "subject": "subject", "level": "level"},
+                answer_transform="strip",
+                hub_id="HuggingFaceH4/MATH-500",
+                hub_split="test",
+                description="MATH-500 (PRM800K test split), 500 problems, 7 subjects, levels 1-5",
+            ),
+            _spec(
+                name="gsm8k_train",
+                set_dir="gsm8k",
+                file="train.jsonl",
+                fields=_GSM8K_FIELDS,
+                answer_transform="gsm8k",
+                hub_id="openai/gsm8k",
+                hub_config="main",
+                hub_split="train",
+                description="GSM8K train, 7473 problems",
+            ),
+            _spec(
+                name="gsm8k_test",
+                set_dir="gsm8k",
+                file="test.jsonl",
+                fields=_GSM8K_FIELDS,
+                answer_transform="gsm8k",
+                hub_id="openai/gsm8k",
+                hub_config="main",
+                hub_split="test",
+                description="GSM8K test, 1319 problems",
+            ),
+            _spec(
+                name="aime24",
+                set_dir="aime24",
+                file="test.jsonl",
+                fields={"id": "id", **_MATH_FIELDS},
+                answer_transform="number",
+                hub_id="HuggingFaceH4/aime_2024",
+                hub_split="train",
+                description="AIME 2024, 30 problems",
+            ),
+            _spec(
+                name="aime25",
+                set_dir="aime25",
+                file="test.jsonl",
+                fields={"id": "id", **_MATH_FIELDS},
+                answer_transform="number",
+                hub_id="math-ai/aime25",
+                hub_split="test",
+                description="AIME 2025, 30 problems (integer answers)",
+            ),
+            _spec(
+                name="amc23",
+                set_dir="amc23",
+                file="test.jsonl",
+                fields={"id": "id", "prompt": "question", "answer": "answer"},
+                answer_transform="number",
+                hub_id="math-ai/amc23",
+                hub_split="test",
+                description="AMC 2023, 40 problems",
+            ),
+            _spec(
+                name="nq_open",
+                set_dir="nq_lost_in_middle",
+                file="nq-open-oracle.jsonl.gz",
+                fields={"prompt": "question", "answers": "answers", "passages": "ctxs"},
+                answer_transform="strip",
+                hub_id=None,
+                hub_note=(
+                    "no hub copy carries the gold passages: download qa_data/nq-open-oracle.jsonl.gz "
+                    "from https://github.com/nelson-liu/lost-in-the-middle"
+                ),
+                description="NQ-open with its gold Wikipedia passage (ctxs[0]), 2655 questions",
+            ),
+            _spec(
+                name="limo",
+                set_dir="limo",
+                file="train.jsonl",
+                fields={"prompt": "question", "answer": "answer"},
+                answer_transform="strip",
+                hub_id="GAIR/LIMO",
+                hub_split="train",
+                description="LIMO training problems (question, solution, answer)",
+            ),
+            _spec(
+                name="openr1_math",
+                set_dir="openr1_math",
+                file="train.jsonl",
+                fields={"prompt": "problem", "answer": "answer"},
+                answer_transform="strip",
+                hub_id="open-r1/OpenR1-Math-220k",
+                hub_split="train",
+                description="OpenR1-Math-220k training problems (problem, solution, answer)",
+            ),
+        )
+    }
+)
+
+
+# --------------------------------------------------------------------------- results
+@dataclass
+class LoadResult:
+    """Rows in the schema, the rows dropped as ``(line, reason)``, and where they came from."""
+
+    rows: list[dict[str, Any]]
+    dropped: list[tuple[int, str]] = field(default_factory=list)
+    origin: str = ""
+
+    @property
+    def n_dropped(self) -> int:
+        return len(self.dropped)
+
+
+# --------------------------------------------------------------------------- reading files
+def _is_parquet(path: Path) -> bool:
+    return path.suffix == ".parquet"
+
+
+def _iter_records(path: Path) -> Iterator[tuple[int, Any]]:
+    """Yield ``(line_or_row_number, record)``; a record that could not be decoded is a ``_BadRow``."""
+    if _is_parquet(path):
+        for i, rec in enumerate(read_parquet(path), start=1):
+            yield i, rec
+        return
+    if path.suffix == ".json":
+        text = path.read_text(encoding="utf-8")
+        stripped = text.lstrip()
+        if stripped.startswith("["):
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise DataSourceError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
+            for i, rec in enumerate(data, start=1):
+                yield i, rec
+            return
+        # otherwise a .json file holding JSON lines: fall through
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield lineno, _BadRow(f"bad JSON line: {exc.msg} (column {exc.colno})")
+
+
+def _get(rec: Mapping[str, Any], key: str) -> Any:
+    """``rec[key]``, or follow a dotted path (``"ctxs.0.text"``); raises KeyError if absent."""
+    if key in rec:
+        return rec[key]
+    cur: Any = rec
+    for part in key.split("."):
+        if isinstance(cur, Mapping) and part in cur:
+            cur = cur[part]
+        elif isinstance(cur, (list, tuple)) and part.lstrip("-").isdigit() and -len(cur) <= int(part) < len(cur):
+            cur = cur[int(part)]
+        else:
+            raise KeyError(key)
+    return cur
+
+
+def _scalar_str(value: Any, what: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _BadRow(f"{what} must be a string or number, got {type(value).__name__}")
+    return str(value)
+
+
+def _level(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise _BadRow(f"level must be an integer, got bool {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(?:level\s*)?(\d+)\s*", value, flags=re.IGNORECASE)  # "3", "Level 3"
+        if m:
+            return int(m.group(1))
+        if value.strip() in ("", "?", "Level ?"):
+            return None
+    raise _BadRow(f"level must be an integer, got {type(value).__name__} {value!r}")
+
+
+def _passages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise _BadRow("passages must be a non-empty list of {title, text} objects")
+    out = []
+    for j, p in enumerate(value):
+        if not isinstance(p, Mapping) or not isinstance(p.get("text"), str):
+            raise _BadRow(f"passage {j} must be an object with a string 'text'")
+        title = p.get("title", "")
+        out.append({"title": title if isinstance(title, str) else str(title), "text": p["text"]})
+    return out
+
+
+# --------------------------------------------------------------------------- row mapping
+def _resolve_transform(t: str | Callable[[Any], str] | None) -> Callable[[Any], str]:
+    if t is None:
+        return _strip
+    if callable(t):
+        return t
+    try:
+        return ANSWER_TRANSFORMS[t]
+    except KeyError:
+        raise DataSourceError(
+            f"unknown answer_transform {t!r}; use one of {sorted(ANSWER_TRANSFORMS)} or a callable"
+        ) from None
+
+
+def _map_row(
+    rec: Any,
+    fields: Mapping[str, str],
+    transform: Callable[[Any], str],
+    source: str,
+    index: int,
+) -> dict[str, Any]:
+    """One source record -> one schema row; raises ``_BadRow`` with the problem."""
+    if not isinstance(rec, Mapping):
+        raise _BadRow(f"row is a {type(rec).__name__}, expected a JSON object")
+
+    def need(schema_key: str) -> Any:
+        src = fields[schema_key]
+        try:
+            value = _get(rec, src)
+        except KeyError:
+            raise _BadRow(f"missing field {src!r} (mapped to {schema_key!r})") from None
+        if value is None:
+            raise _BadRow(f"field {src!r} (mapped to {schema_key!r}) is null")
+        return value
+
+    def optional(schema_key: str) -> Any:
+        src = fields.get(schema_key)
+        if src is None:
+            return None
+        try:
+            return _get(rec, src)
+        except KeyError:
+            return None
+
+    # prompt
+    prompt = need("prompt")
+    if not isinstance(prompt, str):
+        raise _BadRow(f"prompt field {fields['prompt']!r} must be a string, got {type(prompt).__name__}")
+    if not prompt.strip():
+        raise _BadRow(f"empty prompt (field {fields['prompt']!r})")
+
+    # answers
+    answers: list[str] | None = None
+    if "answers" in fields:
+        raw = need("answers")
+        if isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
+            raw = [raw]
+        if not isinstance(raw, (list, tuple)):
+            raise _BadRow(f"answers field {fields['answers']!r} must be a list, got {type(raw).__name__}")
+        answers = [transform(a) for a in raw]
+    answer: str | None = None
+    if "answer" in fields:
+        answer = transform(need("answer"))
+    if answer is None:
+        if not answers:
+            raise _BadRow(f"answers field {fields['answers']!r} is an empty list")
+        answer = answers[0]
+    if answers is None:
+        answers = [answer]
+    elif answer not in answers:
+        answers = [answer, *answers]
+    if not answer.strip():
+        raise _BadRow("empty answer")
+    answers = [a for a in answers if a.strip()]
+
+    # id
+    if "id" in fields:
+        rid = need("id")
+        if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+            raise _BadRow(f"id field {fields['id']!r} must be a string or integer, got {type(rid).__name__}")
+        rid = str(rid)
+        if not rid.strip():
+            raise _BadRow(f"empty id (field {fields['id']!r})")
+    else:
+        rid = f"{source}-{index}"
+
+    subject = optional("subject")
+    if subject is not None and not isinstance(subject, str):
+        raise _BadRow(f"subject field {fields['subject']!r} must be a string, got {type(subject).__name__}")
+
+    row: dict[str, Any] = {
+        "id": rid,
+        "prompt": prompt,
+        "answer": answer,
+        "answers": answers,
+        "subject": subject,
+        "level": _level(optional("level")),
+        "source": source,
+    }
+    # extra mapped fields, copied through (passages are normalized)
+    for key, src in fields.items():
+        if key in row:
+            continue
+        if key == "passages":
+            row[key] = _passages(need(key))
+        else:
+            row[key] = optional(key)
+    return row
+
+
+def _check_fields(fields: Mapping[str, str], where: str) -> dict[str, str]:
+    if not isinstance(fields, Mapping):
+        raise DataSourceError(f"{where}: fields must be a mapping schema_field -> source_field, got {fields!r}")
+    fields = dict(fields)
+    bad = {k: v for k, v in fields.items() if not isinstance(k, str) or not isinstance(v, str) or not v}
+    if bad:
+        raise DataSourceError(f"{where}: fields values must be non-empty source column names, got {bad}")
+    if "source" in fields:
+        raise DataSourceError(f"{where}: 'source' is set by the loader and cannot be mapped from a column")
+    missing = [k for k in ("prompt",) if k not in fields]
+    if "answer" not in fields and "answers" not in fields:
+        missing.append("answer (or answers)")
+    if missing:
+        raise DataSourceError(
+            f"{where}: the field mapping {fields} lacks {', '.join(missing)}; give fields like "
+            '{"prompt": "<question column>", "answer": "<answer column>"}'
+        )
+    return fields
+
+
+_GUESS = {
+    "prompt": ("prompt", "problem", "question", "query", "input"),
+    "answer": ("answer", "final_answer", "target", "output"),
+}
+
+
+def _guess_fields(path: Path) -> dict[str, str]:
+    """A mapping for a user file given without ``fields``: common column names, else an error."""
+    first = None
+    for _, rec in _iter_records(path):
+        if isinstance(rec, Mapping):
+            first = rec
+            break
+    if first is None:
+        raise DataSourceError(f"{path}: no JSON object rows to infer fields from; pass fields=")
+    fields: dict[str, str] = {}
+    for key, cands in _GUESS.items():
+        for c in cands:
+            if c in first:
+                fields[key] = c
+                break
+    if "answers" in first:
+        fields["answers"] = "answers"
+    for col in ("passages", "ctxs"):
+        if col in first:
+            fields["passages"] = col
+            break
+    for opt in ("id", "subject", "level"):
+        if opt in first:
+            fields[opt] = opt
+    return _check_fields(fields, f"{path} (columns {sorted(first)})")
+
+
+def _warn(msg: str) -> None:
+    """A UserWarning attributed to the first caller outside this module."""
+    if sys.version_info >= (3, 12):
+        warnings.warn(msg, UserWarning, skip_file_prefixes=(os.path.dirname(__file__),))
+    else:  # pragma: no cover - 3.11
+        warnings.warn(msg, UserWarning, stacklevel=4)
+
+
+def _map_records(
+    records: Iterable[tuple[int, Any]],
+    fields: Mapping[str, str],
+    transform: Callable[[Any], str],
+    source: str,
+    where: str,
+    on_bad_row: OnBadRow,
+) -> LoadResult:
+    rows: list[dict[str, Any]] = []
+    dropped: list[tuple[int, str]] = []
+    seen: set[str] = set()
+    index = 0
+    for lineno, rec in records:
+        try:
+            if isinstance(rec, _BadRow):
+                raise rec
+            row = _map_row(rec, fields, transform, source, index)
+            if row["id"] in seen:
+                raise _BadRow(f"duplicate id {row['id']!r}")
+        except _BadRow as exc:
+            if on_bad_row == "fail":
+                raise DataSourceError(
+                    f"{where}:{lineno}: {exc} (pass on_bad_row='drop' to skip malformed rows)"
+                ) from None
+            dropped.append((lineno, str(exc)))
+        else:
+            seen.add(row["id"])
+            rows.append(row)
+        index += 1
+    if dropped:
+        _warn(f"{where}: dropped {len(dropped)} malformed row(s), first: line {dropped[0][0]}: {dropped[0][1]}")
+    return LoadResult(rows=rows, dropped=dropped, origin=where)
+
+
+def _load_file(path: Path, fields, transform, source, on_bad_row) -> LoadResult:
+    if not path.is_file():
+        raise DataSourceError(f"{path}: no such file")
+    return _map_records(_iter_records(path), fields, transform, source, str(path), on_bad_row)
+
+
+# --------------------------------------------------------------------------- resolution
+def _data_dir(data_dir: str | os.PathLike[str] | None) -> Path | None:
+    if data_dir is not None and str(data_dir):
+        return Path(data_dir).expanduser()
+    env = os.environ.get(ENV_VAR, "").strip()
+    return Path(env).expanduser() if env else None
+
+
+def _candidates(directory: Path, file: str) -> list[Path]:
+    stem = file
+    for suf in sorted(_FILE_SUFFIXES, key=len, reverse=True):
+        if stem.endswith(suf):
+            stem = stem[: -len(suf)]
+            break
+    out = [directory / file]
+    out += [directory / (stem + s) for s in _FILE_SUFFIXES if stem + s != file]
+    return out
+
+
+def resolve_local_path(name: str, data_dir: str | os.PathLike[str] | None = None) -> Path | None:
+    """The local file of registered set ``name`` under ``data_dir`` / ``$TURNRL_DATA_DIR``, or None."""
+    spec = _lookup(name, None)
+    base = _data_dir(data_dir)
+    if base is None:
+        return None
+    for p in _candidates(base / spec.set_dir, spec.file):
+        if p.is_file():
+            return p
+    return None
+
+
+def _lookup(name: str, split: str | None) -> DatasetSpec:
+    """The spec for ``name``; ``split`` selects ``<name>_<split>`` (``gsm8k`` + ``test``)."""
+    if split:
+        if f"{name}_{split}" in DATASETS:
+            return DATASETS[f"{name}_{split}"]
+        spec = DATASETS.get(name)
+        if spec is not None and split in (spec.hub_split, spec.file.split(".")[0], name.rsplit("_", 1)[-1]):
+            return spec
+        raise DataSourceError(
+            f"data set {name!r} has no split {split!r}; registered names: {', '.join(sorted(DATASETS))}"
+        )
+    if name in DATASETS:
+        return DATASETS[name]
+    raise DataSourceError(
+        f"unknown data set {name!r}: use a registered name ({', '.join(sorted(DATASETS))}) "
+        "or a path to a .jsonl/.jsonl.gz/.json/.parquet file with fields={'prompt': ..., 'answer': ...}"
+    )
+
+
+def _load_hub(spec: DatasetSpec) -> tuple[Iterable[tuple[int, Any]] | None, str]:
+    """Records from the hub, or (None, why not). Never raises."""
+    if spec.hub_id is None:
+        return None, spec.hub_note or "no hub copy"
+    try:
+        import datasets  # optional dependency
+    except Exception as exc:  # ImportError, or a broken install
+        return None, f"the `datasets` package is not importable ({type(exc).__name__})"
+    try:
+        ds = datasets.load_dataset(spec.hub_id, spec.hub_config, split=spec.hub_split)
+        records = [(i, dict(r)) for i, r in enumerate(ds, start=1)]
+    except BaseException as exc:  # noqa: BLE001 - offline, auth, renamed repo, ... all mean "not reachable"
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    return records, ""
+
+
+def _missing_error(spec: DatasetSpec, params_key: str, base: Path | None, hub_why: str) -> DataSourceError:
+    looked = (
+        f"looked for {base / spec.relpath} (and .jsonl/.jsonl.gz/.json/.parquet variants): not found"
+        if base is not None
+        else f"${ENV_VAR} is not set"
+    )
+    if spec.hub_id:
+        hub = (
+            f"the Hugging Face hub: {spec.hub_id}"
+            + (f" (config {spec.hub_config})" if spec.hub_config else "")
+            + f", split {spec.hub_split!r}; needs `pip install datasets` and network access"
+            + (f" [tried: {hub_why}]" if hub_why else "")
+        )
+    else:
+        hub = f"the Hugging Face hub: not available for this set ({spec.hub_note})"
+    return DataSourceError(
+        f"data set {spec.name!r} not found. Provide it in one of three ways:\n"
+        f"  1. an explicit path: set `{params_key}` in params.yaml (or pass path=...) to a "
+        f".jsonl/.parquet file;\n"
+        f"  2. a data directory: export {ENV_VAR}=<dir> so that <dir>/{spec.relpath} exists "
+        f"(e.g. {ENV_VAR}=../shared/data) [{looked}];\n"
+        f"  3. {hub}."
+    )
+
+
+# --------------------------------------------------------------------------- public API
+def load(
+    name_or_path: str | os.PathLike[str],
+    *,
+    path: str | os.PathLike[str] | None = None,
+    fields: Mapping[str, str] | None = None,
+    split: str | None = None,
+    data_dir: str | os.PathLike[str] | None = None,
+    on_bad_row: OnBadRow = "fail",
+    answer_transform: str | Callable[[Any], str] | None = None,
+    source: str | None = None,
+    use_hub: bool = True,
+    params_key: str | None = None,
+) -> LoadResult:
+    """Load a data set into the schema; see the module docstring for the resolution order.
+
+    ``name_or_path``: a name in :data:`DATASETS` (``split`` may pick ``gsm8k`` + ``"test"`` ->
+    ``gsm8k_test``) or a path to a file. ``fields`` / ``answer_transform`` override the spec's
+    (for a path without ``fields``, common column names are tried). ``source`` overrides the
+    ``source`` column. ``use_hub=False`` skips the hub. ``params_key`` is the params.yaml key
+    named in the not-found error (default ``data.<name>_path``).
+    """
+    if on_bad_row not in ("fail", "drop"):
+        raise DataSourceError(f"on_bad_row must be 'fail' or 'drop', got {on_bad_row!r}")
+
+    key = os.fspath(name_or_path)
+    is_registered = key in DATASETS or (split is not None and f"{key}_{split}" in DATASETS)
+    if not is_registered and (path is not None or Path(key).suffix or os.sep in key or "/" in key):
+        # a user file: name_or_path is the path (or `path` given with a free-form name)
+        file = Path(path if path is not None else key).expanduser()
+        if not file.is_file():
+            raise DataSourceError(f"{file}: no such file (a data set path was given for {key!r})")
+        flds = _check_fields(fields, str(file)) if fields is not None else _guess_fields(file)
+        src = source or (key if path is not None else file.name.split(".")[0])
+        return _load_file(file, flds, _resolve_transform(answer_transform or "strip"), src, on_bad_row)
+
+    spec = _lookup(key, split)
+    src = source or spec.name
+    transform = _resolve_transform(answer_transform or spec.answer_transform)
+    flds = _check_fields(fields if fields is not None else spec.fields, spec.name)
+
+    # 1. explicit path
+    if path is not None and os.fspath(path):
+        file = Path(path).expanduser()
+        if not file.is_file():
+            raise DataSourceError(
+                f"{file}: no such file (explicit path for data set {spec.name!r}"
+                f"{'; ' + params_key if params_key else ''}); fix the path or leave it empty to use "
+                f"${ENV_VAR}/{spec.relpath} or the hub"
+            )
+        return _load_file(file, flds, transform, src, on_bad_row)
+
+    # 2. data directory
+    base = _data_dir(data_dir)
+    local = resolve_local_path(spec.name, data_dir)
+    if local is not None:
+        return _load_file(local, flds, transform, src, on_bad_row)
+
+    # 3. hub
+    hub_why = "skipped (use_hub=False)" if not use_hub else ""
+    if use_hub:
+        records, hub_why = _load_hub(spec)
+        if records is not None:
+            hflds = _check_fields(fields if fields is not None else (spec.hub_fields or spec.fields), spec.name)
+            where = f"hf://{spec.hub_id}[{spec.hub_split}]"
+            return _map_records(records, hflds, transform, src, where, on_bad_row)
+
+    raise _missing_error(spec, params_key or f"data.{spec.name}_path", base, hub_why)
+
+
+def load_rows(
+    name_or_path: str | os.PathLike[str],
+    *,
+    path: str | os.PathLike[str] | None = None,
+    fields: Mapping[str, str] | None = None,
+    split: str | None = None,
+    data_dir: str | os.PathLike[str] | None = None,
+    on_bad_row: OnBadRow = "fail",
+    **kwargs: Any,
+) -> list[dict[str, Any]]:
+    """:func:`load` returning just the rows (dropped rows, if any, are reported as a warning)."""
+    return load(
+        name_or_path, path=path, fields=fields, split=split, data_dir=data_dir, on_bad_row=on_bad_row, **kwargs
+    ).rows
+
+
+def load_search_corpus(
+    rows_or_path: Iterable[Mapping[str, Any]] | str | os.PathLike[str] = "nq_open",
+    **load_kwargs: Any,
+) -> list[dict[str, str]]:
+    """The distinct gold passages (the first of each row's ``passages``) as ``{id, title, text}``.
+
+    ``rows_or_path``: schema rows (with ``passages``), raw NQ rows (with ``ctxs``), a registered
+    name, or a path to an NQ-shaped file. Passages are deduplicated by ``(title, text)`` and keep
+    first-seen order; ids are ``"0"``, ``"1"``, ... in that order.
+    """
+    if isinstance(rows_or_path, (str, os.PathLike)):
+        key = os.fspath(rows_or_path)
+        if key not in DATASETS:
+            load_kwargs.setdefault("fields", DATASETS["nq_open"].fields)
+            load_kwargs.setdefault("source", "nq_open")
+        rows: Iterable[Mapping[str, Any]] = load_rows(key, **load_kwargs)
+    else:
+        rows = rows_or_path
+    corpus: list[dict[str, str]] = []
+    seen: set[tuple[str, str]] = set()
+    for i, row in enumerate(rows):
+        ps = row.get("passages") or row.get("ctxs")
+        if not ps:
+            raise DataSourceError(
+                f"row {i} (id {row.get('id')!r}) has no passages/ctxs: a search corpus needs rows "
+                "loaded from nq_open (or a mapping with 'passages')"
+            )
+        gold = ps[0]
+        k = (str(gold.get("title", "")), str(gold["text"]))
+        if k not in seen:
+            seen.add(k)
+            corpus.append({"id": str(len(corpus)), "title": k[0], "text": k[1]})
+    return corpus
+
+
+def write_parquet(rows: Iterable[Mapping[str, Any]], path: str | os.PathLike[str]) -> Path:
+    """Write rows (list-valued columns included) to a parquet file; returns the path."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [dict(r) for r in rows]
+    table = pa.Table.from_pylist(rows) if rows else pa.table({k: pa.array([], pa.null()) for k in SCHEMA_FIELDS})
+    pq.write_table(table, path)
+    return path
+
+
+def read_parquet(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Read a parquet file back as a list of plain-Python dicts (lists stay lists)."""
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist()

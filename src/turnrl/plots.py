@@ -1,0 +1,44 @@
+"""Training curves: a CSV that `dvc plots` draws, and a PNG that opens offline."""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+CURVES = [
+    ("reward_mean", "reward"),
+    ("accuracy", "rollout accuracy"),
+    ("approx_kl", "KL(old || new), k3"),
+    ("response_tokens_mean", "response tokens"),
+    ("step_s", "step seconds"),
+    ("logp_gap_max", "max |logp engine - trainer|"),
+]
+
+
+def write_csv(history: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    keys = ["step"] + [k for k in history[0] if k != "step"] if history else ["step"]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(history)
+
+
+def render_png(history: list[dict], path: Path, title: str = "turnrl training") -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in history]
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    for ax, (key, label) in zip(axes.flat, CURVES):
+        ax.plot(steps, [h.get(key, float("nan")) for h in history], marker=".", linewidth=1)
+        ax.set_title(label)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if key == "logp_gap_max":
+            ax.set_yscale("log")
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

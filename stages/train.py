@@ -1,0 +1,59 @@
+"""DVC stage `train`: multi-turn RL on Ray (DeepSpeed policy, vLLM rollouts)."""
+import time
+from pathlib import Path
+
+from turnrl.stage import run_stage, write_json
+
+DATA, INITIAL, FINAL = Path("data/processed"), Path("models/initial"), Path("models/final")
+
+
+def main(cfg):
+    import shutil
+
+    import mlflow
+
+    from turnrl import plots, tracking
+    from turnrl.prepare import model_dir
+    from turnrl.preprocess import load_split
+    from turnrl.training.loop import sample_table, train
+    from transformers import AutoTokenizer
+
+    start = time.perf_counter()
+    source = model_dir(INITIAL)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+
+    def on_step(step, metrics, trajs):
+        tracking.log_metrics(metrics, step)
+        if step == 1 or step % cfg.train.samples_logged_every == 0 or step == cfg.train.steps:
+            mlflow.log_table(sample_table(trajs, decode), f"samples/step_{step:05d}.json")
+
+    shutil.rmtree(FINAL, ignore_errors=True)
+    history = train(cfg, source, load_split(DATA, "train"), str(FINAL), on_step=on_step)
+
+    plots.write_csv(history, Path("plots/train.csv"))
+    plots.render_png(history, Path("plots/train_curves.png"),
+                     title=f"{cfg.algorithm.name} on {cfg.env.name}, {cfg.train.steps} steps")
+    last = history[-5:]
+    mean = lambda key, rows=history: sum(h[key] for h in rows) / len(rows)  # noqa: E731
+    summary = {
+        "steps": len(history),
+        "reward_first": history[0]["reward_mean"],
+        "reward_last5": mean("reward_mean", last),
+        "accuracy_last5": mean("accuracy", last),
+        "logp_gap_max": max(h["logp_gap_max"] for h in history),
+        "step_s_mean": mean("step_s"),
+        "rollout_s_mean": mean("rollout_s"),
+        "train_s_mean": mean("train_s"),
+        "sync_s_mean": mean("sync_s"),
+        "gen_tokens_per_s_mean": mean("gen_tokens_per_s"),
+        "wall_s": time.perf_counter() - start,
+    }
+    write_json("metrics/train.json", summary)
+    tracking.log_metrics({f"final.{k}": v for k, v in summary.items()})
+    mlflow.log_artifact("plots/train_curves.png", "plots")
+    mlflow.log_artifacts(str(FINAL), "model")
+
+
+if __name__ == "__main__":
+    run_stage("train", main)

@@ -1,0 +1,315 @@
+"""Advantage estimators: hand-worked values and invariants (CPU, fast)."""
+
+import math
+
+import pytest
+import torch
+
+from turnrl.algos import (
+    ADVANTAGE_ESTIMATORS,
+    before_first_obs,
+    compute_advantages,
+    context_utilization_bonus,
+    contiguous_group_ids,
+    dr_grpo,
+    first_obs_position,
+    gae,
+    group_normalize,
+    grpo,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    mlmt_stage1_rewards,
+    mlmt_stage2_rewards,
+    ms_grpo,
+    ms_po,
+    mt_grpo,
+    per_turn_grpo,
+    per_turn_sum,
+    rloo,
+    turn_rewards_to_tokens,
+)
+
+# Group {1, 0, 0, 1}: mean 0.5, Bessel std sqrt(4 * 0.25 / 3) = sqrt(1/3),
+# so A = ±0.5 / sqrt(1/3) = ±sqrt(3)/2.
+A = math.sqrt(3) / 2  # 0.8660254
+
+
+def t(x, dtype=torch.float32):
+    return torch.tensor(x, dtype=dtype)
+
+
+def close(actual, expected, atol=1e-5):
+    torch.testing.assert_close(actual, t(expected), atol=atol, rtol=0)
+
+
+def test_grpo_hand_values_with_unsorted_group_ids():
+    # Group 7 = rows 0, 2, 3, 5 with rewards {1, 0, 0, 1}: A = ±sqrt(3)/2.
+    # Group 3 = rows 1, 4 with rewards {2, 4}: mean 3, std sqrt((1 + 1) / 1) = sqrt(2),
+    # so A = ∓1/sqrt(2) = ∓0.7071068.
+    rewards = t([1, 2, 0, 0, 4, 1])
+    group_ids = t([7, 3, 7, 7, 3, 7], torch.long)
+    mask = torch.ones(6, 2)
+    adv = grpo(rewards=rewards, mask=mask, group_ids=group_ids)
+    r2 = 1 / math.sqrt(2)
+    expected = [A, -r2, -A, -A, r2, A]
+    close(adv, [[e, e] for e in expected])
+
+
+def test_grpo_without_std_is_dr_grpo():
+    # Centred only: group 7 mean 0.5 -> {0.5, -0.5, -0.5, 0.5}; group 3 mean 3 -> {-1, 1}.
+    rewards = t([1, 2, 0, 0, 4, 1])
+    group_ids = t([7, 3, 7, 7, 3, 7], torch.long)
+    mask = torch.ones(6, 1)
+    expected = [[0.5], [-1.0], [-0.5], [-0.5], [1.0], [0.5]]
+    close(grpo(rewards=rewards, mask=mask, group_ids=group_ids, norm_by_std=False), expected)
+    close(dr_grpo(rewards=rewards, mask=mask, group_ids=group_ids), expected)
+
+
+def test_rloo_hand_values():
+    # Group 0 {1, 0, 0, 1}: row 0 baseline = (0 + 0 + 1) / 3 = 1/3 -> 2/3; row 1 -> 0 - 2/3.
+    # Group 1 {3, 5}: 3 - 5 = -2, 5 - 3 = 2.
+    rewards = t([1, 0, 0, 1, 3, 5])
+    group_ids = t([0, 0, 0, 0, 1, 1], torch.long)
+    adv = rloo(rewards=rewards, mask=torch.ones(6, 1), group_ids=group_ids)
+    close(adv, [[2 / 3], [-2 / 3], [-2 / 3], [2 / 3], [-2.0], [2.0]])
+
+
+@pytest.mark.parametrize("estimator", [grpo, dr_grpo, rloo])
+def test_advantages_sum_to_zero_within_each_group(estimator):
+    torch.manual_seed(0)
+    group_ids = contiguous_group_ids(12, 4)
+    rewards = torch.randn(12)
+    adv = estimator(rewards=rewards, mask=torch.ones(12, 1), group_ids=group_ids)[:, 0]
+    sums = torch.zeros(3).index_add(0, group_ids, adv)
+    torch.testing.assert_close(sums, torch.zeros(3), atol=1e-5, rtol=0)
+    assert adv.abs().max() > 0.1  # not trivially zero
+
+
+def _multi_turn_inputs():
+    # 4 samples of one prompt, T = 4.
+    return dict(
+        rewards=t([1, 0, 0, 1]),  # A_out = [A, -A, -A, A]
+        turn_rewards=t([1, 1, 0, 0]),  # A_turn = [A, A, -A, -A]
+        first_obs_pos=t([2, 4, 1, 2], torch.long),  # row 1 has no tool result (4 == T)
+        mask=torch.ones(4, 4),
+        group_ids=torch.zeros(4, dtype=torch.long),
+    )
+
+
+ALL_ESTIMATOR_NAMES = sorted(ADVANTAGE_ESTIMATORS)
+
+
+@pytest.mark.parametrize("name", ALL_ESTIMATOR_NAMES)
+def test_masked_positions_get_exactly_zero(name):
+    inputs = _multi_turn_inputs()
+    mask = t([[1, 1, 0, 1], [0, 1, 1, 0], [1, 0, 0, 0], [0, 0, 1, 1]])
+    inputs["mask"] = mask
+    # turn_coef 0.5 and gamma 0.5 keep every unmasked advantage nonzero for mt_grpo and ms_po.
+    adv = compute_advantages(name, **inputs, turn_coef=0.5, gamma=0.5)
+    assert adv.shape == (4, 4)
+    assert torch.all(adv[mask == 0] == 0)
+    assert torch.all(adv[mask == 1] != 0)  # these rewards give nonzero advantages everywhere
+
+
+@pytest.mark.parametrize("name", ALL_ESTIMATOR_NAMES)
+def test_identical_rewards_give_zero_advantage_without_nan(name):
+    inputs = _multi_turn_inputs()
+    inputs["rewards"] = torch.full((4,), 0.7)
+    inputs["turn_rewards"] = torch.full((4,), 0.3)
+    adv = compute_advantages(name, **inputs)
+    assert torch.isfinite(adv).all()
+    torch.testing.assert_close(adv, torch.zeros(4, 4), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("estimator", [grpo, dr_grpo, rloo])
+def test_singleton_group_gets_zero(estimator):
+    # Row 2 is alone in group 9: no baseline, so 0 rather than NaN or its raw reward.
+    adv = estimator(rewards=t([1, 0, 5]), mask=torch.ones(3, 1), group_ids=t([0, 0, 9], torch.long))
+    assert torch.isfinite(adv).all()
+    assert adv[2, 0] == 0
+    assert adv[0, 0] > 0
+
+
+def test_first_obs_position_and_before_mask():
+    obs_mask = t([[0, 0, 1, 1, 0], [0, 0, 0, 0, 0]], torch.bool)
+    pos = first_obs_position(obs_mask)
+    assert pos.tolist() == [2, 5]  # no observation -> T = 5
+    before = before_first_obs(pos, 5)
+    assert before.tolist() == [[True, True, False, False, False], [True] * 5]
+
+
+def test_mt_grpo_hand_values():
+    # c = 0.5. Turn term added only before the first tool result, and only if there is one.
+    # row 0 (obs at 2): [A + A/2, A + A/2, A, A]
+    # row 1 (no obs):   A_out only = [-A] * 4
+    # row 2 (obs at 1): [-A - A/2, -A, -A, -A]
+    # row 3 (obs at 2): [A - A/2, A - A/2, A, A]
+    adv = mt_grpo(**_multi_turn_inputs(), turn_coef=0.5)
+    h = 1.5 * A
+    close(adv, [[h, h, A, A], [-A] * 4, [-h, -A, -A, -A], [A / 2, A / 2, A, A]])
+
+
+def test_mt_grpo_with_zero_coef_equals_grpo_exactly():
+    torch.manual_seed(1)
+    B, T = 8, 6
+    mask = (torch.rand(B, T) > 0.3).float()
+    group_ids = contiguous_group_ids(B, 4)
+    rewards = torch.randint(0, 2, (B,)).float()
+    turn_rewards = torch.rand(B)
+    first_obs_pos = torch.randint(0, T + 1, (B,))
+    a = mt_grpo(rewards=rewards, turn_rewards=turn_rewards, first_obs_pos=first_obs_pos,
+                mask=mask, group_ids=group_ids, turn_coef=0.0)
+    b = grpo(rewards=rewards, mask=mask, group_ids=group_ids)
+    assert torch.equal(a, b)
+    # ...and a nonzero coefficient does change something (the test above can fail).
+    c = mt_grpo(rewards=rewards, turn_rewards=turn_rewards, first_obs_pos=first_obs_pos,
+                mask=mask, group_ids=group_ids, turn_coef=1.0)
+    assert not torch.equal(c, b)
+
+
+def test_ms_grpo_is_mt_grpo():
+    inputs = _multi_turn_inputs()
+    assert torch.equal(ms_grpo(**inputs, turn_coef=0.3), mt_grpo(**inputs, turn_coef=0.3))
+    assert torch.equal(compute_advantages("ms_grpo", **inputs), compute_advantages("mt_grpo", **inputs))
+
+
+def test_ms_po_hand_values():
+    # gamma = 0.5: R_tot = R_step + 0.5 R_out = [1.5, 1, 0, 0.5]; mean 0.75,
+    # deviations [0.75, 0.25, -0.75, -0.25], Bessel var = 1.25 / 3, std = 0.6454972,
+    # so norm(R_tot) = [1.1618950, 0.3872983, -1.1618950, -0.3872983]; norm(R_out) = [A, -A, -A, A].
+    # Before the first tool result: norm(R_tot); after: norm(R_out); no tool result: all norm(R_tot).
+    adv = ms_po(**_multi_turn_inputs(), gamma=0.5)
+    big, small = 0.75 / math.sqrt(1.25 / 3), 0.25 / math.sqrt(1.25 / 3)
+    close(adv, [
+        [big, big, A, A],             # obs at 2
+        [small] * 4,                  # no obs
+        [-big, -A, -A, -A],           # obs at 1
+        [-small, -small, A, A],       # obs at 2
+    ])
+
+
+def test_gae_hand_values():
+    # gamma = 0.5, lam = 0.5 (gamma*lam = 0.25), V = [1, 2, 3], r = [0, 0, 1]:
+    # t=2: δ = 1 + 0.5*0 - 3 = -2             A2 = -2
+    # t=1: δ = 0 + 0.5*3 - 2 = -0.5           A1 = -0.5 + 0.25*(-2) = -1
+    # t=0: δ = 0 + 0.5*2 - 1 = 0              A0 = 0 + 0.25*(-1) = -0.25
+    # returns = A + V = [0.75, 1, 1]
+    adv, ret = gae(token_rewards=t([[0, 0, 1]]), values=t([[1, 2, 3]]), mask=torch.ones(1, 3),
+                   gamma=0.5, lam=0.5, whiten=False)
+    close(adv, [[-0.25, -1.0, -2.0]])
+    close(ret, [[0.75, 1.0, 1.0]])
+
+
+def test_gae_passes_through_observation_tokens():
+    # Same policy tokens as test_gae_hand_values, with a 2-token observation (mask 0) between
+    # positions 1 and 2 and trailing padding. The observation carries a large value, a NaN
+    # value and rewards: all must be ignored, and gamma must not be applied per observation
+    # token. So the answer equals the compact one, with 0 at the mask-0 positions.
+    # If observation tokens were treated as steps, A1 would use V=100 (or NaN) and differ.
+    mask = t([[1, 1, 0, 0, 1, 0]])
+    values = t([[1, 2, 100, float("nan"), 3, 50]])
+    rewards = t([[0, 0, 5, 5, 1, 9]])
+    adv, ret = gae(token_rewards=rewards, values=values, mask=mask, gamma=0.5, lam=0.5, whiten=False)
+    close(adv, [[-0.25, -1.0, 0, 0, -2.0, 0]])
+    close(ret, [[0.75, 1.0, 0, 0, 1.0, 0]])
+
+
+def test_gae_whitening_over_mask():
+    torch.manual_seed(2)
+    mask = t([[1, 1, 0, 1, 1, 0], [1, 0, 1, 1, 0, 0]])
+    adv, ret = gae(token_rewards=torch.randn(2, 6), values=torch.randn(2, 6), mask=mask,
+                   gamma=0.9, lam=0.95, whiten=True)
+    raw, ret_raw = gae(token_rewards=torch.zeros(2, 6), values=torch.zeros(2, 6), mask=mask, whiten=False)
+    assert torch.all(adv[mask == 0] == 0)
+    torch.testing.assert_close(masked_mean(adv, mask), torch.tensor(0.0), atol=1e-5, rtol=0)
+    torch.testing.assert_close(masked_var(adv, mask), torch.tensor(1.0), atol=1e-4, rtol=0)
+    assert torch.all(raw == 0) and torch.all(ret_raw == 0)
+
+
+def test_per_turn_sum_hand_values():
+    # Turn 0: 1 + 2 = 3; turn 1: only token 3 (value 3) and it is masked -> 0; turn 2: 4 + 5 = 9.
+    x = t([[1, 2, 3, 4, 5]])
+    mask = t([[1, 1, 0, 1, 1]])
+    turn_ids = t([[0, 0, 1, 2, 2]], torch.long)
+    close(per_turn_sum(x, mask, turn_ids, 3), [[3.0, 0.0, 9.0]])
+
+
+def test_turn_rewards_to_tokens_all_and_last():
+    per_turn = t([[10, 20, 30]])
+    turn_ids = t([[0, 0, 1, 1, 2, 2]], torch.long)
+    mask = t([[1, 1, 0, 1, 1, 0]])
+    # "all": each trained token gets its turn's value.
+    close(turn_rewards_to_tokens(per_turn, turn_ids, mask, at="all"), [[10, 10, 0, 20, 30, 0]])
+    # "last": last trained token per turn: turn 0 -> pos 1, turn 1 -> pos 3, turn 2 -> pos 4
+    # (pos 5 is masked, so pos 4 is the last trained token of turn 2).
+    close(turn_rewards_to_tokens(per_turn, turn_ids, mask, at="last"), [[0, 10, 0, 20, 30, 0]])
+    with pytest.raises(ValueError):
+        turn_rewards_to_tokens(per_turn, turn_ids, mask, at="first")
+
+
+def test_per_turn_grpo_hand_values():
+    # Two samples. Turn 0 rewards {1, 0}: mean 0.5, std sqrt(0.5) -> ±0.7071068.
+    # Turn 1 rewards {0, 0}: identical -> 0. Turn 2 rewards {1, 3}: -> ∓0.7071068.
+    per_turn = t([[1, 0, 1], [0, 0, 3]])
+    turn_ids = t([[0, 1, 2], [0, 1, 2]], torch.long)
+    adv = per_turn_grpo(per_turn_rewards=per_turn, turn_ids=turn_ids, mask=torch.ones(2, 3),
+                        group_ids=t([0, 0], torch.long))
+    r2 = 1 / math.sqrt(2)
+    close(adv, [[r2, 0, -r2], [-r2, 0, r2]])
+
+
+def test_mlmt_stage1_hand_values():
+    # R = 1, KL = [0.2, 0.4, 0.6], β₂ = 0.5, β_H = 0.1, β_L = 0.2:
+    # turn 1 = -0.5*0.2 = -0.1; turn 2 = 1 - 0.1*0.4 = 0.96; turn 3 = 1 - 0.2*0.6 = 0.88.
+    out = mlmt_stage1_rewards(rewards=t([1.0]), turn_kl=t([[0.2, 0.4, 0.6]]),
+                              beta_2=0.5, beta_h=0.1, beta_l=0.2)
+    close(out, [[-0.1, 0.96, 0.88]])
+
+
+def test_mlmt_stage2_hand_values():
+    # R = 1, R₁ = 0, KL = [0.2, 0.4, 0.6], β₁ = 0.5, β_H = 0.1, β_L = 0.2, α = 2:
+    # turn 1 = 0 - 0.1 = -0.1; turn 2 = 1 - 0.04 = 0.96; turn 3 = 1 + 2*(1 - 0) - 0.12 = 2.88.
+    # Row 2: R = 0, R₁ = 1 (got worse): turn 1 = 1 - 0.1 = 0.9; turn 2 = -0.04;
+    # turn 3 = 0 + 2*(0 - 1) - 0.12 = -2.12.
+    out = mlmt_stage2_rewards(rewards=t([1.0, 0.0]), first_rewards=t([0.0, 1.0]),
+                              turn_kl=t([[0.2, 0.4, 0.6], [0.2, 0.4, 0.6]]),
+                              beta_1=0.5, beta_h=0.1, beta_l=0.2, alpha=2.0)
+    close(out, [[-0.1, 0.96, 2.88], [0.9, -0.04, -2.12]])
+
+
+def test_context_utilization_bonus_hand_values():
+    # gain = [0.5, 3.0, -1.0], τ = 1 caps the second; λ = 0.1 -> [0.05, 0.1, -0.1].
+    out = context_utilization_bonus(t([-1.0, 0.0, -3.0]), t([-1.5, -3.0, -2.0]), lam=0.1, tau=1.0)
+    close(out, [0.05, 0.1, -0.1])
+
+
+def test_compute_advantages_dispatch_and_errors():
+    inputs = _multi_turn_inputs()
+    # Extra inputs (turn_rewards, first_obs_pos, turn_coef) are dropped for plain grpo.
+    a = compute_advantages("grpo", **inputs, turn_coef=0.5, gamma=0.9)
+    b = grpo(rewards=inputs["rewards"], mask=inputs["mask"], group_ids=inputs["group_ids"])
+    assert torch.equal(a, b)
+    assert torch.equal(compute_advantages("mt_grpo", **inputs, turn_coef=0.5),
+                       mt_grpo(**inputs, turn_coef=0.5))
+    with pytest.raises(ValueError, match="unknown advantage estimator"):
+        compute_advantages("ppo_typo", **inputs)
+    with pytest.raises(TypeError, match="turn_cof"):
+        compute_advantages("mt_grpo", **inputs, turn_cof=0.5)
+    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "dr_grpo", "rloo", "mt_grpo", "ms_grpo", "ms_po"}
+
+
+def test_group_helpers():
+    assert contiguous_group_ids(6, 3).tolist() == [0, 0, 0, 1, 1, 1]
+    with pytest.raises(ValueError):
+        contiguous_group_ids(7, 3)
+    # group_normalize returns float32 and treats ids as labels, not positions.
+    out = group_normalize(t([0, 2], torch.long), t([42, 42], torch.long), norm_by_std=False)
+    assert out.dtype == torch.float32 and out.tolist() == [-1.0, 1.0]
+
+
+def test_masked_whiten_used_by_gae_is_the_losses_helper():
+    # [2, 4, 6] (+ a masked 99): mean 4, Bessel var (4 + 0 + 4) / 2 = 4 -> [-1, 0, 1], masked -> 0.
+    x = t([[2, 4, 99, 6]])
+    mask = t([[1, 1, 0, 1]])
+    close(masked_whiten(x, mask), [[-1, 0, 0, 1]])
