@@ -194,20 +194,18 @@ def _allowed_keys(loc: tuple) -> list[str]:
 
 
 def _describe(err: dict, source: str) -> str:
-    loc = tuple(p for p in err["loc"] if not isinstance(p, int) or True)
-    key = ".".join(str(p) for p in loc) or "(top level)"
-    kind = err["type"]
-    if kind == "extra_forbidden":
+    loc = tuple(err["loc"])
+    key = ".".join(str(p) for p in loc) or "params"
+    if err["type"] == "extra_forbidden":
         allowed = _allowed_keys(loc)
         guess = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
         hint = f" (did you mean '{guess[0]}'?)" if guess else ""
         parent = ".".join(str(p) for p in loc[:-1]) or "the top level"
         return f"{source}: {key}: unknown key{hint}; keys under {parent}: {', '.join(allowed)}"
-    msg = err["msg"]
-    msg = msg.replace("Value error, ", "").replace("Input should be", "must be")
-    if kind == "literal_error":
+    msg = err["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
+    if err["type"] == "literal_error":
         msg = "must be one of " + err["ctx"]["expected"]
-    if not loc or kind == "value_error" and err.get("input") is not None and isinstance(err["input"], dict):
+    if isinstance(err.get("input"), dict):  # a check across a whole section
         return f"{source}: {key}: {msg}"
     return f"{source}: {key} = {err.get('input')!r}: {msg}"
 

@@ -46,7 +46,7 @@ __all__ = ["SandboxLimits", "SandboxResult", "run_python", "run_many", "sandbox_
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    timeout_s: float = 5.0        # wall clock, enforced by the caller (SIGKILL to the whole sandbox)
+    timeout_s: float = 5.0        # wall clock, enforced by the caller (SIGKILL to the sandbox)
     cpu_s: int = 5                # RLIMIT_CPU per process (SIGXCPU at cpu_s, SIGKILL at cpu_s + 1)
     memory_mb: int = 512          # RLIMIT_AS per process
     max_output_chars: int = 2000  # truncate combined stdout/stderr (a marker shows where)
@@ -581,7 +581,8 @@ def _launch(cfg_python: str, layers, hide: str, need_fs: bool, code: str, limits
     r = w = -1
     proc = None
     try:
-        with open(os.path.join(stage, "main.py"), "w", encoding="utf-8", errors="surrogatepass") as f:
+        with open(os.path.join(stage, "main.py"), "w", encoding="utf-8",
+                  errors="surrogatepass") as f:
             f.write(code)
         os.chmod(os.path.join(stage, "main.py"), 0o644)
         boot = os.path.join(stage, "boot.py")
@@ -597,7 +598,8 @@ def _launch(cfg_python: str, layers, hide: str, need_fs: bool, code: str, limits
                 "1" if strict else "0", str(uid), str(uid), stage, hide,
                 repr(float(limits.timeout_s)), str(max(1, int(limits.cpu_s))),
                 str(max(1, int(limits.memory_mb)) * mb), str(nproc),
-                str(max(0, int(limits.max_file_mb)) * mb), str(max(16, 4 * int(limits.max_file_mb))),
+                str(max(0, int(limits.max_file_mb)) * mb),
+                str(max(16, 4 * int(limits.max_file_mb))),
                 "1" if need_fs else "0", MARKER]
         deadline = time.monotonic() + max(0.0, float(limits.timeout_s))
         try:
@@ -623,9 +625,9 @@ def _launch(cfg_python: str, layers, hide: str, need_fs: bool, code: str, limits
 
 def _kill_group(proc: subprocess.Popen) -> None:
     # Only while proc is unreaped, so its pid (== pgid == sid) cannot have been reused.
-    for fn in (lambda: os.killpg(proc.pid, signal.SIGKILL), lambda: os.kill(proc.pid, signal.SIGKILL)):
+    for kill, target in ((os.killpg, proc.pid), (os.kill, proc.pid)):
         try:
-            fn()
+            kill(target, signal.SIGKILL)
         except OSError:
             pass
 

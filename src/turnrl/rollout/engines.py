@@ -78,7 +78,8 @@ class HFEngine:
         samples: list[Sample | None] = [None] * len(prompts)
         for limit in sorted(set(max_tokens)):
             idx = [i for i, m in enumerate(max_tokens) if m == limit]
-            torch.manual_seed(seeds[idx[0]])
+            if seeds[idx[0]] is not None:
+                torch.manual_seed(seeds[idx[0]])
             width = max(len(prompts[i]) for i in idx)
             ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
             attn = torch.zeros_like(ids)

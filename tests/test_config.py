@@ -1,0 +1,79 @@
+"""params.yaml validation: every contract key, and errors that name the key, value and fix."""
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from turnrl.config import Config, ConfigError, load_config, parse_config
+
+from conftest import ROOT
+
+
+def test_project_params_are_valid_and_have_the_contract_keys():
+    cfg = load_config(ROOT / "params.yaml")
+    flat = cfg.flat()
+    for key in ["model.path", "env.name", "algorithm.name", "rollout.engine", "rollout.n",
+                "rollout.max_turns", "train.steps", "cluster.address"]:
+        assert key in flat, key
+    assert cfg.model.path == "tiny" and cfg.env.name == "code_tool" and cfg.algorithm.name == "grpo"
+
+
+def test_every_params_key_is_declared_with_its_default_type():
+    """params.yaml holds no key the config does not know (extra keys are rejected)."""
+    data = yaml.safe_load((ROOT / "params.yaml").read_text())
+    assert parse_config(data).model_dump().keys() == data.keys()
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("train.steps=-3", ["train.steps", "-3", "greater than 0"]),
+    ("rollout.engine=tgi", ["rollout.engine", "'tgi'", "'vllm'", "'hf'"]),
+    ("rollout.n=eight", ["rollout.n", "'eight'", "integer"]),
+    ("train.stepz=3", ["train.stepz", "unknown key", "did you mean 'steps'"]),
+    ("env.name=chess", ["env.name", "chess", "code_tool"]),
+    ("algorithm.clip_low=1.5", ["algorithm.clip_low", "1.5", "less than 1"]),
+    ("model.tiny.num_heads=3", ["model.tiny", "multiple of num_heads"]),
+    ("rollout.max_tokens_total=8", ["max_tokens_total", "max_tokens_per_turn"]),
+])
+def test_bad_values_name_the_key_the_value_and_what_is_allowed(override, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "params.yaml", [override])
+    message = str(err.value)
+    for part in expected:
+        assert part in message, (part, message)
+
+
+def test_top_level_must_be_a_mapping(tmp_path):
+    bad = tmp_path / "params.yaml"
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(bad)
+
+
+def test_invalid_yaml_is_reported(tmp_path):
+    bad = tmp_path / "params.yaml"
+    bad.write_text("train: {steps: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_defaults_fill_missing_sections(tmp_path):
+    p = tmp_path / "params.yaml"
+    p.write_text("train:\n  steps: 7\n")
+    cfg = load_config(p)
+    assert cfg.train.steps == 7 and cfg.rollout.n == Config().rollout.n
+
+
+def test_a_stage_with_a_bad_value_exits_2_within_seconds(tmp_path):
+    """What `dvc exp run -S train.steps=-3` does: the stage stops before any heavy import."""
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["train"]["steps"] = -3
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(ROOT / "stages" / "train.py")], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 2, proc.stderr
+    assert "train.steps = -3" in proc.stderr
+    assert elapsed < 15
