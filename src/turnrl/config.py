@@ -47,12 +47,15 @@ class TinyModel(_Section):
 
 
 class WarmStart(_Section):
-    """Supervised warm start of the tiny model on synthetic demonstrations."""
-    demonstrations: int = Field(6000, ge=0)
-    tool_fraction: float = Field(0.35, ge=0.0, le=1.0,
-                                 description="share of demonstrations that call the tool; the rest answer unaided")
-    epochs: int = Field(3, ge=0)
-    batch_size: int = Field(64, gt=0)
+    """Supervised warm start of the tiny model: a skill phase on demonstrations that all use
+    the tool, then a prior phase on a mixture, trained on the first action only, that sets
+    how often the policy calls the tool."""
+    demonstrations: int = Field(1500, gt=0, description="scripted demonstrations per phase (replayed through the env)")
+    skill_steps: int = Field(1200, ge=0)
+    prior_steps: int = Field(40, ge=0)
+    tool_fraction: float = Field(0.3, ge=0.0, le=1.0,
+                                 description="share of prior-phase demonstrations that call the tool; the rest guess")
+    batch_size: int = Field(16, gt=0)
     lr: float = Field(3e-3, gt=0)
 
 
@@ -74,7 +77,7 @@ class DataCfg(_Section):
 # --------------------------------------------------------------------------- env
 class CodeToolCfg(_Section):
     min_digits: int = Field(3, ge=1, le=12)
-    max_digits: int = Field(4, ge=1, le=12)
+    max_digits: int = Field(3, ge=1, le=12)
     timeout_s: float = Field(5.0, gt=0)
     memory_mb: int = Field(256, ge=32)
     max_output_chars: int = Field(200, gt=0)

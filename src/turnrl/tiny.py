@@ -13,7 +13,7 @@ from typing import Callable, Iterable
 import torch
 from tqdm.auto import tqdm
 
-from turnrl.config import TinyModel, WarmStart
+from turnrl.config import TinyModel
 
 # ChatML, as Qwen models use it; `tool` messages get their own role header.
 CHAT_TEMPLATE = (
@@ -62,39 +62,41 @@ def build_model(tokenizer, spec: TinyModel, seed: int):
     return Qwen2ForCausalLM(config)
 
 
-def warm_start(model, sequences: list[tuple[list[int], list[int]]], spec: WarmStart, seed: int,
+def warm_start(model, sequences: list[tuple[list[int], list[int]]], steps: int, batch_size: int,
+               lr: float, seed: int, desc: str = "warm start",
                log: Callable[[int, dict], None] | None = None) -> list[float]:
     """Supervised fine-tuning on (token ids, loss mask) pairs: the loss covers only the
-    policy's tokens, exactly as RL will. Returns the loss per optimizer step."""
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
-    steps_per_epoch = max(1, len(sequences) // spec.batch_size)
-    total = steps_per_epoch * spec.epochs
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=spec.lr, total_steps=max(1, total), pct_start=0.1)
+    policy's tokens, exactly as RL will. Batches are drawn with replacement, seeded.
+    Returns the loss per optimizer step."""
+    if steps == 0:
+        return []
+    torch.set_flush_denormal(True)   # subnormal floats slow CPU training down several-fold over time
+    rng = random.Random(f"{seed}:{desc}")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    # Warm up over 5%, hold, decay linearly over the last 20%: copying is learned in a sudden
+    # transition whose timing varies with the seed, so the rate stays high until late.
+    warm, decay = max(1, steps // 20), max(1, steps // 5)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min((s + 1) / warm, 1.0, (steps - s) / decay))
     model.train()
     losses: list[float] = []
-    bar = tqdm(total=total, desc="warm start (SFT)", unit="step")
-    for _ in range(spec.epochs):
-        order = torch.randperm(len(sequences), generator=gen).tolist()
-        for b in range(steps_per_epoch):
-            batch = [sequences[i] for i in order[b * spec.batch_size:(b + 1) * spec.batch_size]]
-            ids, attn, mask = _pad(batch)
-            logits = model(input_ids=ids, attention_mask=attn).logits
-            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-            target_mask = mask[:, 1:]
-            nll = -logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-            loss = (nll * target_mask).sum() / target_mask.sum().clamp(min=1)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            losses.append(loss.item())
-            bar.update(1)
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
-            if log is not None:
-                log(len(losses), {"warmstart_loss": losses[-1]})
-    bar.close()
+    bar = tqdm(range(steps), desc=desc, unit="step")
+    for step in bar:
+        ids, attn, mask = _pad(rng.sample(sequences, min(batch_size, len(sequences))))
+        logits = model(input_ids=ids, attention_mask=attn).logits
+        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        target_mask = mask[:, 1:]
+        nll = -logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        loss = (nll * target_mask).sum() / target_mask.sum().clamp(min=1)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if log is not None and (step + 1) % 10 == 0:
+            log(step + 1, {"warmstart_loss": losses[-1]})
     model.eval()
     return losses
 

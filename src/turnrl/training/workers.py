@@ -41,6 +41,7 @@ class PolicyWorker:
 
         self.cfg = Config.model_validate(cfg)
         torch.manual_seed(self.cfg.seed + rank)
+        torch.set_flush_denormal(True)   # subnormal floats slow CPU training down several-fold
         deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, self.cfg.model.dtype))
         train = self.cfg.train
