@@ -1,4 +1,6 @@
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -31,3 +33,19 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny")
     save(build_model(tokenizer, Config().model.tiny, seed=0), tokenizer, out)
     return out
+
+
+def copy_project(dest: Path) -> None:
+    """The project's files as git sees them (tracked and new, not ignored) in a fresh repo, so
+    end-to-end tests run the pipeline from what a clean clone would hold."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
+    for rel in filter(None, listed):
+        src = ROOT / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    git = ["git", "-c", "user.name=turnrl-test", "-c", "user.email=test@turnrl.invalid"]
+    subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
+    subprocess.run([*git, "add", "-A"], cwd=dest, check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "e2e copy"], cwd=dest, check=True)

@@ -25,6 +25,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from conftest import copy_project  # noqa: E402
 from flows import pipeline as pl  # noqa: E402
 from turnrl.config import ConfigError  # noqa: E402
 
@@ -283,7 +284,8 @@ def test_flow_does_not_retry_bad_input(prefect_harness, fast_retries, tmp_path):
 SHORT = {
     "train.steps": 2, "train.prompts_per_step": 4, "rollout.n": 4,
     "data.train_examples": 256, "data.heldout_examples": 32,
-    "model.warmstart.demonstrations": 200, "model.warmstart.epochs": 1,
+    "model.warmstart.demonstrations": 100, "model.warmstart.skill_steps": 20,
+    "model.warmstart.prior_steps": 5,
     "eval.math500_limit": 20,
 }
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -325,27 +327,12 @@ def _kill_tree(proc: subprocess.Popen | None) -> None:
     proc.wait(timeout=30)
 
 
-def _copy_project(dest: Path) -> None:
-    """The project's files as git sees them (tracked and new, not ignored) in a fresh repo."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                            cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
-    for rel in filter(None, listed):
-        src = ROOT / rel
-        if src.is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / rel)
-    git = ["git", "-c", "user.name=turnrl-test", "-c", "user.email=test@turnrl.invalid"]
-    subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
-    subprocess.run([*git, "add", "-A"], cwd=dest, check=True)
-    subprocess.run([*git, "commit", "-q", "-m", "e2e copy"], cwd=dest, check=True)
-
-
 @pytest.mark.slow
 def test_deployment_run_with_overrides(tmp_path):
     """prefect.yaml deployed to a local server and a process work pool; one run with overrides."""
     project = tmp_path / "project"
     project.mkdir()
-    _copy_project(project)
+    copy_project(project)
     logs = tmp_path / "logs"
     logs.mkdir()
 

@@ -7,7 +7,7 @@ from pathlib import Path
 CURVES = [
     ("reward_mean", "reward"),
     ("accuracy", "rollout accuracy"),
-    ("approx_kl", "KL(old || new), k3"),
+    ("kl_ref", "KL(policy || initial)"),
     ("response_tokens_mean", "response tokens"),
     ("step_s", "step seconds"),
     ("logp_gap_max", "max |logp engine - trainer|"),

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from turnrl.algos import entropy_from_logits, logprobs_from_logits, masked_mean, policy_loss
+from turnrl.algos import entropy_from_logits, kl_estimate, kl_loss, logprobs_from_logits, masked_mean, policy_loss
 from turnrl.config import Config
 
 
@@ -59,6 +59,10 @@ class PolicyWorker:
         }
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.zero_stage = train.zero_stage
+        # The frozen starting policy: KL to it is reported every step and, with
+        # algorithm.kl_coef > 0, added to the loss. Loaded once; it only computes logprobs.
+        self.reference = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=getattr(torch, self.cfg.model.dtype)).eval().requires_grad_(False)
 
     def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -78,6 +82,10 @@ class PolicyWorker:
         old_logp = self.logprobs(batch)
         # Correctness signal: the engine sampled with the same weights the trainer holds.
         gap = ((old_logp - batch["engine_logprobs"]).abs() * mask).max().item()
+        with torch.no_grad():
+            ref_logits = self.reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            ref_logp = token_logprobs(ref_logits, batch["input_ids"])
+        kl_ref = masked_mean(kl_estimate(old_logp, ref_logp, kind=alg.kl_estimator), mask).item()
 
         stats: dict[str, list[float]] = {}
         self.engine.train()
@@ -94,6 +102,9 @@ class PolicyWorker:
                 ent_mean = masked_mean(entropy(logits if alg.entropy_coef else logits.detach()), mb["loss_mask"])
                 if alg.entropy_coef:
                     loss = loss - alg.entropy_coef * ent_mean
+                if alg.kl_coef:
+                    loss = loss + alg.kl_coef * kl_loss(logp, ref_logp[chunk], mb["loss_mask"], kind=alg.kl_estimator,
+                                                        agg=alg.loss_agg)
                 self.engine.backward(loss)
                 self.engine.step()
                 row = {"loss": loss.item(), "entropy": ent_mean.item(),
@@ -103,6 +114,7 @@ class PolicyWorker:
                     stats.setdefault(k, []).append(v)
         out = {k: sum(v) / len(v) for k, v in stats.items()}
         out["logp_gap_max"] = gap
+        out["kl_ref"] = kl_ref
         return out
 
     def named_weights(self) -> dict[str, torch.Tensor]:
