@@ -59,14 +59,14 @@ def test_overrides_write_dotted_keys_and_keep_the_rest(tmp_path):
     before_text = params.read_text()
     before = yaml.safe_load(before_text)
 
-    applied = pl.apply_overrides(params, {"train.steps": 3, "model": {"warmstart": {"epochs": 1}},
+    applied = pl.apply_overrides(params, {"train.steps": 3, "model": {"warmstart": {"skill_steps": 1}},
                                           "algorithm.dual_clip": 3.0, "eval.greedy": False})
-    assert applied == {"train.steps": 3, "model.warmstart.epochs": 1, "algorithm.dual_clip": 3.0,
+    assert applied == {"train.steps": 3, "model.warmstart.skill_steps": 1, "algorithm.dual_clip": 3.0,
                        "eval.greedy": False}
     after = yaml.safe_load(params.read_text())
     expected = json.loads(json.dumps(before))
     expected["train"]["steps"] = 3
-    expected["model"]["warmstart"]["epochs"] = 1      # a nested mapping merges key by key
+    expected["model"]["warmstart"]["skill_steps"] = 1      # a nested mapping merges key by key
     expected["algorithm"]["dual_clip"] = 3.0
     expected["eval"]["greedy"] = False
     assert after == expected                           # every other value and type unchanged
@@ -89,9 +89,9 @@ def test_overrides_without_changes_leave_the_file_byte_identical(tmp_path):
 def test_overrides_create_missing_sections(tmp_path):
     params = tmp_path / "params.yaml"
     params.write_text("seed: 1  # the seed\n")
-    pl.apply_overrides(params, {"train.steps": 5, "model.warmstart.epochs": 2})
+    pl.apply_overrides(params, {"train.steps": 5, "model.warmstart.skill_steps": 2})
     data = yaml.safe_load(params.read_text())
-    assert data == {"seed": 1, "train": {"steps": 5}, "model": {"warmstart": {"epochs": 2}}}
+    assert data == {"seed": 1, "train": {"steps": 5}, "model": {"warmstart": {"skill_steps": 2}}}
     assert "# the seed" in params.read_text()
 
 
