@@ -34,11 +34,12 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from turnrl.config import ConfigError, parse_config
+from turnrl.stage import BAD_INPUT_EXIT  # bad params / data / model path
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 PARAMS_FILE = "params.yaml"
 
-BAD_INPUT_EXIT = 2               # turnrl.stage: bad params / data / model path
+
 # DVC's own exit codes for problems no retry fixes: configuration error, not a DVC repository,
 # bad command line. Any other failure (255 included: DVC reports a failed stage command as 255)
 # is retried.

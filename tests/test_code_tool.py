@@ -67,3 +67,10 @@ def test_output_is_truncated_to_the_budget():
 def test_unknown_environment_names_the_known_ones():
     with pytest.raises(KeyError, match="code_tool"):
         envs.make("chess")
+
+
+def test_registered_environments_are_made_by_name(tmp_path):
+    corpus = [{"id": "0", "title": "Paris", "text": "Paris is the capital of France."}]
+    assert envs.make("intervention", max_turns=2).stop == ("</answer>",)
+    assert envs.make("search", corpus=corpus).stop == ("</search>", "</answer>")
+    assert {"code_tool", "math_answer", "search", "intervention"} <= set(envs.names())

@@ -38,8 +38,8 @@ def pipeline_key() -> str:
         import psutil
         proc = psutil.Process().parent()
         while proc is not None:
-            cmd = " ".join(proc.cmdline()[:3])
-            if "dvc" in Path(cmd.split()[1] if len(cmd.split()) > 1 else cmd).name or cmd.split()[0].endswith("dvc"):
+            # `dvc ...` or `python .../bin/dvc ...`
+            if any(Path(arg).name == "dvc" for arg in proc.cmdline()[:2]):
                 return f"dvc:{proc.pid}:{int(proc.create_time())}"
             proc = proc.parent()
     except Exception:  # no psutil, no /proc: fall back to this process

@@ -15,6 +15,8 @@ from turnrl.envs.base import Env, StepResult
 _REGISTRY: dict[str, Callable[..., Env] | str] = {
     "code_tool": "turnrl.envs.code_tool:CodeToolEnv",
     "math_answer": "turnrl.envs.single_answer:SingleAnswerEnv",
+    "search": "turnrl.envs.search:SearchEnv",
+    "intervention": "turnrl.envs.intervention:InterventionEnv",
 }
 
 

@@ -17,7 +17,7 @@ from typing import Callable, Protocol, Sequence
 
 from tqdm.auto import tqdm
 
-from turnrl.envs.base import Env
+from turnrl.envs.base import Env, StepResult
 from turnrl.rollout.chat import ChatFormat
 
 
@@ -70,6 +70,31 @@ class Trajectory:
     def policy_tokens(self) -> int:
         return sum(self.loss_mask)
 
+    def add_turn(self, turn: int, ids: Sequence[int], logprobs: Sequence[float], text: str) -> None:
+        """Append a policy turn: the sampled ids exactly, trained on (mask 1)."""
+        self.response_ids += ids
+        self.loss_mask += [1] * len(ids)
+        self.turn_ids += [turn] * len(ids)
+        self.engine_logprobs += list(logprobs)
+        self.turn_texts.append(text)
+
+    def add_observation(self, turn: int, ids: Sequence[int], text: str) -> None:
+        """Append environment tokens after `turn`: never trained on (mask 0)."""
+        self.response_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.turn_ids += [turn] * len(ids)
+        self.engine_logprobs += [0.0] * len(ids)
+        self.observations.append(text)
+
+    def record(self, result: StepResult) -> bool:
+        """Take the environment's answer to the last turn; True when the trajectory ended."""
+        self.turn_rewards.append(float(result.reward))
+        self.info.update(result.info)
+        if result.done:
+            self.outcome = float(result.info.get("outcome", result.reward))
+            self.finish = str(result.info.get("reason", "done"))
+        return result.done
+
 
 def _seed(base: int, index: int, turn: int) -> int:
     return zlib.crc32(f"{base}:{index}:{turn}".encode()) & 0x7FFFFFFF
@@ -114,15 +139,9 @@ def run_rollouts(engine: Engine, examples: Sequence[dict], make_env: Callable[[]
                                       max_tokens=[room[i] for i in live], stop=stop, temperature=temperature,
                                       top_p=top_p,
                                       seeds=[None if seed is None else _seed(seed, i, turn) for i in live])
-            texts = []
-            for i, sample in zip(live, samples):
-                t = trajs[i]
-                t.response_ids += sample.token_ids
-                t.loss_mask += [1] * len(sample.token_ids)
-                t.turn_ids += [turn] * len(sample.token_ids)
-                t.engine_logprobs += list(sample.logprobs)
-                texts.append(fmt.tokenizer.decode(sample.token_ids, skip_special_tokens=False))
-                t.turn_texts.append(texts[-1])
+            texts = [fmt.tokenizer.decode(s.token_ids, skip_special_tokens=False) for s in samples]
+            for i, sample, text in zip(live, samples, texts):
+                trajs[i].add_turn(turn, sample.token_ids, sample.logprobs, text)
 
             # A turn cut by the token limit has no complete action: it ends the trajectory.
             stepping = [k for k, s in enumerate(samples) if s.finish != "length"]
@@ -136,11 +155,7 @@ def run_rollouts(engine: Engine, examples: Sequence[dict], make_env: Callable[[]
                     t.turn_rewards.append(0.0)
                     t.finish = "truncated"
                     continue
-                t.turn_rewards.append(float(result.reward))
-                t.info.update(result.info)
-                if result.done:
-                    t.outcome = float(result.info.get("outcome", result.reward))
-                    t.finish = str(result.info.get("reason", "done"))
+                if t.record(result):
                     continue
                 if turn == budgets.max_turns - 1:
                     t.finish = "max_turns"
@@ -149,11 +164,7 @@ def run_rollouts(engine: Engine, examples: Sequence[dict], make_env: Callable[[]
                 if len(t.response_ids) + len(obs_ids) >= budgets.max_tokens_total:
                     t.finish = "token_budget"
                     continue
-                t.observations.append(result.observation or "")
-                t.response_ids += obs_ids
-                t.loss_mask += [0] * len(obs_ids)
-                t.turn_ids += [turn] * len(obs_ids)
-                t.engine_logprobs += [0.0] * len(obs_ids)
+                t.add_observation(turn, obs_ids, result.observation or "")
                 still_live.append(i)
             bar.update(len(live) - len(still_live))
             live = still_live
@@ -167,22 +178,10 @@ def replay(env: Env, fmt: ChatFormat, example: dict, turns: Sequence[str]) -> Tr
     t = Trajectory(example=example, prompt_ids=fmt.prompt_ids(env.system_prompt, env.reset(example)))
     for turn, text in enumerate(turns):
         ids = fmt.encode(text)
-        t.response_ids += ids
-        t.loss_mask += [1] * len(ids)
-        t.turn_ids += [turn] * len(ids)
-        t.engine_logprobs += [0.0] * len(ids)
-        t.turn_texts.append(text)
+        t.add_turn(turn, ids, [0.0] * len(ids), text)
         result = env.step(text)
-        t.turn_rewards.append(float(result.reward))
-        t.info.update(result.info)
-        if result.done:
-            t.outcome = float(result.info.get("outcome", result.reward))
-            t.finish = str(result.info.get("reason", "done"))
+        if t.record(result):
             break
-        obs_ids = fmt.observation_ids(result.observation or "", env.observation_role)
-        t.observations.append(result.observation or "")
-        t.response_ids += obs_ids
-        t.loss_mask += [0] * len(obs_ids)
-        t.turn_ids += [turn] * len(obs_ids)
-        t.engine_logprobs += [0.0] * len(obs_ids)
+        t.add_observation(turn, fmt.observation_ids(result.observation or "", env.observation_role),
+                          result.observation or "")
     return t
