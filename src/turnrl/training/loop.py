@@ -60,6 +60,8 @@ def advantages_for(cfg: Config, trajs: Sequence[Trajectory], batch: dict[str, to
         first_obs_pos=first_obs_position(in_response & (mask == 0)),
         mask=mask,
         group_ids=contiguous_group_ids(len(trajs), cfg.rollout.n),
+        turn_coef=cfg.algorithm.turn_coef,
+        gamma=cfg.algorithm.gamma,
     )
 
 

@@ -1,0 +1,85 @@
+"""From trajectories to the trainer's batch: token alignment and advantages per algorithm."""
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from turnrl import envs
+from turnrl.config import Config
+from turnrl.rollout.chat import ChatFormat
+from turnrl.rollout.loop import replay
+from turnrl.training.loop import PromptSampler, advantages_for, collate, rollout_metrics
+
+EXAMPLE = {"prompt": "Compute 123 * 456.", "answer": "56088"}
+TOOL_RIGHT = ["<code>print(123 * 456)</code>", "<answer>56088</answer>"]
+TOOL_WRONG = ["<code>print(123 * 456)</code>", "<answer>1</answer>"]
+BAD_TOOL = ["<code>print(123 / 0)</code>", "<answer>56088</answer>"]
+GUESS = ["<answer>56000</answer>"]
+
+
+@pytest.fixture(scope="module")
+def fmt(tiny_model_dir):
+    return ChatFormat(AutoTokenizer.from_pretrained(tiny_model_dir))
+
+
+def trajectories(fmt, scripts):
+    return [replay(envs.make("code_tool"), fmt, EXAMPLE, s) for s in scripts]
+
+
+def test_collate_aligns_every_tensor_with_the_tokens(fmt):
+    trajs = trajectories(fmt, [TOOL_RIGHT, GUESS])
+    batch = collate(trajs, pad_id=0)
+    width = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
+    assert all(v.shape == (2, width) for v in batch.values())
+    for row, t in enumerate(trajs):
+        p, r = len(t.prompt_ids), len(t.response_ids)
+        assert batch["input_ids"][row, :p + r].tolist() == t.prompt_ids + t.response_ids
+        assert batch["attention_mask"][row].sum() == p + r
+        assert batch["loss_mask"][row, :p].sum() == 0 and batch["loss_mask"][row, p:p + r].tolist() == t.loss_mask
+        assert batch["turn_ids"][row, :p].eq(-1).all() and batch["turn_ids"][row, p + r:].eq(-1).all()
+    assert batch["loss_mask"][1, len(trajs[1].prompt_ids) + len(trajs[1].response_ids):].sum() == 0
+
+
+def test_grpo_advantages_follow_the_outcome_and_only_on_policy_tokens(fmt):
+    trajs = trajectories(fmt, [TOOL_RIGHT, GUESS])          # one group of 2: outcomes 1 and 0
+    batch = collate(trajs, pad_id=0)
+    adv = advantages_for(Config.model_validate({"rollout": {"n": 2}}), trajs, batch)
+    # (1 - 0.5) / (std([1, 0]) = 0.7071) = 0.7071 on every policy token of the winner
+    winner = adv[0][batch["loss_mask"][0] == 1]
+    assert torch.allclose(winner, torch.full_like(winner, 0.7071), atol=1e-3)
+    assert (adv[1][batch["loss_mask"][1] == 1] < 0).all()
+    assert adv[batch["loss_mask"] == 0].abs().sum() == 0
+
+
+def test_mt_grpo_adds_turn_credit_before_the_first_tool_result(fmt):
+    # same outcome (both right), different first turns: the tool call ran / failed
+    trajs = trajectories(fmt, [TOOL_RIGHT, BAD_TOOL])
+    assert [t.turn_rewards[0] for t in trajs] == [1.0, 0.0] and [t.outcome for t in trajs] == [1.0, 1.0]
+    batch = collate(trajs, pad_id=0)
+    grpo = advantages_for(Config.model_validate({"rollout": {"n": 2}}), trajs, batch)
+    mt = advantages_for(Config.model_validate({"rollout": {"n": 2}, "algorithm": {"name": "mt_grpo"}}), trajs, batch)
+    assert grpo.abs().sum() == 0                              # equal outcomes: GRPO learns nothing
+    p = len(trajs[0].prompt_ids)
+    first_turn = slice(p, p + trajs[0].first_observation)
+    assert (mt[0, first_turn] > 0.7).all() and (mt[1, p:p + trajs[1].first_observation] < -0.7).all()
+    after = batch["loss_mask"][0].clone()
+    after[:p + trajs[0].first_observation] = 0
+    assert mt[0][after == 1].abs().sum() == 0                  # after the tool result: outcome only
+    zero = advantages_for(Config.model_validate({"rollout": {"n": 2}, "algorithm": {"name": "mt_grpo", "turn_coef": 0}}),
+                          trajs, batch)
+    assert torch.equal(zero, grpo)
+
+
+def test_rollout_metrics(fmt):
+    trajs = trajectories(fmt, [TOOL_RIGHT, TOOL_WRONG, GUESS, GUESS])
+    m = rollout_metrics(trajs, n=2)
+    assert m["reward_mean"] == 0.25 and m["tool_calls_mean"] == 0.5 and m["finish_answer_frac"] == 1.0
+    assert m["groups_all_same_frac"] == 0.5                  # the two guesses are one flat group
+
+
+def test_prompt_sampler_is_a_seeded_function_of_its_position():
+    rows = [{"i": i} for i in range(10)]
+    a = PromptSampler(rows, seed=0)
+    first = a.next(7) + a.next(7)                             # crosses an epoch boundary
+    assert sorted(r["i"] for r in first[:10]) == list(range(10))
+    resumed = PromptSampler(rows, seed=0, position=7)
+    assert resumed.next(7) == first[7:]
