@@ -49,3 +49,23 @@ def copy_project(dest: Path) -> None:
     subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
     subprocess.run([*git, "add", "-A"], cwd=dest, check=True)
     subprocess.run([*git, "commit", "-q", "-m", "e2e copy"], cwd=dest, check=True)
+
+
+class ScriptedEngine:
+    """Answers each call with the next scripted turn for every prompt: a stand-in for the
+    model in unit tests of the code around the engine (the rollout loop, environments)."""
+
+    def __init__(self, tokenizer, turns, finish="stop"):
+        self.tokenizer, self.turns, self.finish, self.calls = tokenizer, list(turns), finish, []
+
+    def generate(self, prompts, *, max_tokens, stop, temperature, top_p, seeds):
+        from turnrl.rollout.loop import Sample
+        text = self.turns.pop(0)
+        self.calls.append({"prompts": [list(p) for p in prompts], "max_tokens": list(max_tokens),
+                           "stop": tuple(stop)})
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        out = []
+        for limit in max_tokens:
+            cut = ids[:limit]
+            out.append(Sample(cut, [-0.5] * len(cut), "length" if len(cut) < len(ids) else self.finish))
+        return out

@@ -6,6 +6,8 @@ from turnrl.envs.intervention import INTERVENTION, InterventionEnv, find_answer
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.loop import Budgets, Sample, run_rollouts
 
+from conftest import ScriptedEngine
+
 HALF = {"prompt": "What is 1/2 as a fraction?", "answer": "\\frac{1}{2}"}
 TWELVE = {"prompt": "What is 3 * 4?", "answer": "12"}
 
@@ -135,23 +137,6 @@ def test_one_turn_budget_and_a_custom_message():
 
 
 # ----------------------------------------------------------------------------- through the loop
-class ScriptedEngine:
-    """Answers each call with the next scripted turn for every prompt (as in test_rollout.py)."""
-
-    def __init__(self, tokenizer, turns, finish="stop"):
-        self.tokenizer, self.turns, self.finish, self.calls = tokenizer, list(turns), finish, []
-
-    def generate(self, prompts, *, max_tokens, stop, temperature, top_p, seeds):
-        text = self.turns.pop(0)
-        self.calls.append({"prompts": [list(p) for p in prompts], "stop": tuple(stop)})
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        out = []
-        for limit in max_tokens:
-            cut = ids[:limit]
-            out.append(Sample(cut, [-0.5] * len(cut), "length" if len(cut) < len(ids) else self.finish))
-        return out
-
-
 @pytest.fixture(scope="module")
 def fmt():
     from turnrl.envs.intervention import SYSTEM_PROMPT

@@ -10,6 +10,8 @@ from turnrl.envs.search import SearchEnv, SearchIndex, build_index, clear_index_
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.loop import Budgets, Sample, run_rollouts
 
+from conftest import ScriptedEngine
+
 CORPUS = [
     {"id": "roentgen", "title": "Wilhelm Röntgen",
      "text": "Wilhelm Conrad Röntgen was a German physicist who discovered X-rays in 1895 and received "
@@ -257,23 +259,6 @@ def test_format_is_judged_over_all_the_policy_turns(index):
 
 
 # ----------------------------------------------------------------------------- through the loop
-class ScriptedEngine:
-    """Answers each call with the next scripted turn for every prompt (as in test_rollout.py)."""
-
-    def __init__(self, tokenizer, turns, finish="stop"):
-        self.tokenizer, self.turns, self.finish, self.calls = tokenizer, list(turns), finish, []
-
-    def generate(self, prompts, *, max_tokens, stop, temperature, top_p, seeds):
-        text = self.turns.pop(0)
-        self.calls.append({"prompts": [list(p) for p in prompts], "stop": tuple(stop)})
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        out = []
-        for limit in max_tokens:
-            cut = ids[:limit]
-            out.append(Sample(cut, [-0.5] * len(cut), "length" if len(cut) < len(ids) else self.finish))
-        return out
-
-
 def test_a_scripted_rollout_through_the_loop(index):
     from turnrl.tiny import build_tokenizer
     from turnrl.envs.search import SYSTEM_PROMPT

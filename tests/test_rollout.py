@@ -6,24 +6,9 @@ from turnrl import envs
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.loop import Budgets, Sample, replay, run_rollouts
 
+from conftest import ScriptedEngine
+
 EXAMPLE = {"prompt": "Compute 123 * 456.", "answer": "56088"}
-
-
-class ScriptedEngine:
-    """Answers each call with the next scripted turn for every prompt (unit test of the loop)."""
-
-    def __init__(self, tokenizer, turns, finish="stop"):
-        self.tokenizer, self.turns, self.finish, self.calls = tokenizer, list(turns), finish, []
-
-    def generate(self, prompts, *, max_tokens, stop, temperature, top_p, seeds):
-        text = self.turns.pop(0)
-        self.calls.append({"prompts": [list(p) for p in prompts], "max_tokens": list(max_tokens)})
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        out = []
-        for limit in max_tokens:
-            cut = ids[:limit]
-            out.append(Sample(cut, [-0.5] * len(cut), "length" if len(cut) < len(ids) else self.finish))
-        return out
 
 
 @pytest.fixture(scope="module")

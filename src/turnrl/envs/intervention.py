@@ -40,7 +40,7 @@ import re
 from dataclasses import dataclass
 
 from turnrl.envs.base import StepResult
-from turnrl.rewards.math import grade_math
+from turnrl.rewards.math import balanced_close, grade_math
 
 __all__ = ["SYSTEM_PROMPT", "INTERVENTION", "AnswerMarker", "find_answer", "InterventionEnv"]
 
@@ -70,25 +70,6 @@ class AnswerMarker:
     content: str    # the answer itself, stripped
 
 
-def _balanced_close(text: str, open_idx: int) -> int | None:
-    """Index of the ``}`` closing the ``{`` at ``open_idx`` (escaped ``\\{``, ``\\}`` skipped)."""
-    depth = 0
-    i = open_idx
-    while i < len(text):
-        ch = text[i]
-        if ch == "\\":
-            i += 2
-            continue
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return i
-        i += 1
-    return None
-
-
 def _first_tag(text: str) -> AnswerMarker | None:
     for m in _TAG.finditer(text):
         if m.group(1).strip():
@@ -98,7 +79,7 @@ def _first_tag(text: str) -> AnswerMarker | None:
 
 def _first_boxed(text: str) -> AnswerMarker | None:
     for m in _BOXED.finditer(text):
-        close = _balanced_close(text, m.end() - 1)
+        close = balanced_close(text, m.end() - 1)
         if close is None:
             return None            # unbalanced: no later \boxed can be complete either
         content = text[m.end():close].strip()

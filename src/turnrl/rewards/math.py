@@ -34,6 +34,7 @@ __all__ = [
     "MathGrade",
     "extract_answer",
     "last_boxed",
+    "balanced_close",
     "grade_math",
     "is_equivalent",
     "math_reward",
@@ -81,7 +82,7 @@ _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BOXED = re.compile(r"\\boxed\s*\{")
 
 
-def _balanced_from(text: str, open_idx: int) -> int | None:
+def balanced_close(text: str, open_idx: int) -> int | None:
     """Index of the ``}`` closing the ``{`` at ``open_idx`` (escaped ``\\{ \\}`` skipped)."""
     depth = 0
     i = open_idx
@@ -104,7 +105,7 @@ def _balanced_from(text: str, open_idx: int) -> int | None:
 def _last_boxed_span(text: str) -> tuple[int, str] | None:
     """(start, content) of the last balanced ``\\boxed{...}``, or None."""
     for m in reversed(list(_BOXED.finditer(text))):
-        close = _balanced_from(text, m.end() - 1)
+        close = balanced_close(text, m.end() - 1)
         if close is not None:
             return m.start(), text[m.end() : close]
     return None
