@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from turnrl.config import Config
-from turnrl.evaluation import evaluate
+from turnrl.evaluation import evaluate, pass_at_k
 from turnrl.preprocess import preprocess
 from turnrl.rollout.loop import Sample
 
@@ -51,3 +51,26 @@ def test_task_metrics_and_generations(tmp_path, tiny_model_dir, cfg, monkeypatch
     rows = pd.read_parquet(tmp_path / "eval" / "task.parquet")
     assert len(rows) == 24 and set(rows["decoding"]) == {"greedy", "temperature=1.0"}
     assert rows["correct"].all() and (rows["extracted"] == rows["answer"]).all()
+
+
+@pytest.mark.parametrize("n, c, k, expected", [
+    (5, 2, 1, 0.4),            # pass@1 = c / n
+    (5, 2, 2, 0.7),            # 1 - C(3,2)/C(5,2) = 1 - 3/10
+    (5, 2, 4, 1.0),            # n - c = 3 < k = 4: any 4 samples include a correct one
+    (10, 0, 3, 0.0),
+    (4, 1, 2, 0.5),            # 1 - C(3,2)/C(4,2) = 1 - 3/6
+])
+def test_pass_at_k_matches_the_closed_form(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected)
+
+
+def test_k_samples_give_mean_at_k_and_pass_at_k(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.delenv("TURNRL_DATA_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    cfg = Config.model_validate({"data": {"train_examples": 40, "heldout_examples": 6},
+                                 "eval": {"samples": 3, "greedy": False}})
+    preprocess(cfg, tmp_path / "data")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    task = evaluate(cfg, Oracle(tokenizer), tokenizer, tmp_path / "data", tmp_path / "eval")["task"]
+    assert task["n"] == 6 and task["samples_per_problem"] == 3
+    assert task["accuracy"] == 1.0 and task["pass_at_3"] == 1.0 and "accuracy_greedy" not in task

@@ -137,6 +137,7 @@ class TrainCfg(_Section):
 # --------------------------------------------------------------------------- eval
 class EvalCfg(_Section):
     temperature: float = Field(1.0, ge=0.0, description="sampled decoding; greedy is reported too")
+    samples: int = Field(1, ge=1, description="k samples per held-out problem: accuracy is mean@k, plus pass@k")
     greedy: bool = True
     math500: bool = True
     math500_max_tokens: int = Field(96, gt=0)

@@ -27,6 +27,19 @@ from turnrl.rollout.loop import Budgets, Trajectory, run_rollouts
 log = logging.getLogger(__name__)
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)
+    (the estimator of Chen et al., 2021), computed as a stable product."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    miss = 1.0
+    for i in range(n - c + 1, n + 1):
+        miss *= 1.0 - k / i
+    return 1.0 - miss
+
+
 def summarize(trajs: Sequence[Trajectory]) -> dict:
     n = len(trajs)
     correct = [t for t in trajs if t.outcome > 0]
@@ -71,10 +84,15 @@ def evaluate(cfg: Config, engine, tokenizer, data_dir: Path, out_dir: Path) -> d
 
     heldout = load_split(data_dir, "heldout")
     task_budgets = Budgets(r.max_turns, r.max_tokens_per_turn, r.max_tokens_total, context)
-    sampled = run_rollouts(engine, heldout, env_factory(cfg), fmt, task_budgets, temperature=cfg.eval.temperature,
+    k = cfg.eval.samples
+    sampled = run_rollouts(engine, heldout, env_factory(cfg), fmt, task_budgets, n=k, temperature=cfg.eval.temperature,
                            top_p=r.top_p, seed=cfg.seed, env_workers=cfg.env.code_tool.sandbox_workers,
                            progress=True, desc="eval task (sampled)")
-    task = {**summarize(sampled), "protocol": f"{cfg.env.name} (multi-turn, max_turns={r.max_turns})",
+    # accuracy is mean@k over all samples; n counts problems
+    task = {**summarize(sampled), "n": len(heldout), "samples_per_problem": k,
+            f"pass_at_{k}": sum(pass_at_k(k, sum(t.outcome > 0 for t in sampled[i:i + k]), k)
+                            for i in range(0, len(sampled), k)) / len(heldout),
+            "protocol": f"{cfg.env.name} (multi-turn, max_turns={r.max_turns})",
             "temperature": cfg.eval.temperature}
     rows = records(sampled, decode, f"temperature={cfg.eval.temperature}")
     if cfg.eval.greedy:

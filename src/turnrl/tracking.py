@@ -116,8 +116,11 @@ def _param(value: Any) -> str:
 
 
 def log_metrics(metrics: dict[str, float], step: int | None = None) -> None:
+    """Log the numeric entries (NaN and non-numbers skipped), names made MLflow-safe."""
+    import re
+
     import mlflow
-    clean = {k.replace("/", "."): float(v) for k, v in metrics.items()
+    clean = {re.sub(r"[^\w\-. :/]", "_", k): float(v) for k, v in metrics.items()
              if isinstance(v, (int, float)) and v == v}
     if clean:
         mlflow.log_metrics(clean, step=step)
