@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -13,8 +12,6 @@ from turnrl.data.synthetic import product_demonstration
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.loop import replay
 from turnrl.tiny import build_model, build_tokenizer, save, seeded_rng, warm_start
-
-log = logging.getLogger(__name__)
 
 
 def env_factory(cfg: Config) -> Callable[[], envs.Env]:

@@ -149,7 +149,7 @@ def start_workers(cfg: Config, model_dir: str) -> Workers:
     threads = str(cfg.cluster.num_cpus)  # the roles take turns, so each may use every core
     common = {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
     policy = ray.remote(num_cpus=1)(PolicyWorker).options(
-        name=None, runtime_env={"env_vars": {**common, "DS_ACCELERATOR": "cpu"}}).remote(
+        runtime_env={"env_vars": {**common, "DS_ACCELERATOR": "cpu"}}).remote(
         model_dir, cfg.model_dump(), master_port=_free_port())
     rollout = ray.remote(num_cpus=1)(RolloutWorker).options(
         runtime_env={"env_vars": {**common, **cpu_env_defaults(cfg.rollout.kv_cache_gib)}}).remote(
@@ -177,7 +177,7 @@ def train(cfg: Config, model_dir: str, train_rows: list[dict], out_dir: str,
     workers = start_workers(cfg, model_dir)
     log.info("workers ready in %.1fs", time.perf_counter() - t0)
     sampler = PromptSampler(train_rows, cfg.seed)
-    pad_id = 0
+    pad_id = 0   # any id: padding is outside the attention and loss masks
     history: list[dict] = []
     bar = tqdm(range(1, cfg.train.steps + 1), desc="train", unit="step")
     for step in bar:
