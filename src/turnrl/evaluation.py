@@ -131,9 +131,8 @@ def load_engine(cfg: Config, model_folder: Path):
     from transformers import AutoTokenizer
 
     from turnrl.prepare import model_dir
-    from turnrl.rollout.engines import make_engine
-    from turnrl.training.workers import _max_len
+    from turnrl.rollout.engines import context_length, make_engine
     path = model_dir(model_folder)
     engine = make_engine(cfg.rollout.engine, path, dtype=cfg.model.dtype, seed=cfg.seed,
-                         kv_cache_gib=cfg.rollout.kv_cache_gib, max_model_len=_max_len(path))
+                         kv_cache_gib=cfg.rollout.kv_cache_gib, max_model_len=context_length(path))
     return engine, AutoTokenizer.from_pretrained(path)

@@ -116,6 +116,15 @@ def _as_list(value) -> list[int]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
+def context_length(model_dir: str, cap: int = 4096) -> int:
+    """The engine's context length for a model folder: its max_position_embeddings, capped
+    (a long-context model would otherwise reserve a KV cache it never uses here)."""
+    import json
+    from pathlib import Path
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return min(int(config.get("max_position_embeddings", 2048)), cap)
+
+
 def make_engine(kind: str, model_dir: str, **kwargs) -> VLLMEngine | HFEngine:
     if kind == "vllm":
         return VLLMEngine(model_dir, **kwargs)

@@ -140,11 +140,11 @@ class RolloutWorker:
         from transformers import AutoTokenizer
 
         from turnrl.rollout.chat import ChatFormat
-        from turnrl.rollout.engines import make_engine
+        from turnrl.rollout.engines import context_length, make_engine
         self.cfg = Config.model_validate(cfg)
         r = self.cfg.rollout
         self.engine = make_engine(r.engine, model_dir, dtype=self.cfg.model.dtype, seed=self.cfg.seed,
-                                  kv_cache_gib=r.kv_cache_gib, max_model_len=_max_len(model_dir))
+                                  kv_cache_gib=r.kv_cache_gib, max_model_len=context_length(model_dir))
         self.fmt = ChatFormat(AutoTokenizer.from_pretrained(model_dir), self.cfg.model.template_type)
 
     def rollout(self, examples: list[dict], n: int, seed: int | None = None,
@@ -159,10 +159,3 @@ class RolloutWorker:
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         self.engine.load_weights(weights.items())
-
-
-def _max_len(model_dir: str) -> int:
-    import json
-    from pathlib import Path
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return min(int(config.get("max_position_embeddings", 2048)), 4096)
