@@ -15,20 +15,12 @@ WHICH = {
 
 
 def main(cfg, which: str):
-    import mlflow
-
-    from turnrl import tracking
-    from turnrl.evaluation import evaluate, load_engine
+    from turnrl.evaluation import evaluate, load_engine, log_to_mlflow
     _, model, metrics_path, out = WHICH[which]
     engine, tokenizer = load_engine(cfg, model)
     metrics = evaluate(cfg, engine, tokenizer, Path("data/processed"), out)
     write_json(metrics_path, metrics)
-    mlflow.log_dict(metrics, metrics_path.name)
-    for bench, block in metrics.items():
-        tracking.log_metrics({f"{bench}.{k}": v for k, v in block.items() if isinstance(v, (int, float))})
-    for table in sorted(out.glob("*.parquet")):
-        import pandas as pd
-        mlflow.log_table(pd.read_parquet(table), f"generations/{table.stem}.json")
+    log_to_mlflow(metrics, out, metrics_path.name)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ from pathlib import Path
 
 from turnrl.stage import run_stage, write_json
 
-DATA, OUT = Path("data/processed"), Path("models/initial")
+OUT = Path("models/initial")
 
 
 def main(cfg):
@@ -13,10 +13,9 @@ def main(cfg):
 
     from turnrl import tracking
     from turnrl.prepare import build_tiny, resolve_checkpoint
-    from turnrl.preprocess import load_split
     shutil.rmtree(OUT, ignore_errors=True)
     if cfg.model.path == "tiny":
-        summary = build_tiny(cfg, load_split(DATA, "train"), OUT,
+        summary = build_tiny(cfg, OUT,
                              log_metrics=lambda step, m: step % 10 == 0 and tracking.log_metrics(m, step))
         mlflow.log_artifacts(str(OUT), "model")
     else:

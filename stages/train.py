@@ -29,7 +29,7 @@ def main(cfg):
             mlflow.log_table(sample_table(trajs, decode), f"samples/step_{step:05d}.json")
 
     shutil.rmtree(FINAL, ignore_errors=True)
-    history = train(cfg, source, load_split(DATA, "train"), str(FINAL), on_step=on_step)
+    history = train(cfg, source, str(DATA), load_split(DATA, "train"), str(FINAL), on_step=on_step)
 
     plots.write_csv(history, Path("plots/train.csv"))
     plots.render_png(history, Path("plots/train_curves.png"),

@@ -25,7 +25,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from turnrl.tiny import build_model, build_tokenizer, save
     from turnrl.envs.code_tool import SYSTEM_PROMPT
 
-    rows = product_rows(200, min_digits=3, max_digits=4, seed=0, split="train")
+    rows = product_rows(200, seed=0, split="train", exclude=set())
     corpus = [SYSTEM_PROMPT + r["prompt"] + f"<code>print({r['prompt'][8:-1]})</code><output>{r['answer']}</output>"
               f"<answer>{r['answer']}</answer>" for r in rows]
     tokenizer = build_tokenizer(corpus, 512)

@@ -1,14 +1,28 @@
-"""The evaluation used by baseline_eval and eval, with a scripted engine standing in for the
-model (a unit test of the code around the engine; the real engines run in the e2e tests)."""
-import re
+"""The evaluation used by baseline_eval, eval and `python -m turnrl.evaluate_checkpoint`.
 
+Scripted engines stand in for the model where the code around the engine is under test
+(metrics, protocols, grading reasons, generations); the real engines (HF in process, vLLM in
+the checkpoint command) run where repeatability is.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
 import pytest
+import yaml
 from transformers import AutoTokenizer
 
-from turnrl.config import Config
-from turnrl.evaluation import evaluate, pass_at_k
+from turnrl.config import BENCHMARKS, Config, ConfigError, parse_config
+from turnrl.evaluation import evaluate, load_engine, pass_at_k
 from turnrl.preprocess import preprocess
 from turnrl.rollout.loop import Sample
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = {"math500": 500, "aime24": 30, "aime25": 30, "amc23": 40, "gsm8k_test": 1319}
 
 
 class Oracle:
@@ -17,23 +31,51 @@ class Oracle:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
+    def turn(self, text: str) -> str:
+        if "<output>" in text.rsplit("Compute", 1)[-1]:
+            return "<answer>" + re.findall(r"<output>(\d+)</output>", text)[-1] + "</answer>"
+        a, b = re.findall(r"Compute (\d+) \* (\d+)\.", text)[-1]
+        return f"<code>print({a} * {b})</code>"
+
     def generate(self, prompts, *, max_tokens, stop, temperature, top_p, seeds):
         out = []
         for ids in prompts:
-            text = self.tokenizer.decode(ids)
-            if "<output>" in text.rsplit("Compute", 1)[-1]:
-                turn = "<answer>" + re.findall(r"<output>(\d+)</output>", text)[-1] + "</answer>"
-            else:
-                a, b = re.findall(r"Compute (\d+) \* (\d+)\.", text)[-1]
-                turn = f"<code>print({a} * {b})</code>"
-            tok = self.tokenizer(turn, add_special_tokens=False)["input_ids"]
+            tok = self.tokenizer(self.turn(self.tokenizer.decode(ids)), add_special_tokens=False)["input_ids"]
             out.append(Sample(tok, [-0.1] * len(tok), "stop"))
         return out
+
+
+class BenchmarkOracle(Oracle):
+    """Answers each benchmark problem with `answer(reference, index)` (default: the reference
+    itself) as `\\boxed{}` in the single protocol and `<answer>` through code_tool; the task's
+    products as Oracle does."""
+
+    def __init__(self, tokenizer, data_dir: Path, answer=lambda ref, i: ref):
+        super().__init__(tokenizer)
+        self.answer = answer
+        self.refs = {}
+        for name in BENCHMARKS:
+            if (data_dir / f"{name}.parquet").exists():
+                for i, row in enumerate(pd.read_parquet(data_dir / f"{name}.parquet").itertuples()):
+                    self.refs[row.prompt] = (row.answer, i)
+
+    def turn(self, text: str) -> str:
+        user = text.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+        if user not in self.refs:
+            return super().turn(text)
+        said = self.answer(*self.refs[user])
+        if "<code>" in text.split("<|im_start|>user", 1)[0]:   # code_tool's system prompt: tags
+            return f"<answer>{said}</answer>"
+        return f"So the final answer is $\\boxed{{{said}}}$." if said is not None else "I am not sure."
 
 
 @pytest.fixture
 def cfg():
     return Config.model_validate({"data": {"train_examples": 40, "heldout_examples": 12}})
+
+
+def _cfg(**eval_keys) -> Config:
+    return Config.model_validate({"data": {"train_examples": 16, "heldout_examples": 4}, "eval": eval_keys})
 
 
 def test_task_metrics_and_generations(tmp_path, tiny_model_dir, cfg, monkeypatch):
@@ -45,12 +87,16 @@ def test_task_metrics_and_generations(tmp_path, tiny_model_dir, cfg, monkeypatch
     task = metrics["task"]
     assert task["accuracy"] == 1.0 and task["accuracy_greedy"] == 1.0 and task["n"] == 12
     assert task["mean_turns"] == 2.0 and task["tokens_per_correct"] == task["mean_response_tokens"]
+    # the task always goes through the training environment, whatever eval.protocol says
+    assert (task["protocol"], task["env"], task["max_turns"]) == ("multi", "code_tool", 3)
+    assert task["temperature"] == 1.0 and task["samples_per_problem"] == 1 and task["seed"] == 0
     # MATH-500 could not be found: the block says so instead of disappearing
     assert metrics["math500"]["available"] is False and "TURNRL_DATA_DIR" in metrics["math500"]["reason"]
-    import pandas as pd
     rows = pd.read_parquet(tmp_path / "eval" / "task.parquet")
-    assert len(rows) == 24 and set(rows["decoding"]) == {"greedy", "temperature=1.0"}
+    assert len(rows) == 24 and set(rows["decoding"]) == {"greedy", "temperature=1.0,top_p=1.0"}
     assert rows["correct"].all() and (rows["extracted"] == rows["answer"]).all()
+    assert set(rows["reason"]) == {"equivalent to reference"}
+    assert rows["trajectory"].str.contains("<output>").all()   # observations are part of the text
 
 
 @pytest.mark.parametrize("n, c, k, expected", [
@@ -68,9 +114,212 @@ def test_k_samples_give_mean_at_k_and_pass_at_k(tmp_path, tiny_model_dir, monkey
     monkeypatch.delenv("TURNRL_DATA_DIR", raising=False)
     monkeypatch.chdir(tmp_path)
     cfg = Config.model_validate({"data": {"train_examples": 40, "heldout_examples": 6},
-                                 "eval": {"samples": 3, "greedy": False}})
+                                 "eval": {"samples": 3, "greedy": False, "benchmarks": []}})
     preprocess(cfg, tmp_path / "data")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    task = evaluate(cfg, Oracle(tokenizer), tokenizer, tmp_path / "data", tmp_path / "eval")["task"]
+    metrics = evaluate(cfg, Oracle(tokenizer), tokenizer, tmp_path / "data", tmp_path / "eval")
+    task = metrics["task"]
+    assert list(metrics) == ["task"]
     assert task["n"] == 6 and task["samples_per_problem"] == 3
     assert task["accuracy"] == 1.0 and task["pass_at_3"] == 1.0 and "accuracy_greedy" not in task
+    assert list(pd.read_parquet(tmp_path / "eval" / "task.parquet")["sample"][:6]) == [0, 1, 2, 0, 1, 2]
+
+
+def test_mean_at_k_and_pass_at_k_of_mixed_samples(tmp_path, tiny_model_dir, data_dir, monkeypatch):
+    """k = 4 samples of 3 AMC problems, right on samples 0 and 2 of problem 0 only: mean@4 =
+    2/12, pass@4 = (1 + 0 + 0) / 3, pass@k per problem by the closed form."""
+    monkeypatch.setenv("TURNRL_DATA_DIR", str(data_dir))
+    cfg = _cfg(benchmarks=["amc23"], limit=3, samples=4, greedy=False)
+    preprocess(cfg, tmp_path / "data")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    calls = {"n": 0}
+
+    def answer(ref, i):   # trajectories come k per problem, in order; count the answers given
+        j = calls["n"]
+        calls["n"] += 1
+        return ref if i == 0 and j % 2 == 0 else "-12345"
+    metrics = evaluate(cfg, BenchmarkOracle(tokenizer, tmp_path / "data", answer), tokenizer,
+                       tmp_path / "data", tmp_path / "eval")
+    amc = metrics["amc23"]
+    assert amc["n"] == 3 and amc["samples_per_problem"] == 4 and amc["correct"] == 2
+    assert amc["accuracy"] == pytest.approx(2 / 12) and amc["pass_at_4"] == pytest.approx(1 / 3)
+    rows = pd.read_parquet(tmp_path / "eval" / "amc23.parquet")
+    assert len(rows) == 12 and list(rows["correct"][:4]) == [True, False, True, False]
+
+
+def test_benchmarks_from_the_data_dir_score_their_references(tmp_path, tiny_model_dir, data_dir, monkeypatch):
+    """Every benchmark preprocessed from the data directory; an engine that answers each
+    reference scores 1.0 on all of them, and every row says why it was judged right."""
+    monkeypatch.setenv("TURNRL_DATA_DIR", str(data_dir))
+    cfg = _cfg(benchmarks=list(BENCHMARKS), greedy=False)
+    manifest = preprocess(cfg, tmp_path / "data")
+    assert {b: manifest[b]["n"] for b in BENCHMARKS} == SIZES
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    metrics = evaluate(cfg, BenchmarkOracle(tokenizer, tmp_path / "data"), tokenizer, tmp_path / "data",
+                       tmp_path / "eval")
+    assert list(metrics) == ["task", *BENCHMARKS]
+    for name, n in SIZES.items():
+        block = metrics[name]
+        assert block["available"] is True and block["n"] == n and block["accuracy"] == 1.0, name
+        assert block["pass_at_1"] == 1.0 and block["tokens_per_correct"] == block["mean_response_tokens"] > 0
+        assert (block["protocol"], block["env"], block["max_turns"]) == ("single", "math_answer", 1)
+        assert block["temperature"] == 1.0 and block["top_p"] == 1.0
+        rows = pd.read_parquet(tmp_path / "eval" / f"{name}.parquet")
+        assert len(rows) == n and rows["correct"].all() and rows["id"].is_unique
+        assert set(rows["reason"]) == {"equivalent to reference"}
+        assert (rows["extracted"] == rows["answer"]).all() and (rows["tokens"] > 0).all()
+        assert rows["trajectory"].str.contains("boxed").all() and rows["prompt"].str.len().min() > 0
+    math500 = metrics["math500"]
+    assert len(math500["by_subject"]) == 7 and len(math500["by_level"]) == 5
+    assert sum(g["n"] for g in math500["by_subject"].values()) == 500
+    assert all(g["accuracy"] == 1.0 for g in math500["by_level"].values())
+    assert "by_subject" not in metrics["aime24"]   # only sets that have subjects get the breakdown
+
+
+def test_multi_protocol_goes_through_the_training_environment(tmp_path, tiny_model_dir, data_dir, monkeypatch):
+    monkeypatch.setenv("TURNRL_DATA_DIR", str(data_dir))
+    cfg = _cfg(benchmarks=["math500", "aime24"], protocol="multi", limit=5, greedy=False)
+    preprocess(cfg, tmp_path / "data")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    metrics = evaluate(cfg, BenchmarkOracle(tokenizer, tmp_path / "data"), tokenizer, tmp_path / "data",
+                       tmp_path / "eval")
+    for name in ("math500", "aime24"):
+        block = metrics[name]
+        assert (block["protocol"], block["env"], block["max_turns"]) == ("multi", "code_tool", 3)
+        assert block["n"] == 5 and block["accuracy"] == 1.0
+        rows = pd.read_parquet(tmp_path / "eval" / f"{name}.parquet")
+        assert rows["trajectory"].str.startswith("<answer>").all()    # code_tool's answer format
+        assert set(rows["reason"]) == {"equivalent to reference"}       # graded as code_tool grades
+
+
+def test_wrong_and_missing_answers_say_why(tmp_path, tiny_model_dir, data_dir, monkeypatch):
+    monkeypatch.setenv("TURNRL_DATA_DIR", str(data_dir))
+    cfg = _cfg(benchmarks=["amc23"], limit=6, greedy=False)
+    preprocess(cfg, tmp_path / "data")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    wrong = lambda ref, i: ref if i < 2 else ("-12345" if i < 4 else None)  # noqa: E731
+    metrics = evaluate(cfg, BenchmarkOracle(tokenizer, tmp_path / "data", wrong), tokenizer, tmp_path / "data",
+                       tmp_path / "eval")
+    assert metrics["amc23"]["accuracy"] == pytest.approx(2 / 6)
+    rows = pd.read_parquet(tmp_path / "eval" / "amc23.parquet")
+    assert list(rows["reason"][:2]) == ["equivalent to reference"] * 2
+    assert all(r.startswith("not equivalent: got -12345, expected") for r in rows["reason"][2:4])
+    assert list(rows["extracted"][2:4]) == ["-12345"] * 2
+    assert list(rows["reason"][4:]) == ["no answer found"] * 2 and rows["extracted"][4:].isna().all()
+
+
+def test_an_unreachable_benchmark_is_explicit(tmp_path, tiny_model_dir, monkeypatch, caplog):
+    monkeypatch.delenv("TURNRL_DATA_DIR", raising=False)
+    cfg = _cfg(benchmarks=["aime24"], greedy=False)
+    manifest = preprocess(cfg, tmp_path / "data")
+    assert manifest["aime24"]["available"] is False and "eval.paths.aime24" in manifest["aime24"]["reason"]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    metrics = evaluate(cfg, Oracle(tokenizer), tokenizer, tmp_path / "data", tmp_path / "eval")
+    assert metrics["aime24"]["available"] is False and "TURNRL_DATA_DIR" in metrics["aime24"]["reason"]
+    assert any("aime24" in r.message and r.levelname == "WARNING" for r in caplog.records)
+    assert not (tmp_path / "eval" / "aime24.parquet").exists()
+
+
+def test_an_explicit_benchmark_path(tmp_path, monkeypatch):
+    monkeypatch.delenv("TURNRL_DATA_DIR", raising=False)
+    own = tmp_path / "mine.jsonl"
+    own.write_text("".join(json.dumps({"id": f"p{i}", "problem": f"What is {i}+1?", "answer": i + 1}) + "\n"
+                           for i in range(3)))
+    manifest = preprocess(_cfg(benchmarks=["aime25"], paths={"aime25": str(own)}), tmp_path / "data")
+    assert manifest["aime25"]["available"] is True and manifest["aime25"]["n"] == 3
+    with pytest.raises(Exception, match="nope.jsonl"):   # a path the user gave must exist
+        preprocess(_cfg(benchmarks=["aime25"], paths={"aime25": str(tmp_path / "nope.jsonl")}), tmp_path / "d2")
+
+
+def test_missing_data_says_to_run_preprocess(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.delenv("TURNRL_DATA_DIR", raising=False)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    with pytest.raises(FileNotFoundError, match="dvc repro preprocess"):
+        evaluate(_cfg(), Oracle(tokenizer), tokenizer, tmp_path / "nothing", tmp_path / "eval")
+    preprocess(_cfg(benchmarks=[]), tmp_path / "data")
+    with pytest.raises(FileNotFoundError, match="no amc23 .*dvc repro preprocess"):
+        evaluate(_cfg(benchmarks=["amc23"]), Oracle(tokenizer), tokenizer, tmp_path / "data", tmp_path / "eval")
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"math500": False}, "eval.math500 was replaced by eval.benchmarks"),
+    ({"math500_limit": 20}, "eval.math500_limit was replaced by eval.limit"),
+    ({"benchmarks": ["aime"]}, "eval.benchmarks.0 = 'aime': must be one of 'math500', 'aime24'"),
+    ({"temperature": 0, "samples": 4}, "greedy samples are all the same"),
+    ({"protocol": "both"}, "eval.protocol = 'both': must be one of 'single' or 'multi'"),
+])
+def test_eval_params_errors_say_how_to_fix_them(keys, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config({"eval": keys})
+
+
+def test_same_seed_same_numbers_on_the_hf_engine(tmp_path, tiny_model_dir, monkeypatch):
+    """Sampled evaluation of a real (untrained) model: a fresh engine and the same seed repeat
+    every number and every generation; another seed does not."""
+    monkeypatch.delenv("TURNRL_DATA_DIR", raising=False)
+
+    def run(seed: int, out: str):
+        cfg = Config.model_validate({"seed": seed, "rollout": {"engine": "hf", "max_tokens_per_turn": 12,
+                                                               "max_tokens_total": 36},
+                                     "data": {"train_examples": 16, "heldout_examples": 3},
+                                     "eval": {"benchmarks": [], "samples": 2, "temperature": 1.0, "greedy": False}})
+        preprocess(cfg, tmp_path / "data")
+        engine, tokenizer = load_engine(cfg, tiny_model_dir)
+        metrics = evaluate(cfg, engine, tokenizer, tmp_path / "data", tmp_path / out)
+        return metrics, pd.read_parquet(tmp_path / out / "task.parquet")
+
+    first, rows1 = run(0, "a")
+    second, rows2 = run(0, "b")
+    assert first == second
+    pd.testing.assert_frame_equal(rows1, rows2)
+    _, rows3 = run(1, "c")
+    assert list(rows3["trajectory"]) != list(rows1["trajectory"])
+
+
+def _checkpoint_cmd(project: Path, model: Path, out: str, *extra: str, data_dir: str | None):
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    env.pop("TURNRL_DATA_DIR", None)
+    if data_dir:
+        env["TURNRL_DATA_DIR"] = data_dir
+    return subprocess.run([sys.executable, "-m", "turnrl.evaluate_checkpoint", str(model), "--out", out, *extra],
+                          cwd=project, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_checkpoint_command_needs_the_preprocessed_data(tmp_path, tiny_model_dir):
+    from turnrl.evaluate_checkpoint import main
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({}))
+    code = main([str(tiny_model_dir), "--out", str(tmp_path / "out"), "--params", str(tmp_path / "params.yaml"),
+                 "--data", str(tmp_path / "data" / "processed")])
+    assert code == 2
+    code = main([str(tmp_path / "no-model"), "--out", str(tmp_path / "out"), "--params", str(tmp_path / "params.yaml")])
+    assert code == 2
+
+
+@pytest.mark.slow
+def test_checkpoint_command_end_to_end_twice_on_vllm(tmp_path, tiny_model_dir, monkeypatch):
+    """`python -m turnrl.evaluate_checkpoint` on the tiny model with vLLM, sampled, run twice in
+    fresh processes with the same seed: identical metrics and generations."""
+    data_dir = os.environ.get("TURNRL_DATA_DIR") or str(ROOT.parent / "shared" / "data")
+    benchmarks = ["amc23"] if Path(data_dir, "amc23").is_dir() else []
+    params = {"data": {"train_examples": 16, "heldout_examples": 6},
+              "rollout": {"engine": "vllm", "max_tokens_per_turn": 16, "max_tokens_total": 48},
+              "eval": {"benchmarks": benchmarks, "samples": 2, "temperature": 1.0, "max_tokens": 24, "limit": 4}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    missing = _checkpoint_cmd(tmp_path, tiny_model_dir, "out0", data_dir=data_dir)
+    assert missing.returncode == 2 and "dvc repro preprocess" in missing.stderr
+    monkeypatch.setenv("TURNRL_DATA_DIR", data_dir)
+    preprocess(Config.model_validate(params), tmp_path / "data" / "processed")
+    runs = [_checkpoint_cmd(tmp_path, tiny_model_dir, out, "-S", "eval.greedy=true", data_dir=data_dir)
+            for out in ("out1", "out2")]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    first, second = (json.loads((tmp_path / o / "metrics.json").read_text()) for o in ("out1", "out2"))
+    assert first == second and list(first) == ["task", *benchmarks]
+    assert first["task"]["n"] == 6 and first["task"]["samples_per_problem"] == 2 and "accuracy_greedy" in first["task"]
+    for block in ["task", *benchmarks]:
+        a, b = (pd.read_parquet(tmp_path / o / f"{block}.parquet") for o in ("out1", "out2"))
+        pd.testing.assert_frame_equal(a, b)
+    if benchmarks:
+        assert first["amc23"]["n"] == 4 and len(pd.read_parquet(tmp_path / "out1" / "amc23.parquet")) == 8
+    run_info = json.loads((tmp_path / "out1" / "run.json").read_text())
+    assert run_info["checkpoint"] == str(Path(tiny_model_dir).resolve()) and run_info["config"]["eval"]["greedy"]

@@ -5,7 +5,7 @@ import pytest
 
 from turnrl.config import Config
 from turnrl.data.sources import read_parquet
-from turnrl.data.synthetic import product_splits
+from turnrl.data.synthetic import TASKS
 from turnrl.preprocess import preprocess
 
 
@@ -13,12 +13,19 @@ def small() -> Config:
     return Config.model_validate({"data": {"train_examples": 300, "heldout_examples": 50}})
 
 
-def test_splits_are_disjoint_seeded_and_need_the_tool():
-    train, heldout = product_splits(300, 50, min_digits=3, max_digits=3, seed=0)
+@pytest.mark.parametrize("env", sorted(TASKS))
+def test_synthetic_splits_are_disjoint_and_seeded(env):
+    task = TASKS[env]
+    train, heldout = task.splits(300, 50, seed=0)
+    assert len(train) == 300 and len(heldout) == 50
     assert {r["prompt"] for r in train}.isdisjoint({r["prompt"] for r in heldout})
-    assert product_splits(300, 50, min_digits=3, max_digits=3, seed=0) == (train, heldout)
-    assert product_splits(300, 50, min_digits=3, max_digits=3, seed=1)[1] != heldout
-    for row in heldout:
+    assert len({r["prompt"] for r in train}) == 300
+    assert task.splits(300, 50, seed=0) == (train, heldout)
+    assert task.splits(300, 50, seed=1)[1] != heldout
+
+
+def test_product_rows_need_the_tool():
+    for row in TASKS["code_tool"].splits(10, 50, seed=0)[1]:
         a, b = row["prompt"].removeprefix("Compute ").removesuffix(".").split(" * ")
         assert int(row["answer"]) == int(a) * int(b) and len(a) == len(b) == 3
 
@@ -47,3 +54,61 @@ def test_a_wrong_explicit_path_is_an_error(tmp_path):
                                           "math500_path": str(tmp_path / "nope.jsonl")}})
     with pytest.raises(DataSourceError, match="nope.jsonl"):
         preprocess(cfg, tmp_path / "out")
+
+
+def _cfg(**data) -> Config:
+    env = data.pop("env", "code_tool")
+    return Config.model_validate({"env": {"name": env}, "data": data, "eval": {"math500": False}})
+
+
+def test_search_writes_the_synthetic_corpus(tmp_path):
+    manifest = preprocess(_cfg(env="search", train_examples=40, heldout_examples=10), tmp_path)
+    corpus = read_parquet(tmp_path / "corpus.parquet")
+    assert manifest["corpus"]["n"] == len(corpus) == 50
+    heldout = read_parquet(tmp_path / "heldout.parquet")
+    assert {r["entity"] for r in heldout} <= {p["title"] for p in corpus}
+
+
+def test_gsm8k_train_and_test_sets(tmp_path, data_dir, monkeypatch):
+    monkeypatch.setenv("TURNRL_DATA_DIR", str(data_dir))
+    cfg = _cfg(train_set="gsm8k_train", heldout_set="gsm8k_test", train_examples=100000, heldout_examples=64)
+    manifest = preprocess(cfg, tmp_path)
+    train, heldout = read_parquet(tmp_path / "train.parquet"), read_parquet(tmp_path / "heldout.parquet")
+    assert len(heldout) == 64 and manifest["heldout"]["n"] == 64
+    # every training problem, minus any that also occur in the test sample
+    assert len(train) == 7473 - manifest["train"]["dropped_heldout_overlap"]
+    assert {r["prompt"] for r in train}.isdisjoint({r["prompt"] for r in heldout})
+    assert all(r["answer"] and r["prompt"] for r in heldout)
+
+
+def test_nq_open_is_split_and_its_gold_passages_are_the_corpus(tmp_path, data_dir, monkeypatch):
+    monkeypatch.setenv("TURNRL_DATA_DIR", str(data_dir))
+    cfg = _cfg(env="search", train_set="nq_open", heldout_set="nq_open", train_examples=100000, heldout_examples=100)
+    manifest = preprocess(cfg, tmp_path)
+    train, heldout = read_parquet(tmp_path / "train.parquet"), read_parquet(tmp_path / "heldout.parquet")
+    assert (len(train), len(heldout)) == (2555, 100)
+    assert {r["id"] for r in train}.isdisjoint({r["id"] for r in heldout})
+    corpus = read_parquet(tmp_path / "corpus.parquet")
+    assert manifest["corpus"]["n"] == len(corpus) and 2500 < len(corpus) <= 2655
+
+
+def test_search_on_a_set_without_passages_says_what_to_set(tmp_path, data_dir, monkeypatch):
+    from turnrl.data.sources import DataSourceError
+    monkeypatch.setenv("TURNRL_DATA_DIR", str(data_dir))
+    cfg = _cfg(env="search", train_set="gsm8k_train", heldout_set="gsm8k_test", train_examples=10,
+               heldout_examples=5)
+    with pytest.raises(DataSourceError, match="env.search.corpus"):
+        preprocess(cfg, tmp_path)
+
+
+def test_own_file_with_other_field_names(tmp_path):
+    import json as _json
+    rows = [{"q": f"What is {i} + {i}?", "sol": str(2 * i)} for i in range(30)]
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(_json.dumps(r) for r in rows))
+    cfg = _cfg(train_set=str(path), heldout_set=str(path), heldout_examples=10,
+               fields={"prompt": "q", "answer": "sol"})
+    preprocess(cfg, tmp_path / "out")
+    train, heldout = read_parquet(tmp_path / "out" / "train.parquet"), read_parquet(tmp_path / "out" / "heldout.parquet")
+    assert (len(train), len(heldout)) == (20, 10)
+    assert all(int(r["answer"]) == 2 * int(r["prompt"].split()[2]) for r in train + heldout)

@@ -47,14 +47,15 @@ class TinyModel(_Section):
 
 
 class WarmStart(_Section):
-    """Supervised warm start of the tiny model: a skill phase on demonstrations that all use
-    the tool, then a prior phase on a mixture, trained on the first action only, that sets
-    how often the policy calls the tool."""
+    """Supervised warm start of the tiny model on the environment's synthetic task: a skill
+    phase on demonstrations that all use the environment well, then a short prior phase on a
+    mixture that sets how often the policy does (see `turnrl.data.synthetic`)."""
     demonstrations: int = Field(1500, gt=0, description="scripted demonstrations per phase (replayed through the env)")
     skill_steps: int = Field(1200, ge=0)
     prior_steps: int = Field(40, ge=0)
-    tool_fraction: float = Field(0.3, ge=0.0, le=1.0,
-                                 description="share of prior-phase demonstrations that call the tool; the rest guess")
+    good_fraction: float = Field(0.3, ge=0.0, le=1.0, description=(
+        "share of prior-phase demonstrations that use the environment well; the rest show the "
+        "habit RL must unlearn (guess, skip the feedback, ramble)"))
     batch_size: int = Field(16, gt=0)
     lr: float = Field(3e-3, gt=0)
 
@@ -69,30 +70,61 @@ class ModelCfg(_Section):
 
 # --------------------------------------------------------------------------- data
 class DataCfg(_Section):
-    train_examples: int = Field(4096, gt=0, description="synthetic training prompts")
-    heldout_examples: int = Field(256, gt=0, description="synthetic held-out prompts (the eval 'task' block)")
+    train_set: str = Field("synthetic", min_length=1, description=(
+        "'synthetic' (the environment's generated task), a registered data set (gsm8k_train, nq_open, "
+        "limo, openr1_math, ...) or a jsonl/parquet path"))
+    heldout_set: str = Field("synthetic", min_length=1, description=(
+        "'synthetic', a registered data set (gsm8k_test, ...) or a path; the same set as train_set "
+        "is split so that no problem is in both"))
+    fields: dict[str, str] = Field(default_factory=dict, description=(
+        "field mapping for your own files, e.g. {prompt: question, answer: solution}"))
+    train_examples: int = Field(4096, gt=0, description="training prompts (at most; a data set may have fewer)")
+    heldout_examples: int = Field(256, gt=0, description="held-out prompts (the eval 'task' block)")
     math500_path: str = Field("", description="explicit MATH-500 jsonl/parquet; empty: $TURNRL_DATA_DIR, then the hub")
 
 
 # --------------------------------------------------------------------------- env
 class CodeToolCfg(_Section):
-    min_digits: int = Field(3, ge=1, le=12)
-    max_digits: int = Field(3, ge=1, le=12)
     timeout_s: float = Field(5.0, gt=0)
     memory_mb: int = Field(256, ge=32)
     max_output_chars: int = Field(200, gt=0)
-    sandbox_workers: int = Field(2, gt=0)
+
+
+class SearchCfg(_Section):
+    corpus: str = Field("", description=(
+        "empty: the data's own corpus (synthetic entities, or the gold passages of nq_open); "
+        "else a registered data set or a passages file"))
+    top_k: int = Field(2, ge=1)
+    max_passage_chars: int = Field(120, gt=0)
+    max_searches: int = Field(2, ge=0)
+
+
+class MathRefineCfg(_Section):
+    feedback: Literal["self", "endpoint"] = Field("self", description=(
+        "self: the policy also writes the feedback (shared weights, two role prompts); "
+        "endpoint: a frozen model behind an OpenAI-compatible server"))
+    train_levels: Literal["both", "low", "high"] = Field("both", description=(
+        "which policy turns are trained with feedback=self: both levels, the solver (low) or the feedback (high)"))
+    endpoint_url: str = Field("", description="e.g. http://127.0.0.1:8000/v1 (vllm serve)")
+    endpoint_model: str = Field("", description="empty: the first model the endpoint lists")
+    api_key_env: str = Field("OPENAI_API_KEY", min_length=1)
+    feedback_max_tokens: int = Field(64, gt=0)
 
     @model_validator(mode="after")
-    def _digits(self) -> "CodeToolCfg":
-        if self.min_digits > self.max_digits:
-            raise ValueError(f"min_digits ({self.min_digits}) must not exceed max_digits ({self.max_digits})")
+    def _endpoint(self) -> "MathRefineCfg":
+        if self.feedback == "endpoint" and not self.endpoint_url:
+            raise ValueError("feedback: endpoint needs endpoint_url (e.g. http://127.0.0.1:8000/v1)")
+        if self.feedback == "endpoint" and self.train_levels == "high":
+            raise ValueError("train_levels: high needs feedback: self (an endpoint's model is frozen)")
         return self
 
 
 class EnvCfg(_Section):
-    name: Literal["code_tool"] = "code_tool"
+    name: Literal["code_tool", "search", "math_refine", "intervention"] = "code_tool"
+    workers: int = Field(2, gt=0, description="threads stepping environments (sandbox runs, searches, endpoint calls)")
     code_tool: CodeToolCfg = CodeToolCfg()
+    search: SearchCfg = SearchCfg()
+    math_refine: MathRefineCfg = MathRefineCfg()
 
 
 # --------------------------------------------------------------------------- algorithm
@@ -135,13 +167,53 @@ class TrainCfg(_Section):
 
 
 # --------------------------------------------------------------------------- eval
+#: Math benchmarks `eval.benchmarks` may list (names in `turnrl.data.sources.DATASETS`).
+BENCHMARKS = ("math500", "aime24", "aime25", "amc23", "gsm8k_test")
+Benchmark = Literal["math500", "aime24", "aime25", "amc23", "gsm8k_test"]
+
+_EVAL_RENAMED = {
+    "math500": "eval.benchmarks (a list: [math500] evaluates MATH-500, [] none)",
+    "math500_limit": "eval.limit",
+    "math500_max_tokens": "eval.max_tokens",
+}
+
+
 class EvalCfg(_Section):
-    temperature: float = Field(1.0, ge=0.0, description="sampled decoding; greedy is reported too")
-    samples: int = Field(1, ge=1, description="k samples per held-out problem: accuracy is mean@k, plus pass@k")
-    greedy: bool = True
-    math500: bool = True
-    math500_max_tokens: int = Field(96, gt=0)
-    math500_limit: int = Field(0, ge=0, description="0 = all 500 problems")
+    """The evaluation of `baseline_eval`, `eval` and `python -m turnrl.evaluate_checkpoint`:
+    the training environment's held-out set (the `task` block, always through the training
+    environment) and the math benchmarks listed here, each decoded the same way."""
+    benchmarks: list[Benchmark] = Field(default_factory=lambda: ["math500"], description=(
+        "math benchmarks to evaluate besides the task: math500, aime24, aime25, amc23, gsm8k_test"))
+    protocol: Literal["single", "multi"] = Field("single", description=(
+        "how the benchmarks are asked: single = one plain answer (math_answer); multi = through the "
+        "training environment's protocol (env.name: tool turns, interventions, refinement)"))
+    temperature: float = Field(1.0, ge=0.0, description="0 = greedy; > 0 samples with top_p")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    samples: int = Field(1, ge=1, description="k samples per problem: accuracy is mean@k, plus pass@k")
+    greedy: bool = Field(True, description="also a greedy pass on the task block (accuracy_greedy)")
+    max_tokens: int = Field(96, gt=0, description="response tokens of a single-protocol answer")
+    limit: int = Field(0, ge=0, description="evaluate the first N problems of each benchmark; 0 = all")
+    paths: dict[Benchmark, str] = Field(default_factory=dict, description=(
+        "explicit benchmark files, e.g. {aime24: /data/aime24.jsonl}; else $TURNRL_DATA_DIR, then the "
+        "hub (math500 also reads data.math500_path)"))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            old = [k for k in _EVAL_RENAMED if k in data]
+            if old:
+                raise ValueError("; ".join(f"eval.{k} was replaced by {_EVAL_RENAMED[k]}" for k in old))
+        return data
+
+    @model_validator(mode="after")
+    def _decoding(self) -> "EvalCfg":
+        if self.temperature == 0 and self.samples > 1:
+            raise ValueError(f"samples = {self.samples} with temperature = 0: greedy samples are all the same; "
+                             "set eval.temperature > 0 or eval.samples: 1")
+        if len(set(self.benchmarks)) != len(self.benchmarks):
+            raise ValueError(f"benchmarks = {self.benchmarks}: a benchmark is listed twice")
+        return self
 
 
 class ClusterCfg(_Section):

@@ -1,30 +1,55 @@
-"""One evaluation for `baseline_eval` and `eval`: the same engine, decoding and grading.
+"""One evaluation for `baseline_eval`, `eval` and `python -m turnrl.evaluate_checkpoint`: the
+same engine, decoding and grading, so numbers compare across runs and models.
 
-Benchmarks:
-- `task`: the training environment's held-out set through the environment's own multi-turn
-  protocol (tool turns for code_tool). Sampled at `eval.temperature` (`accuracy`) and, with
-  `eval.greedy`, greedily (`accuracy_greedy`): a warm start can be greedy-perfect and
-  sample-poor, or the reverse, so both are reported.
-- `math500`: one plain answer per problem (`math_answer` protocol), graded with math-verify,
-  with `by_subject` and `by_level` breakdowns. If the preprocess stage could not find it, the
-  block says `available: false` and why.
+Blocks of the metrics (`metrics/baseline.json`, `metrics/eval.json`):
 
-Per-problem generations are written as parquet next to the metrics.
+- `task`: the training environment's held-out set, always through the environment's own
+  multi-turn protocol (`env.name`: tool turns, interventions, refinement). With
+  `eval.greedy` a greedy pass is reported beside the sampled one (`accuracy_greedy`): a warm
+  start can be greedy-perfect and sample-poor, or the reverse.
+- one block per benchmark of `eval.benchmarks` (math500, aime24, aime25, amc23, gsm8k_test),
+  asked as `eval.protocol` says: `single` = one plain answer (the `math_answer` environment,
+  `eval.max_tokens` tokens), `multi` = through the training environment like the task. Graded
+  with math-verify on the last `\\boxed{}` / `<answer>`. MATH-500 adds `by_subject` (7) and
+  `by_level` (5). A benchmark the preprocess stage could not find says `available: false` and
+  why.
+
+Every block has `accuracy` (mean@k over `eval.samples` = k samples per problem), `pass_at_k`
+(the unbiased estimator), `n` (problems), `correct`, `mean_response_tokens` (policy tokens
+per trajectory), `tokens_per_correct` (all policy tokens / correct trajectories, MuTIS's
+efficiency measure), `mean_turns`, and how it was decoded: `protocol`, `env`, `temperature`,
+`top_p`, `samples_per_problem`, `seed`.
+
+Decoding: `eval.temperature` (0 = greedy), `eval.top_p`, `eval.samples`; every trajectory and
+turn samples with a seed derived from `seed`, so the same checkpoint evaluated twice on a fresh
+engine gives the same numbers.
+
+Per-problem generations go to `out_dir/<block>.parquet`, one row per trajectory: problem id,
+prompt, reference answer, full trajectory text (policy turns and observations), extracted
+answer, correct, the grading reason (why right or wrong), tokens, turns, decoding.
 """
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from turnrl import envs
-from turnrl.config import Config
+from turnrl.config import BENCHMARKS, Config
 from turnrl.data import sources
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.loop import Budgets, Trajectory, run_rollouts
 
 log = logging.getLogger(__name__)
+
+#: Why a trajectory that ended without a graded answer is wrong (by `Trajectory.finish`).
+NO_ANSWER = {
+    "truncated": "no answer: the response hit the token limit before its answer was complete",
+    "token_budget": "no answer: the trajectory's token budget ran out",
+    "max_turns": "no answer within the turn limit",
+    "no_action": "no answer found (no <answer> or \\boxed{})",
+}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -40,94 +65,186 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - miss
 
 
-def summarize(trajs: Sequence[Trajectory]) -> dict:
-    n = len(trajs)
+def summarize(trajs: Sequence[Trajectory], k: int = 1) -> dict:
+    """Accuracy (mean@k), pass@k and token efficiency of trajectories grouped k per problem
+    (trajectory i belongs to problem i // k, as `run_rollouts` orders them)."""
+    n = len(trajs) // k if k else 0
     correct = [t for t in trajs if t.outcome > 0]
     tokens = sum(t.policy_tokens() for t in trajs)
-    return {
-        "accuracy": len(correct) / n if n else 0.0,
+    out = {
+        "accuracy": len(correct) / len(trajs) if trajs else 0.0,
         "n": n,
         "correct": len(correct),
-        "mean_response_tokens": tokens / n if n else 0.0,
+        f"pass_at_{k}": (sum(pass_at_k(k, sum(t.outcome > 0 for t in trajs[i:i + k]), k)
+                             for i in range(0, len(trajs), k)) / n) if n else 0.0,
+        "mean_response_tokens": tokens / len(trajs) if trajs else 0.0,
         "tokens_per_correct": tokens / len(correct) if correct else None,
-        "mean_turns": sum(t.num_turns for t in trajs) / n if n else 0.0,
+        "mean_turns": sum(t.num_turns for t in trajs) / len(trajs) if trajs else 0.0,
     }
+    return out
 
 
-def breakdown(trajs: Sequence[Trajectory], key: str) -> dict:
+def breakdown(trajs: Sequence[Trajectory], key: str, k: int = 1) -> dict:
+    """Accuracy (mean@k) and problem count per value of `example[key]` (subject, level)."""
     groups: dict[str, list[Trajectory]] = defaultdict(list)
     for t in trajs:
         groups[str(t.example.get(key))].append(t)
-    return {k: {"accuracy": sum(t.outcome > 0 for t in v) / len(v), "n": len(v)} for k, v in sorted(groups.items())}
+    return {g: {"accuracy": sum(t.outcome > 0 for t in v) / len(v), "n": len(v) // k}
+            for g, v in sorted(groups.items())}
 
 
-def records(trajs: Sequence[Trajectory], decode, decoding: str) -> list[dict]:
+def grading_reason(t: Trajectory) -> str:
+    """Why the trajectory was judged right or wrong, in words."""
+    info = t.info
+    if info.get("grade"):                       # math_answer, intervention: math-verify's verdict
+        return str(info["grade"])
+    if "exact_match" in info:                   # search: exact match against the gold answers
+        verdict = "exact match" if info["exact_match"] else "no exact match"
+        return f"{verdict}: predicted {info.get('prediction')!r}, gold {t.example.get('answers') or t.example.get('answer')!r}"
+    extracted = info.get("extracted")
+    if extracted is None or t.finish != "answer":
+        return NO_ANSWER.get(t.finish, f"no answer ({t.finish or 'not finished'})")
+    from turnrl.rewards.math import grade_math  # the same grading the environments use
+    return grade_math(f"<answer>{extracted}</answer>", str(t.example.get("answer"))).reason
+
+
+def records(trajs: Sequence[Trajectory], decode: Callable, decoding: str, benchmark: str, k: int = 1) -> list[dict]:
     return [{
-        "id": t.example.get("id"), "prompt": t.example.get("prompt"), "answer": str(t.example.get("answer")),
+        "benchmark": benchmark, "id": str(t.example.get("id")), "sample": i % k,
+        "prompt": t.example.get("prompt"), "answer": str(t.example.get("answer")),
+        "subject": t.example.get("subject"), "level": t.example.get("level"),
         "trajectory": decode(t.response_ids), "extracted": t.info.get("extracted"),
-        "correct": t.outcome > 0, "reward": t.outcome, "finish": t.finish, "turns": t.num_turns,
-        "tokens": t.policy_tokens(), "decoding": decoding,
-    } for t in trajs]
+        "correct": t.outcome > 0, "reason": grading_reason(t), "reward": t.outcome, "finish": t.finish,
+        "turns": t.num_turns, "tokens": t.policy_tokens(), "decoding": decoding,
+    } for i, t in enumerate(trajs)]
+
+
+class _Run:
+    """The pieces every block shares: engine, chat format, config, output folder."""
+
+    def __init__(self, cfg: Config, engine, tokenizer, data_dir: Path, out_dir: Path):
+        from turnrl.envs.configured import env_factory
+        self.cfg, self.engine, self.out_dir = cfg, engine, out_dir
+        self.fmt = ChatFormat(tokenizer, cfg.model.template_type)
+        self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
+        self.context = getattr(engine, "max_model_len", 1 << 30)
+        self.train_env = env_factory(cfg, data_dir)
+
+    def protocol(self, name: str) -> tuple[Callable[[], envs.Env], Budgets, dict]:
+        """(environment factory, budgets, the block's protocol fields) for `single` or `multi`."""
+        r, e = self.cfg.rollout, self.cfg.eval
+        if name == "single":
+            return (lambda: envs.make("math_answer"), Budgets(1, e.max_tokens, e.max_tokens, self.context),
+                    {"protocol": "single", "env": "math_answer", "max_turns": 1, "max_tokens": e.max_tokens})
+        return (self.train_env, Budgets(r.max_turns, r.max_tokens_per_turn, r.max_tokens_total, self.context),
+                {"protocol": "multi", "env": self.cfg.env.name, "max_turns": r.max_turns,
+                 "max_tokens": r.max_tokens_total})
+
+    def block(self, name: str, problems: list[dict], protocol: str) -> dict:
+        """Evaluate `problems` with the configured decoding; write `<name>.parquet`; the block."""
+        e = self.cfg.eval
+        make_env, budgets, fields = self.protocol(protocol)
+        k = e.samples
+        trajs = run_rollouts(self.engine, problems, make_env, self.fmt, budgets, n=k, temperature=e.temperature,
+                             top_p=e.top_p, seed=self.cfg.seed, env_workers=self.cfg.env.workers,
+                             progress=True, desc=f"eval {name}")
+        decoding = "greedy" if e.temperature == 0 else f"temperature={e.temperature},top_p={e.top_p}"
+        block = {**summarize(trajs, k), **fields, "temperature": e.temperature, "top_p": e.top_p,
+                 "samples_per_problem": k, "seed": self.cfg.seed}
+        rows = records(trajs, self.decode, decoding, name, k)
+        if name == "task" and e.greedy and e.temperature > 0:
+            greedy = run_rollouts(self.engine, problems, make_env, self.fmt, budgets, temperature=0.0,
+                                  seed=self.cfg.seed, env_workers=self.cfg.env.workers, progress=True,
+                                  desc=f"eval {name} (greedy)")
+            g = summarize(greedy)
+            block.update({"accuracy_greedy": g["accuracy"], "mean_response_tokens_greedy": g["mean_response_tokens"],
+                          "tokens_per_correct_greedy": g["tokens_per_correct"]})
+            rows += records(greedy, self.decode, "greedy", name)
+        for key in ("subject", "level"):   # MATH-500's 7 subjects and 5 levels; sets without them skip it
+            values = [p.get(key) for p in problems]
+            if values and None not in values and len(set(values)) > 1:
+                block[f"by_{key}"] = breakdown(trajs, key, k)
+        sources.write_parquet(rows, self.out_dir / f"{name}.parquet")
+        return block
+
+
+def check_data(cfg: Config, data_dir: Path) -> dict:
+    """The preprocess manifest of `data_dir`; FileNotFoundError saying what to run when the
+    data or a benchmark of `eval.benchmarks` is missing."""
+    from turnrl.preprocess import manifest
+    if not (Path(data_dir) / "manifest.json").exists():
+        raise FileNotFoundError(f"{data_dir} holds no preprocessed data (no manifest.json); "
+                                "run `dvc repro preprocess` first")
+    found = manifest(Path(data_dir))
+    missing = [b for b in cfg.eval.benchmarks if b not in found]
+    if missing:
+        have = [b for b in found if b in BENCHMARKS]
+        raise FileNotFoundError(
+            f"{data_dir} has no {', '.join(missing)} (eval.benchmarks): it was preprocessed with "
+            f"{', '.join(have) or 'no benchmarks'}; run `dvc repro preprocess` with them in eval.benchmarks")
+    return found
 
 
 def evaluate(cfg: Config, engine, tokenizer, data_dir: Path, out_dir: Path) -> dict:
-    """Run every configured benchmark; write generations to `out_dir`; return the metrics."""
-    from turnrl.prepare import env_factory
-    from turnrl.preprocess import load_split, manifest
+    """Evaluate the task and every benchmark of `eval.benchmarks` on `engine`; write the
+    per-problem generations to `out_dir/<block>.parquet`; return the metrics (block -> dict).
+    `data_dir` is the preprocess stage's output (data/processed)."""
+    from turnrl.preprocess import load_split
 
+    data_dir, out_dir = Path(data_dir), Path(out_dir)
+    found = check_data(cfg, data_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    fmt = ChatFormat(tokenizer, cfg.model.template_type)
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
-    r = cfg.rollout
-    context = getattr(engine, "max_model_len", 1 << 30)
-    metrics: dict = {}
+    for block in ("task", *BENCHMARKS):      # generations of blocks no longer configured
+        (out_dir / f"{block}.parquet").unlink(missing_ok=True)
+    run = _Run(cfg, engine, tokenizer, data_dir, out_dir)
 
-    heldout = load_split(data_dir, "heldout")
-    task_budgets = Budgets(r.max_turns, r.max_tokens_per_turn, r.max_tokens_total, context)
-    k = cfg.eval.samples
-    sampled = run_rollouts(engine, heldout, env_factory(cfg), fmt, task_budgets, n=k, temperature=cfg.eval.temperature,
-                           top_p=r.top_p, seed=cfg.seed, env_workers=cfg.env.code_tool.sandbox_workers,
-                           progress=True, desc="eval task (sampled)")
-    # accuracy is mean@k over all samples; n counts problems
-    task = {**summarize(sampled), "n": len(heldout), "samples_per_problem": k,
-            f"pass_at_{k}": sum(pass_at_k(k, sum(t.outcome > 0 for t in sampled[i:i + k]), k)
-                            for i in range(0, len(sampled), k)) / len(heldout),
-            "protocol": f"{cfg.env.name} (multi-turn, max_turns={r.max_turns})",
-            "temperature": cfg.eval.temperature}
-    rows = records(sampled, decode, f"temperature={cfg.eval.temperature}")
-    if cfg.eval.greedy:
-        greedy = run_rollouts(engine, heldout, env_factory(cfg), fmt, task_budgets, temperature=0.0,
-                              env_workers=cfg.env.code_tool.sandbox_workers, progress=True, desc="eval task (greedy)")
-        g = summarize(greedy)
-        task.update({"accuracy_greedy": g["accuracy"], "mean_response_tokens_greedy": g["mean_response_tokens"]})
-        rows += records(greedy, decode, "greedy")
-    metrics["task"] = task
-    sources.write_parquet(rows, out_dir / "task.parquet")
-
-    info = manifest(data_dir).get("math500") if cfg.eval.math500 else None
-    if info is not None:
+    metrics: dict = {"task": run.block("task", load_split(data_dir, "heldout"), "multi")}
+    for name in cfg.eval.benchmarks:
+        info = found[name]
         if not info.get("available"):
-            log.warning("math500 not evaluated: %s", info.get("reason"))
-            metrics["math500"] = {"available": False, "reason": info.get("reason"), "accuracy": None, "n": 0,
-                                  "mean_response_tokens": None}
-        else:
-            problems = load_split(data_dir, "math500")
-            if cfg.eval.math500_limit:
-                problems = problems[:cfg.eval.math500_limit]
-            budgets = Budgets(1, cfg.eval.math500_max_tokens, cfg.eval.math500_max_tokens, context)
-            trajs = run_rollouts(engine, problems, lambda: envs.make("math_answer"), fmt, budgets,
-                                 temperature=cfg.eval.temperature, top_p=r.top_p, seed=cfg.seed,
-                                 progress=True, desc="eval math500")
-            metrics["math500"] = {**summarize(trajs), "available": True, "protocol": "single answer",
-                                  "temperature": cfg.eval.temperature,
-                                  "by_subject": breakdown(trajs, "subject"), "by_level": breakdown(trajs, "level")}
-            sources.write_parquet(records(trajs, decode, f"temperature={cfg.eval.temperature}"),
-                                  out_dir / "math500.parquet")
+            log.warning("%s not evaluated: %s", name, info.get("reason"))
+            metrics[name] = {"available": False, "reason": info.get("reason"), "accuracy": None, "n": 0,
+                             "mean_response_tokens": None, "protocol": cfg.eval.protocol}
+            continue
+        problems = load_split(data_dir, name)
+        if cfg.eval.limit:
+            problems = problems[:cfg.eval.limit]
+        metrics[name] = {"available": True, **run.block(name, problems, cfg.eval.protocol)}
     return metrics
 
 
-def load_engine(cfg: Config, model_folder: Path):
-    """The rollout engine (in this process) and tokenizer for a stage's model folder."""
+def flat_metrics(metrics: dict) -> dict[str, float]:
+    """`block.key` (and `block.by_subject.X.accuracy`) -> number, for MLflow."""
+    out: dict[str, float] = {}
+    for bench, block in metrics.items():
+        for key, value in block.items():
+            if isinstance(value, bool):
+                continue
+            if isinstance(value, (int, float)):
+                out[f"{bench}.{key}"] = value
+            elif isinstance(value, dict):
+                for group, stats in value.items():
+                    if isinstance(stats, dict) and isinstance(stats.get("accuracy"), (int, float)):
+                        out[f"{bench}.{key}.{group}.accuracy"] = stats["accuracy"]
+    return out
+
+
+def log_to_mlflow(metrics: dict, out_dir: Path, metrics_name: str) -> None:
+    """Log the metrics (as a dict artifact and as numbers) and each generations parquet as a
+    table (`generations/<block>.json`) to the active MLflow run."""
+    import mlflow
+    import pandas as pd
+
+    from turnrl import tracking
+    mlflow.log_dict(metrics, metrics_name)
+    tracking.log_metrics(flat_metrics(metrics))
+    for table in sorted(Path(out_dir).glob("*.parquet")):
+        mlflow.log_table(pd.read_parquet(table), f"generations/{table.stem}.json")
+
+
+def load_engine(cfg: Config, model_folder: str | Path):
+    """The rollout engine (in this process) and tokenizer for a model folder: a stage's model
+    out (models/initial, models/final) or any Hugging Face checkpoint folder."""
     from transformers import AutoTokenizer
 
     from turnrl.prepare import model_dir

@@ -6,61 +6,63 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from turnrl import envs
 from turnrl.config import Config
-from turnrl.data.synthetic import product_demonstration
+from turnrl.data import synthetic
+from turnrl.envs.configured import env_factory
 from turnrl.rollout.chat import ChatFormat
-from turnrl.rollout.loop import replay
+from turnrl.rollout.loop import Trajectory, replay
 from turnrl.tiny import build_model, build_tokenizer, save, seeded_rng, warm_start
 
 
-def env_factory(cfg: Config) -> Callable[[], envs.Env]:
-    options = cfg.env.code_tool
-    return lambda: envs.make(cfg.env.name, timeout_s=options.timeout_s, memory_mb=options.memory_mb,
-                             max_output_chars=options.max_output_chars)
-
-
-def demonstrations(rows: list[dict], count: int, tool_fraction: float, seed: int,
-                   name: str) -> list[tuple[dict, list[str]]]:
+def demonstrations(task: synthetic.SyntheticTask, rows: list[dict], count: int, good_fraction: float,
+                   seed: int, name: str) -> list[tuple[dict, synthetic.Demonstration, bool]]:
+    """(row, demonstration, good) triples; a share `good_fraction` of them good."""
     rng = seeded_rng(seed, name)
-    picked = [rows[rng.randrange(len(rows))] for _ in range(count)]
-    return [(row, product_demonstration(row, rng, tool_fraction)) for row in picked]
+    out = []
+    for _ in range(count):
+        row, good = rows[rng.randrange(len(rows))], rng.random() < good_fraction
+        out.append((row, task.demonstration(row, rng, good), good))
+    return out
 
 
-def build_tiny(cfg: Config, train_rows: list[dict], out_dir: Path,
-               log_metrics: Callable[[int, dict], None] | None = None) -> dict:
-    """Tokenizer + tiny Qwen2 + supervised warm start; returns a summary for metrics.
+def build_tiny(cfg: Config, out_dir: Path, log_metrics: Callable[[int, dict], None] | None = None) -> dict:
+    """Tokenizer + tiny Qwen2 + supervised warm start on the environment's synthetic task;
+    returns a summary for metrics.
 
-    The warm start has two phases. `skill_steps` on demonstrations that all use the tool
-    teach the skill (copy the factors into <code>, the output into <answer>); `prior_steps`
-    on a mixture where only `tool_fraction` of the demonstrations use the tool set how often
-    the policy reaches for it (the others answer at once with a guess; only that choice is
-    trained, not the guessed digits). RL then starts from a policy that sometimes succeeds
-    and often fails, and must find out that the tool pays.
+    The warm start has two phases. `skill_steps` on demonstrations that all use the
+    environment well teach the skill (call the tool and copy its output, search and copy,
+    write useful feedback, work the columns and answer). `prior_steps` on a mixture where only
+    `good_fraction` do set how often the policy does; the others show the habit RL must
+    unlearn (guess, approve the attempt, ramble). RL then starts from a policy that sometimes
+    succeeds and often fails, and must find out what pays.
+
+    The demonstrations come from the synthetic task's training split (the same rows, and the
+    same seed, as the preprocess stage's), never from the held-out one, whatever data RL uses.
     """
     spec = cfg.model.warmstart
-    make_env = env_factory(cfg)
-    env = make_env()
-    skill = demonstrations(train_rows, spec.demonstrations, 1.0, cfg.seed, "skill")
-    prior = demonstrations(train_rows, spec.demonstrations // 2, spec.tool_fraction, cfg.seed, "prior")
-    # The tokenizer learns from the conversations as the model will see them (a tool demo's
-    # output is the product, which `print(a * b)` prints).
-    text = ChatFormat(build_tokenizer([""], 300), cfg.model.template_type)
-    corpus = [text.prompt_text(env.system_prompt, row["prompt"]) + turns[0]
-              + text.observation_text(f"<output>{row['answer']}</output>", env.observation_role) + turns[-1]
-              for row, turns in skill[:2000]]
-    tokenizer = build_tokenizer(corpus, cfg.model.tiny.vocab_size)
+    task = synthetic.task(cfg.env.name)
+    train_rows, heldout_rows = task.splits(cfg.data.train_examples, cfg.data.heldout_examples, cfg.seed)
+    corpus = synthetic.lookup_corpus(heldout_rows, train_rows) if cfg.env.name == "search" else None
+    make_env = env_factory(cfg, corpus=corpus)
+    skill = demonstrations(task, train_rows, spec.demonstrations, 1.0, cfg.seed, "skill")
+    prior = demonstrations(task, train_rows, spec.demonstrations // 2, spec.good_fraction, cfg.seed, "prior")
+
+    def replays(fmt: ChatFormat, demos) -> list[Trajectory]:
+        # Each scripted demonstration runs through the real environment (the tool really runs,
+        # the index really answers), so the warm start sees exactly the layout rollouts produce.
+        with ThreadPoolExecutor(max_workers=cfg.env.workers) as pool:
+            return list(pool.map(lambda d: replay(make_env(), fmt, d[0], d[1].turns), demos))
+
+    # The tokenizer learns from the conversations as the model will see them.
+    bytes_only = ChatFormat(build_tokenizer([""], 300), cfg.model.template_type)
+    sample = skill[:1000] + prior[:500]
+    corpus_text = [bytes_only.tokenizer.decode(t.prompt_ids + t.response_ids) for t in replays(bytes_only, sample)]
+    tokenizer = build_tokenizer(corpus_text, cfg.model.tiny.vocab_size)
     fmt = ChatFormat(tokenizer, cfg.model.template_type)
 
-    # Replay each scripted demonstration through the real environment (the tool really runs)
-    # so the warm start sees exactly the token layout rollouts produce.
     def sequences(demos):
-        with ThreadPoolExecutor(max_workers=cfg.env.code_tool.sandbox_workers) as pool:
-            replays = list(pool.map(lambda d: replay(make_env(), fmt, d[0], d[1]), demos))
-        # A guess teaches only the choice to answer at once, not the made-up number.
-        return [(t.prompt_ids + t.response_ids,
-                 [0] * len(t.prompt_ids) + (t.loss_mask if t.observations else _first_action_mask(t, fmt)))
-                for t in replays]
+        return [(t.prompt_ids + t.response_ids, [0] * len(t.prompt_ids) + _trained_mask(t, d.choice, fmt))
+                for t, (_, d, _) in zip(replays(fmt, demos), demos)]
 
     model = build_model(tokenizer, cfg.model.tiny, cfg.seed)
     skill_losses = warm_start(model, sequences(skill), spec.skill_steps, spec.batch_size, spec.lr, cfg.seed,
@@ -72,8 +74,9 @@ def build_tiny(cfg: Config, train_rows: list[dict], out_dir: Path,
     summary = {
         "parameters": sum(p.numel() for p in model.parameters()),
         "vocab_size": len(tokenizer),
+        "env": cfg.env.name,
         "demonstrations": len(skill) + len(prior),
-        "prior_tool_share": sum(len(t) > 1 for _, t in prior) / max(1, len(prior)),
+        "prior_good_share": sum(good for _, _, good in prior) / max(1, len(prior)),
         "skill_final_loss": skill_losses[-1] if skill_losses else None,
         "prior_final_loss": prior_losses[-1] if prior_losses else None,
     }
@@ -81,13 +84,18 @@ def build_tiny(cfg: Config, train_rows: list[dict], out_dir: Path,
     return summary
 
 
-def _first_action_mask(t, fmt: ChatFormat) -> list[int]:
-    """Loss mask covering only the opening tag of the first turn (`<code>` or `<answer>`):
-    the prior phase teaches which action to take first and leaves the skill alone."""
-    opening = t.turn_texts[0][:t.turn_texts[0].index(">") + 1]
-    count = next(k for k in range(1, len(t.response_ids) + 1)
-                 if fmt.tokenizer.decode(t.response_ids[:k]).startswith(opening))
-    return [1] * count + [0] * (len(t.loss_mask) - count)
+def _trained_mask(t: Trajectory, choice: tuple[int, str] | None, fmt: ChatFormat) -> list[int]:
+    """The loss mask of a demonstration's response: every policy token, or with a `choice`
+    (turn, prefix) only the first tokens of that turn covering the prefix: the prior phase
+    teaches which action to take and not the made-up content after it."""
+    if choice is None:
+        return list(t.loss_mask)
+    turn, prefix = choice
+    positions = [i for i, (m, k) in enumerate(zip(t.loss_mask, t.turn_ids)) if m and k == turn]
+    ids = [t.response_ids[i] for i in positions]
+    count = next(n for n in range(1, len(ids) + 1) if fmt.tokenizer.decode(ids[:n]).startswith(prefix))
+    keep = set(positions[:count])
+    return [1 if i in keep else 0 for i in range(len(t.response_ids))]
 
 
 def resolve_checkpoint(path: str, out_dir: Path) -> dict:

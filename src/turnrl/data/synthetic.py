@@ -1,70 +1,190 @@
-"""Synthetic tasks for the embedded default, with fixed seeds and disjoint splits.
+"""Synthetic tasks for the embedded default, one per environment, with fixed seeds and
+disjoint train and held-out splits.
 
-`code_tool` task: multiplication of two multi-digit numbers. A model of a million
-parameters cannot multiply in its head, but it can copy the factors into `<code>` and the
-tool's `<output>` into `<answer>`: the task needs the tool to be solved well.
+Each task is one a model of a million parameters cannot solve well on its own but can
+solve with what its environment offers, so RL has something to discover:
+
+- `code_tool`: multiply two 3-digit numbers. Copy the factors into `<code>`, the tool's
+  `<output>` into `<answer>`.
+- `search`: "What is the code of Heron 482?" The codes are random: only the search index
+  knows them. Search the name, copy the code from the result.
+- `math_refine`: add two 3-digit numbers. The solver's first attempt adds digit by digit and
+  forgets carries (right only when no column carries); the high-level role can write the
+  column sums with their carries as feedback, from which the refinement reads the answer.
+- `intervention`: the same additions, worked column by column then answered. A policy that
+  rambles ("Let me think about it again.") is interrupted and may run out of turns.
 
 Rows follow the preprocessed schema of `turnrl.data.sources`: id, prompt, answer, answers,
-subject, level, source.
+subject, level, source. Demonstrations are scripted policy turns for the tiny model's warm
+start (`turnrl.prepare`): `good` ones use the environment well, the others show the habit RL
+has to unlearn (guess, skip the feedback, ramble).
 """
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
+from typing import Callable
+
+__all__ = ["Demonstration", "SyntheticTask", "TASKS", "task", "addition_steps", "naive_sum"]
+
+
+@dataclass(frozen=True)
+class Demonstration:
+    turns: list[str]
+    # (turn, prefix): train only the tokens of that policy turn up to `prefix` (the choice of
+    # action), not what follows (a made-up number). None: train every policy token.
+    choice: tuple[int, str] | None = None
+
+
+@dataclass(frozen=True)
+class SyntheticTask:
+    name: str
+    rows: Callable[..., list[dict]]                       # (count, seed, split, exclude) -> rows
+    key: Callable[[dict], object]                         # what must not repeat across splits
+    demonstration: Callable[[dict, random.Random, bool], Demonstration]
+
+    def splits(self, train: int, heldout: int, seed: int) -> tuple[list[dict], list[dict]]:
+        """Train and held-out rows; no problem occurs in both."""
+        heldout_rows = self.rows(heldout, seed=seed, split="heldout", exclude=set())
+        train_rows = self.rows(train, seed=seed, split="train", exclude={self.key(r) for r in heldout_rows})
+        return train_rows, heldout_rows
 
 
 def _number(rng: random.Random, digits: int) -> int:
     return rng.randint(10 ** (digits - 1), 10 ** digits - 1)
 
 
-def product_rows(count: int, *, min_digits: int, max_digits: int, seed: int, split: str,
-                 exclude: set[tuple[int, int]] | None = None) -> list[dict]:
-    """`count` distinct multiplication problems; pairs in `exclude` are never produced."""
+def _distinct(count: int, seed: int, split: str, exclude: set, draw: Callable[[random.Random], tuple],
+              row: Callable[[int, tuple], dict]) -> list[dict]:
     rng = random.Random(f"{seed}:{split}")
-    seen = set(exclude or ())
+    seen = set(exclude)
     rows: list[dict] = []
     while len(rows) < count:
-        a = _number(rng, rng.randint(min_digits, max_digits))
-        b = _number(rng, rng.randint(min_digits, max_digits))
-        if (a, b) in seen:
+        item = draw(rng)
+        if item in seen:
             continue
-        seen.add((a, b))
-        answer = str(a * b)
-        rows.append({
-            "id": f"product-{split}-{len(rows)}",
-            "prompt": f"Compute {a} * {b}.",
-            "answer": answer,
-            "answers": [answer],
-            "subject": "multiplication",
-            "level": len(str(a)) + len(str(b)),
-            "source": "synthetic_products",
-        })
+        seen.add(item)
+        rows.append(row(len(rows), item))
     return rows
 
 
-def product_splits(train: int, heldout: int, *, min_digits: int, max_digits: int,
-                   seed: int) -> tuple[list[dict], list[dict]]:
-    """Train and held-out rows; no (a, b) pair occurs in both."""
-    heldout_rows = product_rows(heldout, min_digits=min_digits, max_digits=max_digits,
-                                seed=seed, split="heldout")
-    taken = {_factors(r["prompt"]) for r in heldout_rows}
-    train_rows = product_rows(train, min_digits=min_digits, max_digits=max_digits,
-                              seed=seed, split="train", exclude=taken)
-    return train_rows, heldout_rows
+def _row(task: str, split: str, index: int, prompt: str, answer: str, level: int, **extra) -> dict:
+    return {"id": f"{task}-{split}-{index}", "prompt": prompt, "answer": answer, "answers": [answer],
+            "subject": task, "level": level, "source": f"synthetic_{task}", **extra}
 
 
-def _factors(prompt: str) -> tuple[int, int]:
-    a, b = prompt.removeprefix("Compute ").removesuffix(".").split(" * ")
-    return int(a), int(b)
+# --------------------------------------------------------------------------- code_tool
+def product_rows(count: int, *, seed: int, split: str, exclude: set, digits: int = 3) -> list[dict]:
+    def row(i: int, ab: tuple) -> dict:
+        a, b = ab
+        return _row("product", split, i, f"Compute {a} * {b}.", str(a * b), 2 * digits, a=a, b=b)
+    return _distinct(count, seed, split, exclude, lambda rng: (_number(rng, digits), _number(rng, digits)), row)
 
 
-def product_demonstration(row: dict, rng: random.Random, tool_fraction: float) -> list[str]:
-    """Scripted policy turns for the warm start: with probability `tool_fraction` the
-    demonstration calls the tool and copies its output; otherwise it answers unaided with a
-    plausible number of the right length (almost always wrong). RL has to discover that the
-    tool pays."""
-    a, b = _factors(row["prompt"])
-    if rng.random() < tool_fraction:
-        return [f"<code>print({a} * {b})</code>", f"<answer>{row['answer']}</answer>"]
-    digits = len(row["answer"])
-    guess = str(_number(rng, digits))
-    return [f"<answer>{guess}</answer>"]
+def product_demonstration(row: dict, rng: random.Random, good: bool) -> Demonstration:
+    """Good: call the tool and copy its output. Otherwise: guess a number of the right length
+    (almost always wrong); only the choice to answer at once is trained."""
+    if good:
+        return Demonstration([f"<code>print({row['a']} * {row['b']})</code>", f"<answer>{row['answer']}</answer>"])
+    guess = _number(rng, len(row["answer"]))
+    return Demonstration([f"<answer>{guess}</answer>"], choice=(0, "<answer>"))
+
+
+# --------------------------------------------------------------------------- search
+_CALLSIGNS = ("Falcon", "Orchid", "Granite", "Comet", "Willow", "Harbor", "Maple", "Raven", "Summit", "Coral",
+              "Ember", "Glacier", "Meadow", "Nimbus", "Onyx", "Prairie", "Quartz", "Ridge", "Saffron", "Tundra",
+              "Violet", "Walnut", "Zephyr", "Amber", "Basalt", "Cedar", "Dune", "Fjord", "Heron", "Iris")
+
+
+def _name(rng: random.Random) -> str:
+    """A call sign and a number, e.g. "Heron 482": 27,000 names, each a few tokens to copy."""
+    return f"{rng.choice(_CALLSIGNS)} {rng.randint(100, 999)}"
+
+
+def lookup_rows(count: int, *, seed: int, split: str, exclude: set) -> list[dict]:
+    """Entities with random 4-digit codes (only the corpus, `lookup_corpus`, states them)."""
+    codes = random.Random(f"{seed}:{split}:codes")
+
+    def row(i: int, item: tuple) -> dict:
+        (name,) = item
+        return _row("lookup", split, i, f"What is the code of {name}?", str(_number(codes, 4)), 1, entity=name)
+    return _distinct(count, seed, split, exclude, lambda rng: (_name(rng),), row)
+
+
+def lookup_corpus(*splits: list[dict]) -> list[dict]:
+    """The search corpus: one passage per entity of every split."""
+    return [{"id": r["id"], "title": r["entity"], "text": f"The code of {r['entity']} is {r['answer']}."}
+            for rows in splits for r in rows]
+
+
+def lookup_demonstration(row: dict, rng: random.Random, good: bool) -> Demonstration:
+    if good:
+        return Demonstration([f"<search>{row['entity']}</search>", f"<answer>{row['answer']}</answer>"])
+    return Demonstration([f"<answer>{_number(rng, 4)}</answer>"], choice=(0, "<answer>"))
+
+
+# --------------------------------------------------------------------------- additions
+def addition_rows(count: int, *, seed: int, split: str, exclude: set, digits: int = 3) -> list[dict]:
+    def row(i: int, ab: tuple) -> dict:
+        a, b = ab
+        return _row("addition", split, i, f"Compute {a} + {b}.", str(a + b), digits, a=a, b=b)
+    return _distinct(count, seed, split, exclude, lambda rng: (_number(rng, digits), _number(rng, digits)), row)
+
+
+def addition_steps(a: int, b: int) -> str:
+    """Column sums from the ones up, each with the carry it receives:
+    475 + 382 -> "5+2=7 7+8=15 4+3+1=8" (the answer, 857, is the last digits read backwards)."""
+    steps, carry = [], 0
+    xs, ys = str(a)[::-1], str(b)[::-1]
+    for i in range(max(len(xs), len(ys))):
+        x, y = int(xs[i]) if i < len(xs) else 0, int(ys[i]) if i < len(ys) else 0
+        total = x + y + carry
+        steps.append(f"{x}+{y}{'+1' if carry else ''}={total}")
+        carry = total // 10
+    return " ".join(steps)
+
+
+def naive_sum(a: int, b: int) -> str:
+    """Digit-by-digit sums without carries (475 + 382 -> "757"): right only when no column carries."""
+    xs, ys = str(a).zfill(len(str(b))), str(b).zfill(len(str(a)))
+    return str(int("".join(str((int(x) + int(y)) % 10) for x, y in zip(xs, ys))))
+
+
+def refine_demonstration(row: dict, rng: random.Random, good: bool) -> Demonstration:
+    """math_refine, shared weights: attempt, feedback (high level), refinement.
+    Good feedback works the columns; lazy feedback approves and the refinement keeps the attempt."""
+    attempt = naive_sum(row["a"], row["b"])
+    if good:
+        return Demonstration([f"<answer>{attempt}</answer>", f"<feedback>{addition_steps(row['a'], row['b'])}</feedback>",
+                              f"<answer>{row['answer']}</answer>"])
+    return Demonstration([f"<answer>{attempt}</answer>", "<feedback>Looks right.</feedback>",
+                          f"<answer>{attempt}</answer>"])
+
+
+RAMBLE = "Let me think about it again."
+
+
+def intervention_demonstration(row: dict, rng: random.Random, good: bool) -> Demonstration:
+    """Good: work the columns and answer in the first turn. Otherwise ramble for one to three
+    turns, each interrupted by the environment; with the default three turns, a third ramble
+    leaves no turn to answer in."""
+    worked = f"{addition_steps(row['a'], row['b'])} <answer>{row['answer']}</answer>"
+    if good:
+        return Demonstration([worked])
+    return Demonstration([RAMBLE] * rng.randint(1, 3) + [worked])
+
+
+TASKS: dict[str, SyntheticTask] = {
+    "code_tool": SyntheticTask("code_tool", product_rows, lambda r: (r["a"], r["b"]), product_demonstration),
+    "search": SyntheticTask("search", lookup_rows, lambda r: (r["entity"],), lookup_demonstration),
+    "math_refine": SyntheticTask("math_refine", addition_rows, lambda r: (r["a"], r["b"]), refine_demonstration),
+    "intervention": SyntheticTask("intervention", addition_rows, lambda r: (r["a"], r["b"]),
+                                  intervention_demonstration),
+}
+
+
+def task(env_name: str) -> SyntheticTask:
+    if env_name not in TASKS:
+        raise KeyError(f"no synthetic task for environment {env_name!r}; synthetic tasks exist for "
+                       f"{', '.join(sorted(TASKS))}. Train on a data set instead (data.train_set)")
+    return TASKS[env_name]

@@ -17,6 +17,7 @@ _REGISTRY: dict[str, Callable[..., Env] | str] = {
     "math_answer": "turnrl.envs.single_answer:SingleAnswerEnv",
     "search": "turnrl.envs.search:SearchEnv",
     "intervention": "turnrl.envs.intervention:InterventionEnv",
+    "math_refine": "turnrl.envs.math_refine:MathRefineEnv",
 }
 
 

@@ -13,6 +13,7 @@ import os
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -20,6 +21,7 @@ from tqdm.auto import tqdm
 
 from turnrl.algos import compute_advantages, contiguous_group_ids, first_obs_position
 from turnrl.config import Config
+from turnrl.envs.configured import trained_turns
 from turnrl.rollout.loop import Trajectory
 
 log = logging.getLogger(__name__)
@@ -141,7 +143,7 @@ class Workers:
     rollout: object
 
 
-def start_workers(cfg: Config, model_dir: str) -> Workers:
+def start_workers(cfg: Config, model_dir: str, data_dir: str) -> Workers:
     import ray
 
     from turnrl.rollout.engines import cpu_env_defaults
@@ -153,7 +155,7 @@ def start_workers(cfg: Config, model_dir: str) -> Workers:
         model_dir, cfg.model_dump(), master_port=_free_port())
     rollout = ray.remote(num_cpus=1)(RolloutWorker).options(
         runtime_env={"env_vars": {**common, **cpu_env_defaults(cfg.rollout.kv_cache_gib)}}).remote(
-        model_dir, cfg.model_dump())
+        model_dir, cfg.model_dump(), str(Path(data_dir).resolve()))
     ray.get([policy.__ray_ready__.remote(), rollout.__ray_ready__.remote()])
     return Workers(policy, rollout)
 
@@ -166,7 +168,7 @@ def _free_port() -> int:
 
 
 # --------------------------------------------------------------------------- the loop
-def train(cfg: Config, model_dir: str, train_rows: list[dict], out_dir: str,
+def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], out_dir: str,
           on_step: Callable[[int, dict, list[Trajectory]], None] | None = None) -> list[dict]:
     """Run `train.steps` RL steps from the model in `model_dir`; save the final HF folder to
     `out_dir`. Returns one metrics dict per step."""
@@ -174,7 +176,7 @@ def train(cfg: Config, model_dir: str, train_rows: list[dict], out_dir: str,
 
     start_ray(cfg)
     t0 = time.perf_counter()
-    workers = start_workers(cfg, model_dir)
+    workers = start_workers(cfg, model_dir, data_dir)
     log.info("workers ready in %.1fs", time.perf_counter() - t0)
     sampler = PromptSampler(train_rows, cfg.seed)
     pad_id = 0   # any id: padding is outside the attention and loss masks
@@ -187,6 +189,7 @@ def train(cfg: Config, model_dir: str, train_rows: list[dict], out_dir: str,
         t_rollout = time.perf_counter()
 
         batch = collate(trajs, pad_id)
+        batch["loss_mask"] *= trained_turns(cfg, batch["turn_ids"])   # e.g. a frozen feedback level
         batch["advantages"] = advantages_for(cfg, trajs, batch)
         t_adv = time.perf_counter()
         train_stats = ray.get(workers.policy.train.remote(batch))

@@ -136,7 +136,7 @@ class PolicyWorker:
 
 
 class RolloutWorker:
-    def __init__(self, model_dir: str, cfg: dict[str, Any]):
+    def __init__(self, model_dir: str, cfg: dict[str, Any], data_dir: str):
         from transformers import AutoTokenizer
 
         from turnrl.rollout.chat import ChatFormat
@@ -146,16 +146,17 @@ class RolloutWorker:
         self.engine = make_engine(r.engine, model_dir, dtype=self.cfg.model.dtype, seed=self.cfg.seed,
                                   kv_cache_gib=r.kv_cache_gib, max_model_len=context_length(model_dir))
         self.fmt = ChatFormat(AutoTokenizer.from_pretrained(model_dir), self.cfg.model.template_type)
+        from turnrl.envs.configured import env_factory
+        self.make_env = env_factory(self.cfg, data_dir)   # built once: a search index is loaded here
 
     def rollout(self, examples: list[dict], n: int, seed: int | None = None,
                 temperature: float | None = None) -> list:
-        from turnrl.prepare import env_factory
         from turnrl.rollout.loop import Budgets, run_rollouts
         r = self.cfg.rollout
-        return run_rollouts(self.engine, examples, env_factory(self.cfg), self.fmt,
+        return run_rollouts(self.engine, examples, self.make_env, self.fmt,
                             Budgets(r.max_turns, r.max_tokens_per_turn, r.max_tokens_total),
                             n=n, temperature=r.temperature if temperature is None else temperature,
-                            top_p=r.top_p, seed=seed, env_workers=self.cfg.env.code_tool.sandbox_workers)
+                            top_p=r.top_p, seed=seed, env_workers=self.cfg.env.workers)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         self.engine.load_weights(weights.items())

@@ -1,0 +1,94 @@
+"""The embedded default's synthetic tasks, replayed through the real environments: a good
+demonstration solves its problem, the habit RL must unlearn mostly does not."""
+import random
+
+import pytest
+import torch
+
+from turnrl.config import Config
+from turnrl.data import synthetic
+from turnrl.envs.configured import env_factory, env_options, trained_turns
+from turnrl.rollout.chat import ChatFormat
+from turnrl.rollout.loop import replay
+
+
+@pytest.fixture(scope="module")
+def fmt(tiny_model_dir):
+    from transformers import AutoTokenizer
+    return ChatFormat(AutoTokenizer.from_pretrained(tiny_model_dir))
+
+
+def _make_env(name: str, train, heldout):
+    cfg = Config.model_validate({"env": {"name": name}})
+    corpus = synthetic.lookup_corpus(heldout, train) if name == "search" else None
+    return env_factory(cfg, corpus=corpus)
+
+
+@pytest.mark.parametrize("name", sorted(synthetic.TASKS))
+def test_good_demonstrations_solve_and_bad_ones_mostly_fail(name, fmt):
+    task = synthetic.task(name)
+    train, heldout = task.splits(40, 10, seed=3)
+    make_env = _make_env(name, train, heldout)
+    rng = random.Random(0)
+    good = [replay(make_env(), fmt, row, task.demonstration(row, rng, True).turns) for row in train]
+    bad = [replay(make_env(), fmt, row, task.demonstration(row, rng, False).turns) for row in train]
+    assert all(t.outcome == 1.0 and t.finish == "answer" for t in good)
+    if name == "intervention":   # rambling costs turns and tokens, and a third ramble the answer
+        assert all(t.num_turns > 1 for t in bad)
+        assert sum(t.policy_tokens() for t in bad) > sum(t.policy_tokens() for t in good)
+        assert all(t.finish == "max_turns" for t in bad if t.outcome == 0)
+    elif name == "math_refine":  # approving the carry-less attempt: right only without carries
+        assert all(t.num_turns == 3 for t in good + bad)
+        assert sum(t.outcome for t in bad) <= 12
+    else:
+        assert sum(t.outcome for t in bad) <= 2
+
+
+def test_addition_steps_and_naive_sum():
+    assert synthetic.addition_steps(475, 382) == "5+2=7 7+8=15 4+3+1=8"
+    assert synthetic.addition_steps(999, 999) == "9+9=18 9+9+1=19 9+9+1=19"
+    assert synthetic.naive_sum(475, 382) == "757"       # forgets the carry: wrong
+    assert synthetic.naive_sum(123, 456) == "579"       # no carry: right
+    rows = synthetic.addition_rows(2000, seed=0, split="x", exclude=set())
+    right = sum(synthetic.naive_sum(r["a"], r["b"]) == r["answer"] for r in rows) / len(rows)
+    # no column may carry: 0.55 (ones) * 0.55 (tens) * 36/81 (hundreds, digits 1-9) ~ 0.134
+    assert 0.09 < right < 0.18
+
+
+def test_lookup_codes_only_in_the_corpus():
+    train, heldout = synthetic.task("search").splits(50, 10, seed=0)
+    corpus = synthetic.lookup_corpus(heldout, train)
+    assert len(corpus) == 60 and len({p["title"] for p in corpus}) == 60
+    row = heldout[0]
+    assert row["answer"] not in row["prompt"]
+    assert any(p["title"] == row["entity"] and row["answer"] in p["text"] for p in corpus)
+
+
+def test_unknown_synthetic_task_names_the_way_out():
+    with pytest.raises(KeyError, match="data.train_set"):
+        synthetic.task("nope")
+
+
+def test_env_options_follow_params(tmp_path):
+    cfg = Config.model_validate({"env": {"name": "code_tool", "code_tool": {"timeout_s": 2.0}}})
+    assert env_options(cfg)["timeout_s"] == 2.0
+    cfg = Config.model_validate({"env": {"name": "intervention"}, "rollout": {"max_turns": 4}})
+    assert env_options(cfg) == {"max_turns": 4}
+    cfg = Config.model_validate({"env": {"name": "search"}})
+    with pytest.raises(FileNotFoundError, match="dvc repro preprocess"):
+        env_options(cfg, tmp_path)
+    cfg = Config.model_validate({"env": {"name": "math_refine", "math_refine": {
+        "feedback": "endpoint", "endpoint_url": "http://127.0.0.1:9/v1"}}})
+    assert env_options(cfg)["endpoint_url"] == "http://127.0.0.1:9/v1"
+
+
+def test_trained_turns_masks_the_frozen_level():
+    turn_ids = torch.tensor([[-1, 0, 0, 1, 1, 2, -1]])
+    both = Config.model_validate({"env": {"name": "math_refine"}})
+    low = Config.model_validate({"env": {"name": "math_refine", "math_refine": {"train_levels": "low"}}})
+    high = Config.model_validate({"env": {"name": "math_refine", "math_refine": {"train_levels": "high"}}})
+    assert trained_turns(both, turn_ids).tolist() == [[1, 1, 1, 1, 1, 1, 1]]
+    assert trained_turns(low, turn_ids).tolist() == [[1, 1, 1, 0, 0, 1, 1]]
+    assert trained_turns(high, turn_ids).tolist() == [[0, 0, 0, 1, 1, 0, 0]]
+    # other environments train every policy turn
+    assert trained_turns(Config(), turn_ids).tolist() == [[1] * 7]
