@@ -313,3 +313,12 @@ def test_masked_whiten_used_by_gae_is_the_losses_helper():
     x = t([[2, 4, 99, 6]])
     mask = t([[1, 1, 0, 1]])
     close(masked_whiten(x, mask), [[-1, 0, 0, 1]])
+
+
+def test_outcome_token_rewards_on_the_last_policy_token():
+    from turnrl.algos import outcome_token_rewards
+    mask = torch.tensor([[0., 1., 1., 0., 1., 0.],    # last policy token at 4 (an observation at 3)
+                         [0., 1., 0., 0., 0., 0.],
+                         [0., 0., 0., 0., 0., 0.]])   # no policy token: nothing
+    out = outcome_token_rewards(torch.tensor([1.0, -0.5, 7.0]), mask)
+    assert out.tolist() == [[0, 0, 0, 0, 1.0, 0], [0, -0.5, 0, 0, 0, 0], [0] * 6]

@@ -29,7 +29,7 @@ from conftest import copy_project  # noqa: E402
 from flows import pipeline as pl  # noqa: E402
 from turnrl.config import ConfigError  # noqa: E402
 
-STAGES = ["preprocess", "prepare_model", "baseline_eval", "train", "eval"]
+STAGES = ["preprocess", "prepare_model", "baseline_eval", "train", "eval", "report"]
 
 
 @pytest.fixture(scope="session")
@@ -286,7 +286,7 @@ SHORT = {
     "data.train_examples": 256, "data.heldout_examples": 32,
     "model.warmstart.demonstrations": 100, "model.warmstart.skill_steps": 20,
     "model.warmstart.prior_steps": 5,
-    "eval.math500_limit": 20,
+    "eval.limit": 20,
 }
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
@@ -351,7 +351,7 @@ def test_deployment_run_with_overrides(tmp_path):
     if Path(data_dir, "math500").is_dir():
         env["TURNRL_DATA_DIR"] = data_dir
     else:                                        # offline without MATH-500: task eval only
-        overrides["eval.math500"] = False
+        overrides["eval.benchmarks"] = []
     prefect = [str(Path(sys.executable).parent / "prefect")]
 
     def cli(*args: str, timeout: float = 180) -> str:

@@ -58,7 +58,7 @@ def test_a_wrong_explicit_path_is_an_error(tmp_path):
 
 def _cfg(**data) -> Config:
     env = data.pop("env", "code_tool")
-    return Config.model_validate({"env": {"name": env}, "data": data, "eval": {"math500": False}})
+    return Config.model_validate({"env": {"name": env}, "data": data, "eval": {"benchmarks": []}})
 
 
 def test_search_writes_the_synthetic_corpus(tmp_path):

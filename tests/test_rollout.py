@@ -112,3 +112,23 @@ def test_real_transformers_engine_keeps_sampled_ids(tiny_model_dir, fmt):
     for t in trajs:
         assert t.finish in {"answer", "no_action", "max_turns", "token_budget", "truncated"}
         check_token_in_token_out(t, fmt)
+
+
+def test_a_turn_ended_by_the_model_is_not_closed_twice(fmt):
+    """A ramble has no stop string: the model ends it with the end-of-turn token itself, and
+    the conversation is exactly what the chat template renders for the same messages."""
+    from turnrl.envs.intervention import INTERVENTION, InterventionEnv
+    env = InterventionEnv(max_turns=3)
+    example = {"prompt": "Compute 12 + 34.", "answer": "46"}
+    t = replay(env, fmt, example, ["Let me think about it again.", "<answer>46</answer>"])
+    eos = fmt.tokenizer.eos_token_id
+    first_turn = [i for i, k in zip(t.response_ids, t.turn_ids) if k == 0]
+    assert t.outcome == 1.0 and eos in first_turn
+    assert t.response_ids[t.loss_mask.index(0) - 1] == eos          # the ramble's last policy token
+    messages = [{"role": "system", "content": env.system_prompt}, {"role": "user", "content": example["prompt"]},
+                {"role": "assistant", "content": "Let me think about it again."},
+                {"role": "user", "content": INTERVENTION},
+                {"role": "assistant", "content": "<answer>46</answer>"}]
+    rendered = fmt.tokenizer.apply_chat_template(messages, tokenize=False)
+    text = fmt.tokenizer.decode(t.prompt_ids + t.response_ids, skip_special_tokens=False)
+    assert rendered.startswith(text) and rendered[len(text):].strip() == fmt.tokenizer.eos_token

@@ -129,9 +129,12 @@ class EnvCfg(_Section):
 
 # --------------------------------------------------------------------------- algorithm
 class AlgorithmCfg(_Section):
-    name: Literal["grpo", "dr_grpo", "rloo", "mt_grpo", "ms_grpo", "ms_po"] = "grpo"
+    name: Literal["grpo", "dr_grpo", "rloo", "mt_grpo", "ms_grpo", "ms_po", "ppo"] = "grpo"
     turn_coef: float = Field(1.0, ge=0.0, description="mt_grpo / ms_grpo: weight of the turn-level advantage")
-    gamma: float = Field(1.0, ge=0.0, description="ms_po: R_tot = R_step + gamma * R_out")
+    gamma: float = Field(1.0, ge=0.0, description="ms_po: R_tot = R_step + gamma * R_out; ppo: the GAE discount")
+    lam: float = Field(1.0, ge=0.0, le=1.0, description="ppo: GAE lambda")
+    critic_lr: float = Field(1e-3, gt=0, description="ppo: learning rate of the critic (value head model)")
+    value_clip: float | None = Field(0.2, gt=0, description="ppo: clip range of the value loss (null: unclipped)")
     clip_low: float = Field(0.2, ge=0.0, lt=1.0)
     clip_high: float = Field(0.28, ge=0.0)
     dual_clip: float | None = Field(None, gt=1.0)

@@ -100,10 +100,11 @@ def grading_reason(t: Trajectory) -> str:
         return str(info["grade"])
     if "exact_match" in info:                   # search: exact match against the gold answers
         verdict = "exact match" if info["exact_match"] else "no exact match"
-        return f"{verdict}: predicted {info.get('prediction')!r}, gold {t.example.get('answers') or t.example.get('answer')!r}"
+        gold = t.example.get("answers") or t.example.get("answer")
+        return f"{verdict}: predicted {info.get('prediction')!r}, gold {gold!r}"
     extracted = info.get("extracted")
     if extracted is None or t.finish != "answer":
-        return NO_ANSWER.get(t.finish, f"no answer ({t.finish or 'not finished'})")
+        return NO_ANSWER.get(t.finish, "no answer found")
     from turnrl.rewards.math import grade_math  # the same grading the environments use
     return grade_math(f"<answer>{extracted}</answer>", str(t.example.get("answer"))).reason
 

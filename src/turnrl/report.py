@@ -243,10 +243,10 @@ def _block_section(name: str, x: dict, y: dict, labels: tuple[str, str], gens: t
     lines += [f"{la}: {_decoding(x)}  " if x else f"{la}: not evaluated  ",
               f"{lb}: {_decoding(y)}" if y else f"{lb}: not evaluated", ""]
     keys = [k for k in ("accuracy", "accuracy_greedy", "correct", "mean_response_tokens", "mean_response_tokens_greedy",
-                        "tokens_per_correct", "mean_turns") if k in x or k in y]
+                        "tokens_per_correct", "tokens_per_correct_greedy", "mean_turns") if k in x or k in y]
     keys += sorted({k for k in (*x, *y) if k.startswith("pass_at_")})
-    rows = [[k, *(_pct(d.get(k)) if k.startswith(("accuracy", "pass_at")) else _num(d.get(k), 2 if k == "mean_turns" else 1)
-                 for d in (x, y))] for k in keys]
+    rows = [[k, *(_pct(d.get(k)) if k.startswith(("accuracy", "pass_at"))
+                  else _num(d.get(k), 2 if k == "mean_turns" else 1) for d in (x, y))] for k in keys]
     lines += _table(["metric", la, lb], rows)
     for key in ("by_subject", "by_level"):
         if key in x or key in y:

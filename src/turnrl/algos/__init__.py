@@ -21,6 +21,7 @@ from .advantages import (
     ms_grpo,
     ms_po,
     mt_grpo,
+    outcome_token_rewards,
     per_turn_grpo,
     per_turn_sum,
     rloo,

@@ -236,6 +236,19 @@ def per_turn_grpo(
 # ----------------------------------------------------------------- PPO with a critic
 
 
+def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """rewards [B], mask [B, T] -> [B, T]: each trajectory's reward on its last policy token
+    (mask 1), 0 elsewhere: the sparse token rewards GAE takes. A row with no policy token
+    gets nothing."""
+    T = mask.shape[1]
+    positions = torch.arange(T, device=mask.device).expand_as(mask)
+    last = torch.where(mask.bool(), positions, -1).max(dim=1).values      # [B], -1 if none
+    out = torch.zeros(mask.shape, dtype=torch.float, device=mask.device)
+    has = last >= 0
+    out[has.nonzero().squeeze(1), last[has]] = rewards.float()[has]
+    return out
+
+
 def gae(
     *,
     token_rewards: torch.Tensor,

@@ -8,9 +8,10 @@ solve with what its environment offers, so RL has something to discover:
   `<output>` into `<answer>`.
 - `search`: "What is the code of Heron 482?" The codes are random: only the search index
   knows them. Search the name, copy the code from the result.
-- `math_refine`: add two 3-digit numbers. The solver's first attempt adds digit by digit and
-  forgets carries (right only when no column carries); the high-level role can write the
-  column sums with their carries as feedback, from which the refinement reads the answer.
+- `math_refine`: add two 2-digit numbers. The solver's first attempt adds digit by digit and
+  forgets carries (right only when no column carries, about 1 in 4); the high-level role can
+  write the column sums with their carries as feedback, from which the refinement reads the
+  answer.
 - `intervention`: the same additions, worked column by column then answered. A policy that
   rambles ("Let me think about it again.") is interrupted and may run out of turns.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 __all__ = ["Demonstration", "SyntheticTask", "TASKS", "task", "addition_steps", "naive_sum"]
@@ -177,8 +179,10 @@ def intervention_demonstration(row: dict, rng: random.Random, good: bool) -> Dem
 TASKS: dict[str, SyntheticTask] = {
     "code_tool": SyntheticTask("code_tool", product_rows, lambda r: (r["a"], r["b"]), product_demonstration),
     "search": SyntheticTask("search", lookup_rows, lambda r: (r["entity"],), lookup_demonstration),
-    "math_refine": SyntheticTask("math_refine", addition_rows, lambda r: (r["a"], r["b"]), refine_demonstration),
-    "intervention": SyntheticTask("intervention", addition_rows, lambda r: (r["a"], r["b"]),
+    # two-digit additions: three columns are more than the tiny model's warm start learns well
+    "math_refine": SyntheticTask("math_refine", partial(addition_rows, digits=2), lambda r: (r["a"], r["b"]),
+                                 refine_demonstration),
+    "intervention": SyntheticTask("intervention", partial(addition_rows, digits=2), lambda r: (r["a"], r["b"]),
                                   intervention_demonstration),
 }
 

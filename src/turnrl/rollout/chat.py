@@ -13,6 +13,7 @@ chat template.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 _ASSISTANT = "\u2063ASSISTANT_MARK\u2063"
 _OBS = "\u2063OBSERVATION_MARK\u2063"
@@ -33,17 +34,33 @@ class ChatFormat:
     def prompt_ids(self, system: str, user: str) -> list[int]:
         return self.encode(self.prompt_text(system, user))
 
-    def observation_text(self, observation: str, role: str) -> str:
+    def observation_text(self, observation: str, role: str, after_eos: bool = False) -> str:
         """Text that follows a policy turn: end of the assistant message, the observation
-        message in `role`, and the start of the next assistant message."""
+        message in `role`, and the start of the next assistant message. `after_eos`: the
+        policy ended its turn with the end-of-turn token itself, so the frame must not
+        repeat it."""
         if self.template_type == "base":
             label = "User" if role == "user" else "Tool"
             return f"\n{label}: {observation}\nAssistant:"
         before, after = _observation_frame(self.tokenizer, role)
+        if after_eos and self.eos_token and before.startswith(self.eos_token):
+            before = before[len(self.eos_token):]
         return before + observation + after
 
-    def observation_ids(self, observation: str, role: str) -> list[int]:
-        return self.encode(self.observation_text(observation, role))
+    def observation_ids(self, observation: str, role: str, after_eos: bool = False) -> list[int]:
+        return self.encode(self.observation_text(observation, role, after_eos))
+
+    @property
+    def eos_token(self) -> str | None:
+        return getattr(self.tokenizer, "eos_token", None)
+
+    @property
+    def eos_id(self) -> int | None:
+        return getattr(self.tokenizer, "eos_token_id", None)
+
+    def ends_turn(self, ids: Sequence[int]) -> bool:
+        """True when a policy turn's ids end with the end-of-turn (eos) token."""
+        return bool(ids) and self.eos_id is not None and ids[-1] == self.eos_id
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -160,7 +160,8 @@ def run_rollouts(engine: Engine, examples: Sequence[dict], make_env: Callable[[]
                 if turn == budgets.max_turns - 1:
                     t.finish = "max_turns"
                     continue
-                obs_ids = fmt.observation_ids(result.observation or "", envs[i].observation_role)
+                obs_ids = fmt.observation_ids(result.observation or "", envs[i].observation_role,
+                                              after_eos=fmt.ends_turn(samples[k].token_ids))
                 if len(t.response_ids) + len(obs_ids) >= budgets.max_tokens_total:
                     t.finish = "token_budget"
                     continue
@@ -174,14 +175,19 @@ def run_rollouts(engine: Engine, examples: Sequence[dict], make_env: Callable[[]
 
 def replay(env: Env, fmt: ChatFormat, example: dict, turns: Sequence[str]) -> Trajectory:
     """A trajectory from scripted policy turns, assembled exactly as `run_rollouts` does:
-    used for the warm start's demonstrations and to test environments step by step."""
+    used for the warm start's demonstrations and to test environments step by step. A turn
+    that does not end with one of the environment's stop strings ends, as a model's would,
+    with the end-of-turn token (trained on, like the rest of the turn)."""
     t = Trajectory(example=example, prompt_ids=fmt.prompt_ids(env.system_prompt, env.reset(example)))
     for turn, text in enumerate(turns):
         ids = fmt.encode(text)
+        if not text.endswith(tuple(env.stop)) and fmt.eos_id is not None:
+            ids.append(fmt.eos_id)
         t.add_turn(turn, ids, [0.0] * len(ids), text)
         result = env.step(text)
         if t.record(result):
             break
-        t.add_observation(turn, fmt.observation_ids(result.observation or "", env.observation_role),
+        t.add_observation(turn, fmt.observation_ids(result.observation or "", env.observation_role,
+                                                    after_eos=fmt.ends_turn(ids)),
                           result.observation or "")
     return t

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from turnrl.algos import compute_advantages, contiguous_group_ids, first_obs_position
+from turnrl.algos import compute_advantages, contiguous_group_ids, first_obs_position, gae, outcome_token_rewards
 from turnrl.config import Config
 from turnrl.envs.configured import trained_turns
 from turnrl.rollout.loop import Trajectory
@@ -141,23 +141,28 @@ def start_ray(cfg: Config) -> None:
 class Workers:
     policy: object
     rollout: object
+    critic: object | None = None    # PPO only
 
 
 def start_workers(cfg: Config, model_dir: str, data_dir: str) -> Workers:
     import ray
 
     from turnrl.rollout.engines import cpu_env_defaults
-    from turnrl.training.workers import PolicyWorker, RolloutWorker
+    from turnrl.training.workers import CriticWorker, PolicyWorker, RolloutWorker
     threads = str(cfg.cluster.num_cpus)  # the roles take turns, so each may use every core
     common = {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
-    policy = ray.remote(num_cpus=1)(PolicyWorker).options(
-        runtime_env={"env_vars": {**common, "DS_ACCELERATOR": "cpu"}}).remote(
+    ppo = cfg.algorithm.name == "ppo"
+    share = 1.0 / (3 if ppo else 2)      # of this machine's CPUs per role (they take turns)
+    trainer_env = {"env_vars": {**common, "DS_ACCELERATOR": "cpu"}}
+    policy = ray.remote(num_cpus=share)(PolicyWorker).options(runtime_env=trainer_env).remote(
         model_dir, cfg.model_dump(), master_port=_free_port())
-    rollout = ray.remote(num_cpus=1)(RolloutWorker).options(
+    rollout = ray.remote(num_cpus=share)(RolloutWorker).options(
         runtime_env={"env_vars": {**common, **cpu_env_defaults(cfg.rollout.kv_cache_gib)}}).remote(
         model_dir, cfg.model_dump(), str(Path(data_dir).resolve()))
-    ray.get([policy.__ray_ready__.remote(), rollout.__ray_ready__.remote()])
-    return Workers(policy, rollout)
+    critic = ray.remote(num_cpus=share)(CriticWorker).options(runtime_env=trainer_env).remote(
+        model_dir, cfg.model_dump(), master_port=_free_port()) if ppo else None
+    ray.get([w.__ray_ready__.remote() for w in (policy, rollout, critic) if w is not None])
+    return Workers(policy, rollout, critic)
 
 
 def _free_port() -> int:
@@ -190,9 +195,18 @@ def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], ou
 
         batch = collate(trajs, pad_id)
         batch["loss_mask"] *= trained_turns(cfg, batch["turn_ids"])   # e.g. a frozen feedback level
-        batch["advantages"] = advantages_for(cfg, trajs, batch)
+        critic_stats = {}
+        if workers.critic is not None:   # PPO: GAE on the critic's values, then fit the critic
+            batch["values"] = ray.get(workers.critic.values.remote(batch))
+            batch["advantages"], batch["returns"] = gae(
+                token_rewards=outcome_token_rewards(torch.tensor([t.outcome for t in trajs]), batch["loss_mask"]),
+                values=batch["values"], mask=batch["loss_mask"], gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam)
+        else:
+            batch["advantages"] = advantages_for(cfg, trajs, batch)
         t_adv = time.perf_counter()
         train_stats = ray.get(workers.policy.train.remote(batch))
+        if workers.critic is not None:
+            critic_stats = ray.get(workers.critic.train.remote(batch))
         t_train = time.perf_counter()
 
         ray.get(workers.rollout.load_weights.remote(workers.policy.named_weights.remote()))
@@ -202,6 +216,7 @@ def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], ou
         metrics = {
             **rollout_metrics(trajs, cfg.rollout.n),
             **train_stats,
+            **critic_stats,
             "advantage_abs_mean": float((batch["advantages"].abs() * batch["loss_mask"]).sum()
                                         / batch["loss_mask"].sum().clamp(min=1)),
             "rollout_s": t_rollout - t_start,

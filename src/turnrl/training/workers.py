@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from turnrl.algos import entropy_from_logits, kl_estimate, kl_loss, logprobs_from_logits, masked_mean, policy_loss
+from turnrl.algos import (entropy_from_logits, explained_variance, kl_estimate, kl_loss, logprobs_from_logits,
+                          masked_mean, policy_loss, value_loss)
 from turnrl.config import Config
 
 
@@ -30,34 +31,41 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(entropy_from_logits(logits[:, :-1]), (1, 0))
 
 
+def _deepspeed_engine(model: torch.nn.Module, cfg: Config, lr: float, rank: int, world_size: int,
+                      master_addr: str, master_port: int):
+    """`model` wrapped in a DeepSpeed engine (ZeRO stage from params) in this process's group."""
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size),
+                       "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+    train = cfg.train
+    # A torch optimizer avoids DeepSpeed's JIT-built Adam kernels (minutes of gcc on CPU).
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=train.weight_decay, betas=(0.9, 0.99))
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 1,   # we pass whole mini-batches; see train()
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": train.grad_clip,
+        "zero_optimization": {"stage": train.zero_stage},
+        "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    return engine
+
+
 class PolicyWorker:
     def __init__(self, model_dir: str, cfg: dict[str, Any], rank: int = 0, world_size: int = 1,
                  master_addr: str = "127.0.0.1", master_port: int = 29500):
-        os.environ.update({"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size),
-                           "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
-        os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
-        import deepspeed
         from transformers import AutoModelForCausalLM
 
         self.cfg = Config.model_validate(cfg)
         torch.manual_seed(self.cfg.seed + rank)
         torch.set_flush_denormal(True)   # subnormal floats slow CPU training down several-fold
-        deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, self.cfg.model.dtype))
         train = self.cfg.train
-        # A torch optimizer avoids DeepSpeed's JIT-built Adam kernels (minutes of gcc on CPU).
-        optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay,
-                                      betas=(0.9, 0.99))
-        ds_config = {
-            "train_micro_batch_size_per_gpu": 1,   # we pass whole mini-batches; see train()
-            "gradient_accumulation_steps": 1,
-            "gradient_clipping": train.grad_clip,
-            "zero_optimization": {"stage": train.zero_stage},
-            "bf16": {"enabled": self.cfg.model.dtype == "bfloat16"},
-            "steps_per_print": 10 ** 9,
-            "wall_clock_breakdown": False,
-        }
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        self.engine = _deepspeed_engine(model, self.cfg, train.lr, rank, world_size, master_addr, master_port)
         self.zero_stage = train.zero_stage
         # The frozen starting policy: KL to it is reported every step and, with
         # algorithm.kl_coef > 0, added to the loss. Loaded once; it only computes logprobs.
@@ -133,6 +141,53 @@ class PolicyWorker:
         self.engine.module.save_pretrained(out_dir, state_dict=weights, safe_serialization=True)
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
         return out_dir
+
+
+class CriticWorker:
+    """PPO's critic: the policy's network with a scalar value head instead of the LM head
+    (transformers' `...ForTokenClassification` with one label, the head freshly initialized),
+    in its own DeepSpeed engine. Values are token-aligned like logprobs: entry t is V of the
+    state before token t."""
+
+    def __init__(self, model_dir: str, cfg: dict[str, Any], rank: int = 0, world_size: int = 1,
+                 master_addr: str = "127.0.0.1", master_port: int = 29501):
+        from transformers import AutoModelForTokenClassification
+
+        self.cfg = Config.model_validate(cfg)
+        torch.manual_seed(self.cfg.seed + 1000 + rank)
+        torch.set_flush_denormal(True)
+        model = AutoModelForTokenClassification.from_pretrained(
+            model_dir, num_labels=1, dtype=getattr(torch, self.cfg.model.dtype))
+        self.engine = _deepspeed_engine(model, self.cfg, self.cfg.algorithm.critic_lr, rank, world_size,
+                                        master_addr, master_port)
+
+    def _values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[..., 0]
+        return torch.nn.functional.pad(out[:, :-1], (1, 0))   # [B, L], shifted like token_logprobs
+
+    @torch.no_grad()
+    def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        self.engine.eval()
+        return self._values(batch).float()
+
+    def train(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Clipped value regression on `returns` from the values at rollout time (`values`)."""
+        alg = self.cfg.algorithm
+        stats: dict[str, list[float]] = {}
+        self.engine.train()
+        size = batch["input_ids"].shape[0]
+        for _ in range(alg.epochs):
+            for chunk in torch.randperm(size).chunk(alg.mini_batches):
+                mb = {k: v[chunk] for k, v in batch.items()}
+                loss, info = value_loss(self._values(mb), mb["values"], mb["returns"], mb["loss_mask"],
+                                        clip=alg.value_clip, agg=alg.loss_agg)
+                self.engine.backward(loss)
+                self.engine.step()
+                for k, v in {"value_loss": loss.item(), **{k: float(v) for k, v in info.items()}}.items():
+                    stats.setdefault(k, []).append(v)
+        out = {k: sum(v) / len(v) for k, v in stats.items()}
+        out["explained_variance"] = float(explained_variance(batch["values"], batch["returns"], batch["loss_mask"]))
+        return out
 
 
 class RolloutWorker:

@@ -1,0 +1,26 @@
+"""`turnrl COMMAND ...`: the project's commands under one name.
+
+    turnrl config [params.yaml]            validate params and print the resolved config
+    turnrl presets [NAME [--apply]]        list presets, print -S args, or write them to params.yaml
+    turnrl evaluate PATH --out DIR ...     score any Hugging Face checkpoint on the configured benchmarks
+    turnrl report A.json B.json --out DIR  compare two evaluations as Markdown with plots
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {"config": "turnrl.config", "presets": "turnrl.presets",
+            "evaluate": "turnrl.evaluate_checkpoint", "report": "turnrl.report"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] not in COMMANDS:
+        print(__doc__.strip(), file=sys.stderr)
+        return 0 if args[:1] in (["-h"], ["--help"]) else 2
+    return importlib.import_module(COMMANDS[args[0]]).main(args[1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

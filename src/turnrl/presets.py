@@ -1,0 +1,96 @@
+"""Named presets: each method's setup as a few params keys (`configs/NAME.yaml`).
+
+    python -m turnrl.presets                       # list them
+    dvc exp run $(python -m turnrl.presets mutis)  # an experiment with the preset's keys (-S k=v ...)
+    python -m turnrl.presets mutis --apply         # or write them into params.yaml (comments kept)
+
+A preset is checked against params.yaml before anything runs: a key it sets that params do
+not have is an error naming it.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from turnrl.config import ConfigError, load_config
+
+# the project's configs/ (run from the project root, as dvc does), else the one beside src/
+PRESETS = Path("configs") if Path("configs").is_dir() else Path(__file__).resolve().parents[2] / "configs"
+
+
+def names(folder: Path = PRESETS) -> list[str]:
+    return sorted(p.stem for p in folder.glob("*.yaml"))
+
+
+def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict):
+            out.update(flatten(value, dotted))
+        else:
+            out[dotted] = value
+    return out
+
+
+def load(name: str, params: str | Path = "params.yaml", folder: Path = PRESETS) -> dict[str, Any]:
+    """The preset's dotted keys, validated over `params`."""
+    path = folder / f"{name}.yaml"
+    if not path.exists():
+        raise ConfigError(f"unknown preset {name!r}; presets: {', '.join(names(folder))}")
+    keys = flatten(yaml.safe_load(path.read_text()) or {})
+    load_config(params, [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
+                         for k, v in keys.items()])
+    return keys
+
+
+def set_args(keys: dict[str, Any]) -> list[str]:
+    """`-S key=value` arguments for `dvc exp run`."""
+    args = []
+    for key, value in keys.items():
+        text = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+        args += ["-S", f"{key}={text}"]
+    return args
+
+
+def apply(keys: dict[str, Any], params: str | Path = "params.yaml") -> None:
+    """Write the keys into params.yaml, keeping its comments and order."""
+    from ruamel.yaml import YAML
+    rt = YAML()
+    path = Path(params)
+    data = rt.load(path.read_text())
+    for key, value in keys.items():
+        node = data
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node[part]
+        node[last] = value
+    with path.open("w") as fh:
+        rt.dump(data, fh)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        for name in names():
+            first = (PRESETS / f"{name}.yaml").read_text().splitlines()[0].lstrip("# ")
+            print(f"{name:10s} {first}")
+        return 0
+    try:
+        keys = load(args[0])
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if "--apply" in args[1:]:
+        apply(keys)
+        print(f"params.yaml: set {', '.join(f'{k}={v}' for k, v in keys.items())}", file=sys.stderr)
+    else:
+        print(" ".join(set_args(keys)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

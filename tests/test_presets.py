@@ -1,0 +1,47 @@
+"""Method presets (configs/*.yaml): each is valid over params.yaml and becomes `-S` args or
+params.yaml edits that keep the file's comments."""
+import shutil
+from pathlib import Path
+
+import pytest
+
+from turnrl import presets
+from turnrl.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name", ["mutis", "mlmt", "mt_grpo", "ms_grpo", "ms_po", "mtgrpo"])
+def test_every_method_has_a_valid_preset(name):
+    keys = presets.load(name, ROOT / "params.yaml", ROOT / "configs")
+    args = presets.set_args(keys)
+    overrides = [a for a in args if a != "-S"]
+    cfg = load_config(ROOT / "params.yaml", overrides)
+    assert cfg.env.name == keys["env.name"] and cfg.algorithm.name == keys["algorithm.name"]
+
+
+def test_method_pairs():
+    pairs = {n: (presets.load(n, ROOT / "params.yaml", ROOT / "configs")["env.name"],
+                 presets.load(n, ROOT / "params.yaml", ROOT / "configs")["algorithm.name"]) for n in presets.names(ROOT / "configs")}
+    assert pairs["mutis"] == ("intervention", "ppo")
+    assert pairs["mlmt"] == ("math_refine", "grpo")
+    assert pairs["mt_grpo"] == ("code_tool", "mt_grpo")
+    assert pairs["ms_grpo"] == ("search", "ms_grpo") and pairs["ms_po"] == ("search", "ms_po")
+
+
+def test_apply_writes_the_keys_and_keeps_comments(tmp_path):
+    params = tmp_path / "params.yaml"
+    shutil.copy(ROOT / "params.yaml", params)
+    presets.apply(presets.load("mutis", params, ROOT / "configs"), params)
+    text = params.read_text()
+    assert "# grpo, dr_grpo" in text            # comments survive
+    cfg = load_config(params)
+    assert cfg.algorithm.name == "ppo" and cfg.env.name == "intervention"
+
+
+def test_unknown_preset_and_bad_key(tmp_path):
+    with pytest.raises(ConfigError, match="presets: .*mutis"):
+        presets.load("nope", ROOT / "params.yaml", ROOT / "configs")
+    (tmp_path / "bad.yaml").write_text("algorithm: {nam: ppo}\n")
+    with pytest.raises(ConfigError, match="algorithm.nam: unknown key"):
+        presets.load("bad", ROOT / "params.yaml", tmp_path)
