@@ -97,7 +97,8 @@ def _multi_turn_inputs():
     )
 
 
-ALL_ESTIMATOR_NAMES = sorted(ADVANTAGE_ESTIMATORS)
+# the outcome-reward estimators; mlmt (turn-structured rewards) has its own tests below
+ALL_ESTIMATOR_NAMES = sorted(set(ADVANTAGE_ESTIMATORS) - {"mlmt"})
 
 
 @pytest.mark.parametrize("name", ALL_ESTIMATOR_NAMES)
@@ -296,7 +297,7 @@ def test_compute_advantages_dispatch_and_errors():
         compute_advantages("ppo_typo", **inputs)
     with pytest.raises(TypeError, match="turn_cof"):
         compute_advantages("mt_grpo", **inputs, turn_cof=0.5)
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "dr_grpo", "rloo", "mt_grpo", "ms_grpo", "ms_po"}
+    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "dr_grpo", "rloo", "mt_grpo", "ms_grpo", "ms_po", "mlmt"}
 
 
 def test_group_helpers():
@@ -322,3 +323,20 @@ def test_outcome_token_rewards_on_the_last_policy_token():
                          [0., 0., 0., 0., 0., 0.]])   # no policy token: nothing
     out = outcome_token_rewards(torch.tensor([1.0, -0.5, 7.0]), mask)
     assert out.tolist() == [[0, 0, 0, 0, 1.0, 0], [0, -0.5, 0, 0, 0, 0], [0] * 6]
+
+
+def test_mlmt_stage2_turn_by_turn():
+    from turnrl.algos import mlmt
+    # one group of 2: sample 0 improved (R1=0 -> R=1), sample 1 stayed wrong (0 -> 0)
+    turn_ids = torch.tensor([[0, 0, 1, 2, 2], [0, 1, 1, 2, -1]])
+    mask = torch.tensor([[1., 1., 1., 1., 1.], [1., 1., 1., 1., 0.]])
+    adv = mlmt(rewards=torch.tensor([1.0, 0.0]), first_rewards=torch.tensor([0.0, 0.0]), turn_ids=turn_ids,
+               mask=mask, group_ids=torch.tensor([0, 0]), mlmt_stage=2, alpha=1.0)
+    # stage II: turn 1 = R1 = (0, 0) -> 0; turn 2 = R = (1, 0) -> +-0.7071 (std unbiased of
+    # (1, 0) is 0.7071, so (1 - 0.5) / 0.7071); turn 3 = R + (R - R1) = (2, 0) -> +-0.7071
+    s = 0.5 / torch.tensor([1.0, 0.0]).std().item()
+    assert torch.allclose(adv, torch.tensor([[0, 0, s, s, s], [0, -s, -s, -s, 0]]), atol=1e-5)
+    stage1 = mlmt(rewards=torch.tensor([1.0, 0.0]), first_rewards=torch.tensor([0.0, 0.0]), turn_ids=turn_ids,
+                  mask=mask, group_ids=torch.tensor([0, 0]), mlmt_stage=1)
+    # stage I: turn 1 = 0 for both (no KL terms) -> 0; turns 2, 3 = R
+    assert torch.allclose(stage1, torch.tensor([[0, 0, s, s, s], [0, -s, -s, -s, 0]]), atol=1e-5)

@@ -186,3 +186,19 @@ def test_real_data_runs_through_the_pipeline(project, first_run, setting):
         assert manifest["corpus"]["n"] > 2500
         assert rows["trajectory"].str.contains("<result>|No results", regex=True).any() or \
             not rows["trajectory"].str.contains("<search>").any()
+
+
+@pytest.mark.slow
+def test_math_refine_with_mlmt_runs_through_the_pipeline(project, first_run):
+    """MLMT's setup: shared weights write the feedback, levels alternating, stage II rewards."""
+    proc = dvc(project, "exp", "run", "-S", "env.name=math_refine", "-S", "algorithm.name=mlmt",
+               "-S", "env.math_refine.alternate=[1,1]", "-S", "eval.benchmarks=[]")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for stage in ["preprocess", "prepare_model", "baseline_eval", "train", "eval"]:
+        assert f"Running stage '{stage}'" in proc.stdout, stage
+    import pandas as pd
+    rows = pd.read_parquet(project / "eval/final/task.parquet")
+    assert rows["trajectory"].str.contains("Write feedback for the solver").all()
+    assert json.loads((project / "metrics/prepare_model.json").read_text())["env"] == "math_refine"
+    curve = pd.read_csv(project / "plots/train.csv")
+    assert list(curve["step"]) == [1, 2]

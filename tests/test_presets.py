@@ -24,7 +24,7 @@ def test_method_pairs():
     pairs = {n: (presets.load(n, ROOT / "params.yaml", ROOT / "configs")["env.name"],
                  presets.load(n, ROOT / "params.yaml", ROOT / "configs")["algorithm.name"]) for n in presets.names(ROOT / "configs")}
     assert pairs["mutis"] == ("intervention", "ppo")
-    assert pairs["mlmt"] == ("math_refine", "grpo")
+    assert pairs["mlmt"] == ("math_refine", "mlmt")
     assert pairs["mt_grpo"] == ("code_tool", "mt_grpo")
     assert pairs["ms_grpo"] == ("search", "ms_grpo") and pairs["ms_po"] == ("search", "ms_po")
 

@@ -129,7 +129,12 @@ def test_grade_reasons():
     g = grade_math(r"\boxed{5}", "4")
     assert g == MathGrade(False, "5", "not equivalent: got 5, expected 4")
     assert grade_math(r"\boxed{\frac{1}{2}}", "0.5") == MathGrade(True, r"\frac{1}{2}", "equivalent to reference")
-    assert grade_math(r"\boxed{)(}", "4").reason.startswith(("parse failed", "not equivalent"))
+    assert grade_math(r"\boxed{)(}", "4").reason.startswith("malformed answer")
+    # math-verify would read a number out of these; a policy must not be paid for them
+    for text in ["<answer>3)</)</>60</answer>", "<answer>3)</answer>", "<answer>3</b></answer>"]:
+        g = grade_math(text, "3")
+        assert not g.correct and g.reason.startswith("malformed answer"), text
+    assert grade_math("<answer>(0, 3]</answer>", "(0,3]").correct   # an interval is not unbalanced
     assert math_reward(r"\boxed{4}", "4") == 1.0
     assert math_reward(r"\boxed{5}", "4") == 0.0
     assert math_reward("<answer>70</answer>", 70) == 1.0  # non-string references (aime25)

@@ -92,3 +92,15 @@ def test_trained_turns_masks_the_frozen_level():
     assert trained_turns(high, turn_ids).tolist() == [[0, 0, 0, 1, 1, 0, 0]]
     # other environments train every policy turn
     assert trained_turns(Config(), turn_ids).tolist() == [[1] * 7]
+
+
+def test_levels_alternate_at_the_configured_ratio():
+    from turnrl.envs.configured import trained_level
+    cfg = Config.model_validate({"env": {"name": "math_refine", "math_refine": {"alternate": [1, 2]}}})
+    assert [trained_level(cfg, s) for s in range(1, 8)] == ["high", "low", "low", "high", "low", "low", "high"]
+    turn_ids = torch.tensor([[0, 1, 2]])
+    assert trained_turns(cfg, turn_ids, step=1).tolist() == [[0, 1, 0]]
+    assert trained_turns(cfg, turn_ids, step=2).tolist() == [[1, 0, 1]]
+    from turnrl.config import ConfigError, parse_config
+    with pytest.raises(ConfigError, match="alternate"):
+        parse_config({"env": {"math_refine": {"alternate": [1]}}})

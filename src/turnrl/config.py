@@ -94,7 +94,7 @@ class SearchCfg(_Section):
     corpus: str = Field("", description=(
         "empty: the data's own corpus (synthetic entities, or the gold passages of nq_open); "
         "else a registered data set or a passages file"))
-    top_k: int = Field(2, ge=1)
+    top_k: int = Field(1, ge=1)
     max_passage_chars: int = Field(120, gt=0)
     max_searches: int = Field(2, ge=0)
 
@@ -105,6 +105,9 @@ class MathRefineCfg(_Section):
         "endpoint: a frozen model behind an OpenAI-compatible server"))
     train_levels: Literal["both", "low", "high"] = Field("both", description=(
         "which policy turns are trained with feedback=self: both levels, the solver (low) or the feedback (high)"))
+    alternate: list[int] = Field(default_factory=list, description=(
+        "[high_steps, low_steps]: with feedback=self and train_levels=both, train only the feedback "
+        "level for high_steps steps, then only the solver for low_steps, and so on; [] trains both every step"))
     endpoint_url: str = Field("", description="e.g. http://127.0.0.1:8000/v1 (vllm serve)")
     endpoint_model: str = Field("", description="empty: the first model the endpoint lists")
     api_key_env: str = Field("OPENAI_API_KEY", min_length=1)
@@ -116,6 +119,8 @@ class MathRefineCfg(_Section):
             raise ValueError("feedback: endpoint needs endpoint_url (e.g. http://127.0.0.1:8000/v1)")
         if self.feedback == "endpoint" and self.train_levels == "high":
             raise ValueError("train_levels: high needs feedback: self (an endpoint's model is frozen)")
+        if self.alternate and (len(self.alternate) != 2 or min(self.alternate) < 1):
+            raise ValueError("alternate must be [] or two positive step counts [high_steps, low_steps]")
         return self
 
 
@@ -129,10 +134,12 @@ class EnvCfg(_Section):
 
 # --------------------------------------------------------------------------- algorithm
 class AlgorithmCfg(_Section):
-    name: Literal["grpo", "dr_grpo", "rloo", "mt_grpo", "ms_grpo", "ms_po", "ppo"] = "grpo"
+    name: Literal["grpo", "dr_grpo", "rloo", "mt_grpo", "ms_grpo", "ms_po", "mlmt", "ppo"] = "grpo"
     turn_coef: float = Field(1.0, ge=0.0, description="mt_grpo / ms_grpo: weight of the turn-level advantage")
     gamma: float = Field(1.0, ge=0.0, description="ms_po: R_tot = R_step + gamma * R_out; ppo: the GAE discount")
     lam: float = Field(1.0, ge=0.0, le=1.0, description="ppo: GAE lambda")
+    mlmt_stage: Literal[1, 2] = Field(2, description="mlmt: stage I or II turn rewards")
+    mlmt_alpha: float = Field(1.0, ge=0.0, description="mlmt stage II: weight of the improvement R - R1")
     critic_lr: float = Field(1e-3, gt=0, description="ppo: learning rate of the critic (value head model)")
     value_clip: float | None = Field(0.2, gt=0, description="ppo: clip range of the value loss (null: unclipped)")
     clip_low: float = Field(0.2, ge=0.0, lt=1.0)

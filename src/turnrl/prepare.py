@@ -29,12 +29,14 @@ def build_tiny(cfg: Config, out_dir: Path, log_metrics: Callable[[int, dict], No
     """Tokenizer + tiny Qwen2 + supervised warm start on the environment's synthetic task;
     returns a summary for metrics.
 
-    The warm start has two phases. `skill_steps` on demonstrations that all use the
-    environment well teach the skill (call the tool and copy its output, search and copy,
-    write useful feedback, work the columns and answer). `prior_steps` on a mixture where only
-    `good_fraction` do set how often the policy does; the others show the habit RL must
-    unlearn (guess, approve the attempt, ramble). RL then starts from a policy that sometimes
-    succeeds and often fails, and must find out what pays.
+    The warm start has two phases. `skill_steps` on whole demonstrations teach the skill
+    (call the tool and copy its output, search and copy, write useful feedback, work the
+    columns and answer; and, where the task needs it, the habit too: approve and keep the
+    attempt, ramble until interrupted). `prior_steps` on a mixture where only `good_fraction`
+    use the environment well train only the choice point of each demonstration (tool or
+    guess, work or approve, answer or ramble), which sets how often the policy does the right
+    thing. RL then starts from a policy that sometimes succeeds and often fails, and must
+    find out what pays.
 
     The demonstrations come from the synthetic task's training split (the same rows, and the
     same seed, as the preprocess stage's), never from the held-out one, whatever data RL uses.
@@ -44,7 +46,7 @@ def build_tiny(cfg: Config, out_dir: Path, log_metrics: Callable[[int, dict], No
     train_rows, heldout_rows = task.splits(cfg.data.train_examples, cfg.data.heldout_examples, cfg.seed)
     corpus = synthetic.lookup_corpus(heldout_rows, train_rows) if cfg.env.name == "search" else None
     make_env = env_factory(cfg, corpus=corpus)
-    skill = demonstrations(task, train_rows, spec.demonstrations, 1.0, cfg.seed, "skill")
+    skill = demonstrations(task, train_rows, spec.demonstrations, task.skill_good_fraction, cfg.seed, "skill")
     prior = demonstrations(task, train_rows, spec.demonstrations // 2, spec.good_fraction, cfg.seed, "prior")
 
     def replays(fmt: ChatFormat, demos) -> list[Trajectory]:
@@ -60,14 +62,15 @@ def build_tiny(cfg: Config, out_dir: Path, log_metrics: Callable[[int, dict], No
     tokenizer = build_tokenizer(corpus_text, cfg.model.tiny.vocab_size)
     fmt = ChatFormat(tokenizer, cfg.model.template_type)
 
-    def sequences(demos):
-        return [(t.prompt_ids + t.response_ids, [0] * len(t.prompt_ids) + _trained_mask(t, d.choice, fmt))
+    def sequences(demos, phase: str):
+        return [(t.prompt_ids + t.response_ids,
+                 [0] * len(t.prompt_ids) + _trained_mask(t, d.choice if phase == "prior" else None, fmt))
                 for t, (_, d, _) in zip(replays(fmt, demos), demos)]
 
     model = build_model(tokenizer, cfg.model.tiny, cfg.seed)
-    skill_losses = warm_start(model, sequences(skill), spec.skill_steps, spec.batch_size, spec.lr, cfg.seed,
+    skill_losses = warm_start(model, sequences(skill, "skill"), spec.skill_steps, spec.batch_size, spec.lr, cfg.seed,
                               desc="warm start: skill", log=log_metrics)
-    prior_losses = warm_start(model, sequences(prior), spec.prior_steps, spec.batch_size, spec.lr / 3, cfg.seed,
+    prior_losses = warm_start(model, sequences(prior, "prior"), spec.prior_steps, spec.batch_size, spec.lr / 3, cfg.seed,
                               desc="warm start: prior",
                               log=log_metrics and (lambda step, m: log_metrics(spec.skill_steps + step, m)))
     save(model, tokenizer, out_dir)

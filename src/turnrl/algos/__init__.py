@@ -16,6 +16,7 @@ from .advantages import (
     gae,
     group_normalize,
     grpo,
+    mlmt,
     mlmt_stage1_rewards,
     mlmt_stage2_rewards,
     ms_grpo,

@@ -342,6 +342,35 @@ def context_utilization_bonus(
     return lam * torch.clamp(gain, max=tau)
 
 
+def mlmt(
+    *,
+    rewards: torch.Tensor,
+    first_rewards: torch.Tensor,
+    turn_ids: torch.Tensor,
+    mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    mlmt_stage: int = 2,
+    alpha: float = 1.0,
+    turn_kl: torch.Tensor | None = None,
+    betas: tuple[float, float, float] = (0.0, 0.0, 0.0),
+) -> torch.Tensor:
+    """MLMT's hierarchical turn rewards, then GRPO turn by turn: advantages [B, T].
+
+    rewards [B] = R (the refined answer), first_rewards [B] = R₁ (the attempt), turn_ids and
+    mask [B, T] with turns 0, 1, 2 = attempt, feedback, refinement. Stage I or II rewards
+    (`mlmt_stage1_rewards` / `mlmt_stage2_rewards`, with β = `betas` = (β₁ or β₂, β_H, β_L) on
+    `turn_kl` [B, 3]; no KL terms when turn_kl is None), group-normalized per turn.
+    """
+    kl = turn_kl if turn_kl is not None else torch.zeros(rewards.shape[0], 3)
+    b_low1, b_high, b_low = betas
+    if mlmt_stage == 1:
+        per_turn = mlmt_stage1_rewards(rewards=rewards, turn_kl=kl, beta_2=b_low1, beta_h=b_high, beta_l=b_low)
+    else:
+        per_turn = mlmt_stage2_rewards(rewards=rewards, first_rewards=first_rewards, turn_kl=kl, beta_1=b_low1,
+                                       beta_h=b_high, beta_l=b_low, alpha=alpha)
+    return per_turn_grpo(per_turn_rewards=per_turn, turn_ids=turn_ids, mask=mask, group_ids=group_ids)
+
+
 # ------------------------------------------------------------------------ dispatch
 
 ADVANTAGE_ESTIMATORS = {
@@ -351,6 +380,7 @@ ADVANTAGE_ESTIMATORS = {
     "mt_grpo": mt_grpo,
     "ms_grpo": ms_grpo,
     "ms_po": ms_po,
+    "mlmt": mlmt,
 }
 
 _KNOWN_INPUTS = {

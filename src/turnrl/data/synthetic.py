@@ -6,7 +6,7 @@ solve with what its environment offers, so RL has something to discover:
 
 - `code_tool`: multiply two 3-digit numbers. Copy the factors into `<code>`, the tool's
   `<output>` into `<answer>`.
-- `search`: "What is the code of Heron 482?" The codes are random: only the search index
+- `search`: 'What is the code of "Heron 482"?' The codes are random: only the search index
   knows them. Search the name, copy the code from the result.
 - `math_refine`: add two 2-digit numbers. The solver's first attempt adds digit by digit and
   forgets carries (right only when no column carries, about 1 in 4); the high-level role can
@@ -18,7 +18,10 @@ solve with what its environment offers, so RL has something to discover:
 Rows follow the preprocessed schema of `turnrl.data.sources`: id, prompt, answer, answers,
 subject, level, source. Demonstrations are scripted policy turns for the tiny model's warm
 start (`turnrl.prepare`): `good` ones use the environment well, the others show the habit RL
-has to unlearn (guess, skip the feedback, ramble).
+has to unlearn (guess, skip the feedback, ramble). The warm start's skill phase trains whole
+demonstrations (a share `skill_good_fraction` good: where the habit is itself a behaviour the
+model must be able to carry on, like rambling until interrupted, it is learned there too);
+its prior phase trains only each demonstration's `choice`, the point where good and bad part.
 """
 from __future__ import annotations
 
@@ -33,8 +36,9 @@ __all__ = ["Demonstration", "SyntheticTask", "TASKS", "task", "addition_steps", 
 @dataclass(frozen=True)
 class Demonstration:
     turns: list[str]
-    # (turn, prefix): train only the tokens of that policy turn up to `prefix` (the choice of
-    # action), not what follows (a made-up number). None: train every policy token.
+    # In the prior phase, (turn, prefix): train only the tokens of that policy turn up to
+    # `prefix`, the choice of what to do, not what follows (a made-up number, a worked
+    # answer). None: train every policy token.
     choice: tuple[int, str] | None = None
 
 
@@ -44,6 +48,7 @@ class SyntheticTask:
     rows: Callable[..., list[dict]]                       # (count, seed, split, exclude) -> rows
     key: Callable[[dict], object]                         # what must not repeat across splits
     demonstration: Callable[[dict, random.Random, bool], Demonstration]
+    skill_good_fraction: float = 1.0
 
     def splits(self, train: int, heldout: int, seed: int) -> tuple[list[dict], list[dict]]:
         """Train and held-out rows; no problem occurs in both."""
@@ -109,7 +114,9 @@ def lookup_rows(count: int, *, seed: int, split: str, exclude: set) -> list[dict
 
     def row(i: int, item: tuple) -> dict:
         (name,) = item
-        return _row("lookup", split, i, f"What is the code of {name}?", str(_number(codes, 4)), 1, entity=name)
+        # quoted, so the name has the same tokens in the question and in a search query (a
+        # byte-level BPE gives "Heron" after a space a different token than after '"' or '>')
+        return _row("lookup", split, i, f'What is the code of "{name}"?', str(_number(codes, 4)), 1, entity=name)
     return _distinct(count, seed, split, exclude, lambda rng: (_name(rng),), row)
 
 
@@ -156,11 +163,12 @@ def refine_demonstration(row: dict, rng: random.Random, good: bool) -> Demonstra
     """math_refine, shared weights: attempt, feedback (high level), refinement.
     Good feedback works the columns; lazy feedback approves and the refinement keeps the attempt."""
     attempt = naive_sum(row["a"], row["b"])
+    steps = addition_steps(row["a"], row["b"])
     if good:
-        return Demonstration([f"<answer>{attempt}</answer>", f"<feedback>{addition_steps(row['a'], row['b'])}</feedback>",
-                              f"<answer>{row['answer']}</answer>"])
+        return Demonstration([f"<answer>{attempt}</answer>", f"<feedback>{steps}</feedback>",
+                              f"<answer>{row['answer']}</answer>"], choice=(1, f"<feedback>{steps[0]}"))
     return Demonstration([f"<answer>{attempt}</answer>", "<feedback>Looks right.</feedback>",
-                          f"<answer>{attempt}</answer>"])
+                          f"<answer>{attempt}</answer>"], choice=(1, "<feedback>L"))
 
 
 RAMBLE = "Let me think about it again."
@@ -172,8 +180,8 @@ def intervention_demonstration(row: dict, rng: random.Random, good: bool) -> Dem
     leaves no turn to answer in."""
     worked = f"{addition_steps(row['a'], row['b'])} <answer>{row['answer']}</answer>"
     if good:
-        return Demonstration([worked])
-    return Demonstration([RAMBLE] * rng.randint(1, 3) + [worked])
+        return Demonstration([worked], choice=(0, worked[0]))
+    return Demonstration([RAMBLE] * rng.randint(1, 3) + [worked], choice=(0, RAMBLE[0]))
 
 
 TASKS: dict[str, SyntheticTask] = {
@@ -181,9 +189,9 @@ TASKS: dict[str, SyntheticTask] = {
     "search": SyntheticTask("search", lookup_rows, lambda r: (r["entity"],), lookup_demonstration),
     # two-digit additions: three columns are more than the tiny model's warm start learns well
     "math_refine": SyntheticTask("math_refine", partial(addition_rows, digits=2), lambda r: (r["a"], r["b"]),
-                                 refine_demonstration),
+                                 refine_demonstration, skill_good_fraction=0.5),
     "intervention": SyntheticTask("intervention", partial(addition_rows, digits=2), lambda r: (r["a"], r["b"]),
-                                  intervention_demonstration),
+                                  intervention_demonstration, skill_good_fraction=0.5),
 }
 
 

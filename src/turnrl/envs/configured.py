@@ -50,14 +50,24 @@ def env_factory(cfg: Config, data_dir: str | Path | None = None,
     return lambda: envs.make(cfg.env.name, **options)
 
 
-def trained_turns(cfg: Config, turn_ids: torch.Tensor) -> torch.Tensor:
-    """1.0 where a token's policy turn is trained, else 0.0 (same shape as `turn_ids`).
+def trained_level(cfg: Config, step: int) -> str:
+    """Which `math_refine` level training step `step` (from 1) updates: "both", "high" or "low"
+    (`env.math_refine.train_levels`, and `alternate: [h, l]`: h steps high, then l steps low)."""
+    m = cfg.env.math_refine
+    if m.train_levels != "both" or not m.alternate:
+        return m.train_levels
+    high_steps, low_steps = m.alternate
+    return "high" if (step - 1) % (high_steps + low_steps) < high_steps else "low"
+
+
+def trained_turns(cfg: Config, turn_ids: torch.Tensor, step: int = 1) -> torch.Tensor:
+    """1.0 where a token's policy turn is trained at `step`, else 0.0 (shape of `turn_ids`).
 
     Only `math_refine` with shared weights has turns the update may skip: turn 1 is the
-    high-level feedback, turns 0 and 2 the solver's (`env.math_refine.train_levels`)."""
+    high-level feedback, turns 0 and 2 the solver's (see `trained_level`)."""
     ones = torch.ones_like(turn_ids, dtype=torch.float)
-    m = cfg.env.math_refine
-    if cfg.env.name != "math_refine" or m.feedback != "self" or m.train_levels == "both":
+    level = trained_level(cfg, step)
+    if cfg.env.name != "math_refine" or cfg.env.math_refine.feedback != "self" or level == "both":
         return ones
     high = (turn_ids == 1).float()
-    return high if m.train_levels == "high" else ones - high
+    return high if level == "high" else ones - high

@@ -251,6 +251,20 @@ def _compare_symbolic(a: str, r: str, timeout: int | None) -> tuple[bool, str]:
     return False, f"not equivalent: got {_short(a)}, expected {_short(r)}"
 
 
+def _malformed(answer: str) -> bool:
+    """Stray tags, or more closing than opening brackets (any kind: "(0, 1]" is fine)."""
+    if "</" in answer or "<answer" in answer:
+        return True
+    stripped = answer.replace("\\{", "").replace("\\}", "")
+    depth = 0
+    for ch in stripped:
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if depth < 0:
+            return True
+    return depth != 0
+
+
 def _compare(answer: str, reference: str, *, string_shortcut: bool = True) -> tuple[bool, str]:
     """(equivalent?, reason) for two already-extracted answers.
 
@@ -265,6 +279,10 @@ def _compare(answer: str, reference: str, *, string_shortcut: bool = True) -> tu
         return False, "parse failed: empty reference"
     if string_shortcut and _norm_str(a) == _norm_str(r):
         return True, "equivalent to reference"
+    if _malformed(a):
+        # math-verify reads a number out of almost anything ("3)</)</>60" parses as 3): a
+        # policy must not learn to be rewarded for such text
+        return False, f"malformed answer: {_short(a)} (stray markup or unbalanced brackets)"
     if len(a) > MAX_ANSWER_CHARS or len(r) > MAX_ANSWER_CHARS:
         return False, f"not equivalent: got {_short(a)}, expected {_short(r)} (too long to parse)"
     if _signal_timeout_usable():

@@ -59,6 +59,10 @@ def advantages_for(cfg: Config, trajs: Sequence[Trajectory], batch: dict[str, to
         cfg.algorithm.name,
         rewards=torch.tensor([t.outcome for t in trajs]),
         turn_rewards=torch.tensor([t.turn_rewards[0] if t.turn_rewards else 0.0 for t in trajs]),
+        first_rewards=torch.tensor([t.turn_rewards[0] if t.turn_rewards else 0.0 for t in trajs]),
+        turn_ids=batch["turn_ids"],
+        mlmt_stage=cfg.algorithm.mlmt_stage,
+        alpha=cfg.algorithm.mlmt_alpha,
         first_obs_pos=first_obs_position(in_response & (mask == 0)),
         mask=mask,
         group_ids=contiguous_group_ids(len(trajs), cfg.rollout.n),
@@ -194,7 +198,7 @@ def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], ou
         t_rollout = time.perf_counter()
 
         batch = collate(trajs, pad_id)
-        batch["loss_mask"] *= trained_turns(cfg, batch["turn_ids"])   # e.g. a frozen feedback level
+        batch["loss_mask"] *= trained_turns(cfg, batch["turn_ids"], step)   # e.g. a frozen feedback level
         critic_stats = {}
         if workers.critic is not None:   # PPO: GAE on the critic's values, then fit the critic
             batch["values"] = ray.get(workers.critic.values.remote(batch))
