@@ -22,6 +22,7 @@ from conftest import ScriptedEngine
 
 TWELVE = {"prompt": "What is 3 * 4?", "answer": "12"}
 HALF = {"prompt": "What is 1/2 as a decimal?", "answer": "\\frac{1}{2}"}
+ASK = FEEDBACK_REQUEST.format(problem=TWELVE["prompt"])   # the request restates the problem
 
 
 # ----------------------------------------------------------------------------- shared weights
@@ -39,7 +40,7 @@ def test_a_correct_attempt_then_a_wrong_refinement():
     env = MathRefineEnv()
     env.reset(TWELVE)
     r0 = env.step("3 * 4 = 12. <answer>12</answer>")
-    assert not r0.done and r0.reward == 1.0 and r0.observation == FEEDBACK_REQUEST
+    assert not r0.done and r0.reward == 1.0 and r0.observation == ASK
     assert r0.info == {"attempt_correct": 1.0, "attempt_extracted": "12"}
     r1 = env.step("<feedback>Check the product again.</feedback>")
     assert not r1.done and r1.reward == 0.0 and r1.observation == REFINE_REQUEST
@@ -70,7 +71,7 @@ def test_missing_tags_do_not_end_the_exchange_early():
     env = MathRefineEnv()
     env.reset(TWELVE)
     r0 = env.step("I am not sure what three fours are.")            # no answer: just wrong
-    assert not r0.done and r0.reward == 0.0 and r0.observation == FEEDBACK_REQUEST
+    assert not r0.done and r0.reward == 0.0 and r0.observation == ASK
     assert r0.info["attempt_extracted"] is None
     r1 = env.step("Add four three times.")                          # no <feedback> tags
     assert not r1.done and r1.observation == REFINE_REQUEST
@@ -81,7 +82,7 @@ def test_missing_tags_do_not_end_the_exchange_early():
     assert r2.info["improvement"] == 0.0 and r2.info["feedback_format"] == 0
 
     env.reset(TWELVE)                                               # reset starts a new exchange
-    assert env.step("<answer>12</answer>").observation == FEEDBACK_REQUEST
+    assert env.step("<answer>12</answer>").observation == ASK
 
 
 @pytest.mark.parametrize("text, feedback, ok", [
@@ -130,7 +131,7 @@ def test_replay_masks_exactly_the_policy_turns(fmt):
     t = replay(MathRefineEnv(), fmt, TWELVE, turns)
     assert t.prompt_ids == fmt.prompt_ids(SYSTEM_PROMPT, TWELVE["prompt"])
     assert t.num_turns == 3 and t.turn_rewards == [0.0, 0.0, 1.0] and t.outcome == 1.0 and t.finish == "answer"
-    assert t.observations == [FEEDBACK_REQUEST, REFINE_REQUEST]
+    assert t.observations == [ASK, REFINE_REQUEST]
     ids = [fmt.encode(x) for x in turns]
     obs = [fmt.observation_ids(o, "user") for o in t.observations]
     assert t.response_ids == ids[0] + obs[0] + ids[1] + obs[1] + ids[2]
@@ -143,7 +144,7 @@ def test_replay_masks_exactly_the_policy_turns(fmt):
     ]
     assert t.policy_tokens() == sum(map(len, ids)) and t.info["improvement"] == 1.0
     # the feedback request is a user message between the assistant's attempt and its feedback
-    assert fmt.tokenizer.decode(obs[0]) == (f"<|im_end|>\n<|im_start|>user\n{FEEDBACK_REQUEST}<|im_end|>\n"
+    assert fmt.tokenizer.decode(obs[0]) == (f"<|im_end|>\n<|im_start|>user\n{ASK}<|im_end|>\n"
                                             "<|im_start|>assistant\n")
 
 

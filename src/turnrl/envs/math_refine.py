@@ -59,9 +59,11 @@ HIGH_LEVEL_PROMPT = (
     "helps the student fix mistakes. Do not give the final answer."
 )
 
+# The high-level role reads (problem, attempt), as MLMT's does: the request restates the
+# problem next to the attempt it follows.
 FEEDBACK_REQUEST = (
-    "Review the attempt above as a teacher. Write feedback for the solver between <feedback> and "
-    "</feedback>."
+    "Review the attempt above as a teacher. Problem: {problem}\nWrite feedback for the solver between "
+    "<feedback> and </feedback>."
 )
 
 REFINE_REQUEST = "Use the feedback to refine the solution. Put the final answer between <answer> and </answer>."
@@ -185,7 +187,7 @@ class MathRefineEnv:
         self._summary.update(attempt_correct=r1, attempt_extracted=grade.extracted, attempt_grade=grade.reason)
         info = {"attempt_correct": r1, "attempt_extracted": grade.extracted}
         if self.feedback == "self":
-            return StepResult(FEEDBACK_REQUEST, r1, False, info)
+            return StepResult(FEEDBACK_REQUEST.format(problem=self.example["prompt"]), r1, False, info)
         fb, error = self._endpoint_feedback(text)
         self._summary.update(feedback=fb, feedback_error=error)
         observation = ENDPOINT_OBSERVATION.format(feedback=fb, refine_request=REFINE_REQUEST)
