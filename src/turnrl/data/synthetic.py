@@ -6,7 +6,7 @@ solve with what its environment offers, so RL has something to discover:
 
 - `code_tool`: multiply two 3-digit numbers. Copy the factors into `<code>`, the tool's
   `<output>` into `<answer>`.
-- `search`: 'What is the code of "Heron 482"?' The codes are random: only the search index
+- `search`: 'What is the code of "Agent 48213"?' The codes are random: only the search index
   knows them. Search the name, copy the code from the result.
 - `math_refine`: add two 2-digit numbers. The solver's first attempt adds digit by digit and
   forgets carries (right only when no column carries, about 1 in 4); the high-level role can
@@ -98,14 +98,10 @@ def product_demonstration(row: dict, rng: random.Random, good: bool) -> Demonstr
 
 
 # --------------------------------------------------------------------------- search
-_CALLSIGNS = ("Falcon", "Orchid", "Granite", "Comet", "Willow", "Harbor", "Maple", "Raven", "Summit", "Coral",
-              "Ember", "Glacier", "Meadow", "Nimbus", "Onyx", "Prairie", "Quartz", "Ridge", "Saffron", "Tundra",
-              "Violet", "Walnut", "Zephyr", "Amber", "Basalt", "Cedar", "Dune", "Fjord", "Heron", "Iris")
-
-
 def _name(rng: random.Random) -> str:
-    """A call sign and a number, e.g. "Heron 482": 27,000 names, each a few tokens to copy."""
-    return f"{rng.choice(_CALLSIGNS)} {rng.randint(100, 999)}"
+    """An agent number, e.g. "Agent 48213": 90,000 names. (Call signs such as "Heron 482" were
+    tried first: the tiny model's warm start copies digits far better than words.)"""
+    return f"Agent {rng.randint(10000, 99999)}"
 
 
 def lookup_rows(count: int, *, seed: int, split: str, exclude: set) -> list[dict]:
