@@ -221,6 +221,7 @@ def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], ou
             **rollout_metrics(trajs, cfg.rollout.n),
             **train_stats,
             **critic_stats,
+            "trained_tokens": float(batch["loss_mask"].sum()),   # policy tokens the update used
             "advantage_abs_mean": float((batch["advantages"].abs() * batch["loss_mask"]).sum()
                                         / batch["loss_mask"].sum().clamp(min=1)),
             "rollout_s": t_rollout - t_start,
