@@ -90,6 +90,10 @@ def test_nq_open_is_split_and_its_gold_passages_are_the_corpus(tmp_path, data_di
     assert {r["id"] for r in train}.isdisjoint({r["id"] for r in heldout})
     corpus = read_parquet(tmp_path / "corpus.parquet")
     assert manifest["corpus"]["n"] == len(corpus) and 2500 < len(corpus) <= 2655
+    # fewer training prompts do not shrink the corpus
+    small = preprocess(_cfg(env="search", train_set="nq_open", heldout_set="nq_open", train_examples=50,
+                            heldout_examples=10), tmp_path / "small")
+    assert small["train"]["n"] == 50 and small["corpus"]["n"] == len(corpus)
 
 
 def test_search_on_a_set_without_passages_says_what_to_set(tmp_path, data_dir, monkeypatch):

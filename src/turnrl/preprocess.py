@@ -93,7 +93,10 @@ def search_corpus(cfg: Config, train: list[dict], heldout: list[dict]) -> list[d
     if all("entity" in r for r in rows):
         return synthetic.lookup_corpus(heldout, train)
     if all(r.get("passages") for r in rows):
-        return sources.load_search_corpus(rows)
+        # every passage of the sets, not only those of the sampled rows: the corpus must not
+        # shrink (and retrieval get easier) with data.train_examples
+        names = sorted({cfg.data.train_set, cfg.data.heldout_set} - {"synthetic"})
+        return sources.load_search_corpus([r for name in names for r in _load(cfg, name, "data.train_set")[0]])
     raise sources.DataSourceError("env.name = search: the data has no passages to search (only synthetic rows and "
                      "nq_open-shaped rows do); set env.search.corpus to a passages file or data set")
 
