@@ -42,17 +42,20 @@ def load(name: str, params: str | Path = "params.yaml", folder: Path = PRESETS) 
     if not path.exists():
         raise ConfigError(f"unknown preset {name!r}; presets: {', '.join(names(folder))}")
     keys = flatten(yaml.safe_load(path.read_text()) or {})
-    load_config(params, [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
-                         for k, v in keys.items()])
+    load_config(params, [f"{k}={_yaml_value(v)}" for k, v in keys.items()])
     return keys
+
+
+def _yaml_value(value: Any) -> str:
+    """A value as one line of YAML, the form `-S key=value` takes."""
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
 
 def set_args(keys: dict[str, Any]) -> list[str]:
     """`-S key=value` arguments for `dvc exp run`."""
     args = []
     for key, value in keys.items():
-        text = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
-        args += ["-S", f"{key}={text}"]
+        args += ["-S", f"{key}={_yaml_value(value)}"]
     return args
 
 

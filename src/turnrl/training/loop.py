@@ -55,11 +55,12 @@ def advantages_for(cfg: Config, trajs: Sequence[Trajectory], batch: dict[str, to
     """Token-level advantages [B, L] for `algorithm.name` from the trajectories' rewards."""
     mask = batch["loss_mask"]
     in_response = batch["turn_ids"] >= 0
+    first_turn = torch.tensor([t.turn_rewards[0] if t.turn_rewards else 0.0 for t in trajs])
     return compute_advantages(
         cfg.algorithm.name,
         rewards=torch.tensor([t.outcome for t in trajs]),
-        turn_rewards=torch.tensor([t.turn_rewards[0] if t.turn_rewards else 0.0 for t in trajs]),
-        first_rewards=torch.tensor([t.turn_rewards[0] if t.turn_rewards else 0.0 for t in trajs]),
+        turn_rewards=first_turn,       # MT-GRPO / MS-GRPO / MS-PO: the first tool call's reward
+        first_rewards=first_turn,      # MLMT: R1, the attempt's reward
         turn_ids=batch["turn_ids"],
         mlmt_stage=cfg.algorithm.mlmt_stage,
         alpha=cfg.algorithm.mlmt_alpha,
