@@ -25,6 +25,7 @@ from turnrl.algos import (
     ms_po,
     mt_grpo,
     per_turn_grpo,
+    per_turn_mean_std,
     per_turn_sum,
     rloo,
     turn_rewards_to_tokens,
@@ -234,6 +235,19 @@ def test_per_turn_sum_hand_values():
     mask = t([[1, 1, 0, 1, 1]])
     turn_ids = t([[0, 0, 1, 2, 2]], torch.long)
     close(per_turn_sum(x, mask, turn_ids, 3), [[3.0, 0.0, 9.0]])
+
+
+def test_per_turn_mean_std_hand_values():
+    # Turn 0 holds 1, 3 (row 0) and 5 (row 1): mean 3, population std sqrt((4 + 0 + 4) / 3).
+    # Turn 1 holds 2 (row 0) only: mean 2, std 0. Masked tokens (the 100s) and turn 2 (never
+    # trained) are left out; turn 2 gets mean 0, std 0, count 0.
+    x = t([[1, 3, 100, 2], [5, 100, 100, 100]])
+    mask = t([[1, 1, 0, 1], [1, 0, 0, 1]])
+    turn_ids = t([[0, 0, 0, 1], [0, 1, 2, -1]], torch.long)
+    mean, std, count = per_turn_mean_std(x, mask, turn_ids, 3)
+    close(mean, [3, 2, 0])
+    close(std, [math.sqrt(8 / 3), 0, 0])
+    assert count.tolist() == [3, 1, 0]
 
 
 def test_turn_rewards_to_tokens_all_and_last():

@@ -97,6 +97,24 @@ def per_turn_sum(
     return out.scatter_add(1, tid, torch.where(m, x.float(), 0.0))
 
 
+def per_turn_mean_std(
+    x: torch.Tensor, mask: torch.Tensor, turn_ids: torch.Tensor, num_turns: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mean and (population) std of x over the trained tokens of each turn, pooled over the
+    batch, and the token count: x, mask, turn_ids [B, T] -> (mean [K], std [K], count [K]).
+    A turn with no trained token gets mean 0, std 0, count 0. E.g. advantage statistics per
+    turn: per_turn_mean_std(advantages, mask, turn_ids, max_turns)."""
+    m = mask.bool() & (turn_ids >= 0) & (turn_ids < num_turns)
+    tid = torch.where(m, turn_ids, 0).long().flatten()
+    weight = m.flatten().double()
+    values = torch.where(m, x.double(), 0.0).flatten()
+    zeros = torch.zeros(num_turns, dtype=torch.float64, device=x.device)
+    count = zeros.index_add(0, tid, weight)
+    mean = zeros.index_add(0, tid, values) / count.clamp(min=1)
+    sq = zeros.index_add(0, tid, weight * (values - mean[tid]) ** 2) / count.clamp(min=1)
+    return mean.float(), sq.sqrt().float(), count.long()
+
+
 def turn_rewards_to_tokens(
     per_turn_rewards: torch.Tensor, turn_ids: torch.Tensor, mask: torch.Tensor, at: str = "all"
 ) -> torch.Tensor:
