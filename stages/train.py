@@ -1,10 +1,32 @@
-"""DVC stage `train`: multi-turn RL on Ray (DeepSpeed policy, vLLM rollouts)."""
+"""DVC stage `train`: multi-turn RL on Ray (DeepSpeed policy, vLLM rollouts).
+
+Resumable: checkpoints go to `train.checkpoint_dir` (outside DVC's outs, so DVC keeps them
+across reruns); a rerun after a crash continues from the newest one that fits these params
+(see turnrl.training.checkpoint) and continues its MLflow run.
+"""
 import time
 from pathlib import Path
 
 from turnrl.stage import run_stage, write_json
 
 DATA, INITIAL, FINAL = Path("data/processed"), Path("models/initial"), Path("models/final")
+_checkpoints = {}   # the store and the checkpoint to resume from, found once per process
+
+
+def checkpoints(cfg):
+    """(store, resume or None) for this config: decided before the MLflow run opens."""
+    if not _checkpoints:
+        from turnrl.prepare import model_dir
+        from turnrl.training.checkpoint import CheckpointStore, fingerprint
+        key = fingerprint(cfg, [Path(model_dir(INITIAL)), DATA / "train.parquet"])
+        store = CheckpointStore(cfg.train.checkpoint_dir, key, keep=cfg.train.keep_checkpoints)
+        _checkpoints.update(store=store, resume=store.resumable(cfg.train.steps))
+    return _checkpoints["store"], _checkpoints["resume"]
+
+
+def resume_run_id(cfg):
+    resume = checkpoints(cfg)[1]
+    return resume.mlflow_run_id if resume else None
 
 
 def main(cfg):
@@ -28,8 +50,12 @@ def main(cfg):
         if step == 1 or step % cfg.train.samples_logged_every == 0 or step == cfg.train.steps:
             mlflow.log_table(sample_table(trajs, decode), f"samples/step_{step:05d}.json")
 
+    store, resume = checkpoints(cfg)
+    if resume is not None:
+        mlflow.set_tag("turnrl.resumed_from_step", resume.step)
     shutil.rmtree(FINAL, ignore_errors=True)
-    history = train(cfg, source, str(DATA), load_split(DATA, "train"), str(FINAL), on_step=on_step)
+    history = train(cfg, source, str(DATA), load_split(DATA, "train"), str(FINAL), on_step=on_step,
+                    checkpoints=store, resume=resume, mlflow_run_id=mlflow.active_run().info.run_id)
 
     plots.write_csv(history, Path("plots/train.csv"))
     plots.render_png(history, Path("plots/train_curves.png"),
@@ -38,6 +64,7 @@ def main(cfg):
     mean = lambda key, rows=history: sum(h[key] for h in rows) / len(rows)  # noqa: E731
     summary = {
         "steps": len(history),
+        "resumed_from_step": resume.step if resume else 0,
         "reward_first": history[0]["reward_mean"],
         "reward_last5": mean("reward_mean", last),
         "accuracy_last5": mean("accuracy", last),
@@ -56,4 +83,4 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    run_stage("train", main)
+    run_stage("train", main, resume_run=resume_run_id)

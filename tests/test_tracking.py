@@ -53,3 +53,32 @@ def test_an_unreachable_server_says_what_to_check(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="tracking.uri"):
         with tracking.stage_run("train", cfg):
             pass
+
+
+def test_a_resumed_stage_continues_its_run_under_a_new_pipeline(cfg, monkeypatch, tmp_path):
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("TURNRL_PIPELINE_KEY", "unit:crashed")
+    with tracking.stage_run("train", cfg) as run:
+        tracking.log_metrics({"reward_mean": 0.1}, step=1)
+        first = run.info.run_id
+    crashed_parent = client.get_run(first).data.tags["mlflow.parentRunId"]
+    client.update_run(first, "RUNNING")            # as a kill -9 leaves them
+    client.update_run(crashed_parent, "RUNNING")
+
+    monkeypatch.setenv("TURNRL_PIPELINE_KEY", "unit:rerun")
+    longer = Config.model_validate({"tracking": {"experiment": "unit"}, "train": {"steps": 60}})
+    with tracking.stage_run("train", longer, resume_run_id=first) as run:
+        assert run.info.run_id == first
+        tracking.log_metrics({"reward_mean": 0.2}, step=2)
+    resumed = client.get_run(first)
+    assert resumed.info.status == "FINISHED" and resumed.data.params["train.steps"] == str(cfg.train.steps)
+    assert resumed.data.tags["turnrl.params_changed_on_resume"] == '{"train.steps": "60"}'
+    assert [m.step for m in client.get_metric_history(first, "reward_mean")] == [1, 2]
+    assert client.get_run(crashed_parent).info.status == "KILLED"
+    new_parent = client.search_runs([resumed.info.experiment_id], "tags.`turnrl.pipeline_key` = 'unit:rerun'")[0]
+    assert new_parent.data.tags["turnrl.stage.train"] == f"resumed run {first}"
+
+    # a run id this store does not have: a new run that names it
+    with tracking.stage_run("train", cfg, resume_run_id="0" * 32) as run:
+        assert run.info.run_id != first
+    assert client.get_run(run.info.run_id).data.tags["turnrl.resumed_from_run"] == "0" * 32

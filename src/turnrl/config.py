@@ -173,7 +173,13 @@ class TrainCfg(_Section):
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     zero_stage: Literal[0, 1, 2, 3] = 2
+    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warmup over N optimizer steps; 0: none")
     samples_logged_every: int = Field(10, gt=0, description="log a table of sample trajectories every N steps")
+    checkpoint_every: int = Field(10, ge=0, description=(
+        "write a resumable checkpoint every N steps and at the end; 0: only at the end"))
+    keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept in checkpoint_dir")
+    checkpoint_dir: str = Field("checkpoints", min_length=1, description=(
+        "where checkpoints go (relative to the project); on a multi-node cluster a path every node shares"))
 
 
 # --------------------------------------------------------------------------- eval

@@ -17,7 +17,10 @@ from turnrl.config import Config, ConfigError, load_config
 BAD_INPUT_EXIT = 2
 
 
-def run_stage(name: str, body: Callable[[Config], Any]) -> None:
+def run_stage(name: str, body: Callable[[Config], Any],
+              resume_run: Callable[[Config], str | None] | None = None) -> None:
+    """Validate params, then run `body` inside the stage's MLflow run. `resume_run(cfg)` may
+    name an earlier run of this stage to continue (train after a crash)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     params = os.environ.get("TURNRL_PARAMS", "params.yaml")
     try:
@@ -29,7 +32,7 @@ def run_stage(name: str, body: Callable[[Config], Any]) -> None:
     from turnrl import tracking
     from turnrl.data.sources import DataSourceError
     try:
-        with tracking.stage_run(name, cfg):
+        with tracking.stage_run(name, cfg, resume_run(cfg) if resume_run else None):
             body(cfg)
     except (DataSourceError, FileNotFoundError) as exc:
         print(f"turnrl {name}: {exc}", file=sys.stderr)

@@ -85,9 +85,14 @@ def _parent_run_id(mlflow, experiment_id: str, key: str) -> str:
 
 
 @contextlib.contextmanager
-def stage_run(stage: str, cfg: Config) -> Iterator[Any]:
+def stage_run(stage: str, cfg: Config, resume_run_id: str | None = None) -> Iterator[Any]:
     """Open the pipeline's parent run and a nested run for `stage`; log the config, params,
-    git commit and DVC stage. On an exception both runs are marked FAILED."""
+    git commit and DVC stage. On an exception both runs are marked FAILED.
+
+    `resume_run_id` (a stage continuing after a crash, e.g. train from a checkpoint): that
+    run is reopened and continued, where it was, so its metrics stay one history; the
+    pipeline's parent run gets a tag pointing at it. If it is not in this store, a new run
+    is made and tagged `turnrl.resumed_from_run` instead."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     import mlflow
     try:
@@ -99,15 +104,42 @@ def stage_run(stage: str, cfg: Config) -> Iterator[Any]:
             f"MLflow at {tracking_uri(cfg)} is not usable ({type(exc).__name__}: {exc}). "
             "Check tracking.uri in params.yaml (empty = the sqlite file in the project) "
             "and that the server is running") from None
+    reopened = _existing_run(mlflow, resume_run_id, experiment_id)
+    if reopened:   # the crashed pipeline's parent run never ended: say so
+        crashed = reopened.data.tags.get("mlflow.parentRunId")
+        if crashed and crashed != parent and mlflow.MlflowClient().get_run(crashed).info.status == "RUNNING":
+            mlflow.MlflowClient().set_terminated(crashed, "KILLED")
     with mlflow.start_run(run_id=parent, experiment_id=experiment_id):
-        mlflow.set_tag(f"turnrl.stage.{stage}", "ran")
-        with mlflow.start_run(run_name=stage, nested=True, experiment_id=experiment_id) as run:
+        mlflow.set_tag(f"turnrl.stage.{stage}", f"resumed run {reopened.info.run_id}" if reopened else "ran")
+        with mlflow.start_run(run_id=reopened.info.run_id if reopened else None,
+                              run_name=None if reopened else stage, nested=True, experiment_id=experiment_id) as run:
             mlflow.set_tags({"turnrl.stage": stage, "dvc.stage": os.environ.get("DVC_STAGE", stage),
                              "mlflow.source.git.commit": git_commit(),
                              "dvc.exp_name": os.environ.get("DVC_EXP_NAME", "")})
-            mlflow.log_params({k: _param(v) for k, v in cfg.flat().items()})
+            params = {k: _param(v) for k, v in cfg.flat().items()}
+            if reopened:   # MLflow keeps a param's first value: record what changed as a tag
+                logged = reopened.data.params
+                changed = {k: v for k, v in params.items() if k in logged and logged[k] != v}
+                params = {k: v for k, v in params.items() if k not in logged}
+                if changed:
+                    mlflow.set_tag("turnrl.params_changed_on_resume", json.dumps(changed)[:5000])
+            elif resume_run_id:
+                mlflow.set_tag("turnrl.resumed_from_run", resume_run_id)
+            mlflow.log_params(params)
             mlflow.log_dict(cfg.model_dump(), "config.json")
             yield run
+
+
+def _existing_run(mlflow, run_id: str | None, experiment_id: str):
+    """The run `run_id` if this store has it (not deleted) in this experiment, else None."""
+    if not run_id:
+        return None
+    try:
+        run = mlflow.MlflowClient().get_run(run_id)
+    except Exception:
+        return None
+    ok = run.info.experiment_id == experiment_id and run.info.lifecycle_stage == "active"
+    return run if ok else None
 
 
 def _param(value: Any) -> str:

@@ -5,6 +5,9 @@
         advantages   = pure function of rewards, groups and token masks (turnrl.algos)
         metrics      = policy worker: policy-gradient update (DeepSpeed)
         weights      = policy worker -> rollout worker (named tensors, no engine restart)
+        checkpoint   = every train.checkpoint_every steps and at the end (see checkpoint.py)
+
+A run given a checkpoint to resume from loads it first and continues at the next step.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from turnrl.algos import compute_advantages, contiguous_group_ids, first_obs_pos
 from turnrl.config import Config
 from turnrl.envs.configured import trained_turns
 from turnrl.rollout.loop import Trajectory
+from turnrl.training.checkpoint import CheckpointStore, Resume, step_seed, write_state
 
 log = logging.getLogger(__name__)
 
@@ -179,9 +183,14 @@ def _free_port() -> int:
 
 # --------------------------------------------------------------------------- the loop
 def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], out_dir: str,
-          on_step: Callable[[int, dict, list[Trajectory]], None] | None = None) -> list[dict]:
-    """Run `train.steps` RL steps from the model in `model_dir`; save the final HF folder to
-    `out_dir`. Returns one metrics dict per step."""
+          on_step: Callable[[int, dict, list[Trajectory]], None] | None = None,
+          checkpoints: CheckpointStore | None = None, resume: Resume | None = None,
+          mlflow_run_id: str | None = None) -> list[dict]:
+    """Run RL steps up to `train.steps` from the model in `model_dir` (or from `resume`, a
+    checkpoint in `checkpoints`); save the final HF folder to `out_dir`. With `checkpoints`,
+    a checkpoint is written every `train.checkpoint_every` steps and at the end (a run that
+    does not resume first removes the old ones). Returns one metrics dict per step, from
+    step 1 (a resumed run's earlier steps come from the checkpoint)."""
     import ray
 
     start_ray(cfg)
@@ -189,13 +198,25 @@ def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], ou
     workers = start_workers(cfg, model_dir, data_dir)
     log.info("workers ready in %.1fs", time.perf_counter() - t0)
     sampler = PromptSampler(train_rows, cfg.seed)
-    pad_id = 0   # any id: padding is outside the attention and loss masks
     history: list[dict] = []
-    bar = tqdm(range(1, cfg.train.steps + 1), desc="train", unit="step")
+    first = 1
+    if resume is not None:
+        log.info("resuming from step %d (%s)", resume.step, resume.path)
+        load_checkpoint(workers, resume.path)
+        ray.get(workers.rollout.load_weights.remote(workers.policy.named_weights.remote()))
+        sampler.position = resume.state["position"]
+        history = list(resume.state["history"])
+        first = resume.step + 1
+    elif checkpoints is not None:
+        checkpoints.discard_all()
+
+    pad_id = 0   # any id: padding is outside the attention and loss masks
+    bar = tqdm(range(first, cfg.train.steps + 1), desc="train", unit="step")
     for step in bar:
         t_start = time.perf_counter()
         examples = sampler.next(cfg.train.prompts_per_step)
-        trajs: list[Trajectory] = ray.get(workers.rollout.rollout.remote(examples, cfg.rollout.n))
+        trajs: list[Trajectory] = ray.get(workers.rollout.rollout.remote(
+            examples, cfg.rollout.n, generator_seed=step_seed(cfg.seed, step)))
         t_rollout = time.perf_counter()
 
         batch = collate(trajs, pad_id)
@@ -237,6 +258,28 @@ def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], ou
         bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", gap=f"{metrics['logp_gap_max']:.1e}")
         if on_step is not None:
             on_step(step, metrics, trajs)
+        every = cfg.train.checkpoint_every
+        if checkpoints is not None and (step == cfg.train.steps or (every and step % every == 0)):
+            save_checkpoint(workers, checkpoints, step, {
+                "position": sampler.position, "history": history, "mlflow_run_id": mlflow_run_id})
     bar.close()
     ray.get(workers.policy.save.remote(out_dir, model_dir))
     return history
+
+
+def save_checkpoint(workers: Workers, store: CheckpointStore, step: int, state: dict) -> None:
+    """Every trainer role writes its DeepSpeed checkpoint and RNG states into one folder,
+    then the driver adds state.json and the store renames the folder into place."""
+    import ray
+    with store.writing(step) as folder:
+        ray.get([w.save_checkpoint.remote(str(folder / role)) for role, w in _trainer_roles(workers)])
+        write_state(folder, {"step": step, "fingerprint": store.fingerprint, **state})
+
+
+def load_checkpoint(workers: Workers, folder: Path) -> None:
+    import ray
+    ray.get([w.load_checkpoint.remote(str(folder / role)) for role, w in _trainer_roles(workers)])
+
+
+def _trainer_roles(workers: Workers) -> list[tuple[str, object]]:
+    return [("policy", workers.policy)] + ([("critic", workers.critic)] if workers.critic is not None else [])

@@ -11,6 +11,8 @@ and gives them to the rollout worker (through Ray's object store on one machine)
 from __future__ import annotations
 
 import os
+import random
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +44,10 @@ def _deepspeed_engine(model: torch.nn.Module, cfg: Config, lr: float, rank: int,
     train = cfg.train
     # A torch optimizer avoids DeepSpeed's JIT-built Adam kernels (minutes of gcc on CPU).
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=train.weight_decay, betas=(0.9, 0.99))
+    # Linear warmup over optimizer steps (a factor of 1 throughout with warmup_steps 0); its
+    # state is part of every checkpoint.
+    warmup = train.warmup_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / (warmup + 1)))
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,   # we pass whole mini-batches; see train()
         "gradient_accumulation_steps": 1,
@@ -51,16 +57,54 @@ def _deepspeed_engine(model: torch.nn.Module, cfg: Config, lr: float, rank: int,
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
     }
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     return engine
 
 
-class PolicyWorker:
+class _Checkpointed:
+    """Checkpoint save and load for a worker holding a DeepSpeed `engine` as trainer `rank`.
+    Every rank calls these with the same folder (DeepSpeed writes each rank's ZeRO shard)."""
+    engine: Any
+    rank: int
+    TAG = "engine"
+
+    def save_checkpoint(self, folder: str) -> None:
+        self.engine.save_checkpoint(folder, tag=self.TAG, save_latest=False)
+        torch.save(rng_state(), Path(folder).parent / f"rng_{Path(folder).name}_rank{self.rank}.pt")
+
+    def load_checkpoint(self, folder: str) -> None:
+        path, _ = self.engine.load_checkpoint(folder, tag=self.TAG)
+        if path is None:
+            raise FileNotFoundError(f"{folder}: no DeepSpeed checkpoint '{self.TAG}' for rank {self.rank}")
+        set_rng_state(torch.load(Path(folder).parent / f"rng_{Path(folder).name}_rank{self.rank}.pt",
+                                 weights_only=False))
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's generator states: python, numpy, torch (and CUDA when present)."""
+    import numpy as np
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class PolicyWorker(_Checkpointed):
     def __init__(self, model_dir: str, cfg: dict[str, Any], rank: int = 0, world_size: int = 1,
                  master_addr: str = "127.0.0.1", master_port: int = 29500):
         from transformers import AutoModelForCausalLM
 
         self.cfg = Config.model_validate(cfg)
+        self.rank = rank
         torch.manual_seed(self.cfg.seed + rank)
         torch.set_flush_denormal(True)   # subnormal floats slow CPU training down several-fold
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, self.cfg.model.dtype))
@@ -143,7 +187,7 @@ class PolicyWorker:
         return out_dir
 
 
-class CriticWorker:
+class CriticWorker(_Checkpointed):
     """PPO's critic: the policy's network with a scalar value head instead of the LM head
     (transformers' `...ForTokenClassification` with one label, the head freshly initialized),
     in its own DeepSpeed engine. Values are token-aligned like logprobs: entry t is V of the
@@ -154,6 +198,7 @@ class CriticWorker:
         from transformers import AutoModelForTokenClassification
 
         self.cfg = Config.model_validate(cfg)
+        self.rank = rank
         torch.manual_seed(self.cfg.seed + 1000 + rank)
         torch.set_flush_denormal(True)
         model = AutoModelForTokenClassification.from_pretrained(
@@ -205,8 +250,15 @@ class RolloutWorker:
         self.make_env = env_factory(self.cfg, data_dir)   # built once: a search index is loaded here
 
     def rollout(self, examples: list[dict], n: int, seed: int | None = None,
-                temperature: float | None = None) -> list:
+                temperature: float | None = None, generator_seed: int | None = None) -> list:
+        """`n` trajectories per example. `generator_seed` seeds this process's generators
+        first: vLLM's CPU sampler (and transformers' sampling) draw from torch's global
+        generator, and the engine runs in this process, so the batch samples the same tokens
+        for the same seed, weights and prompts however many batches came before."""
         from turnrl.rollout.loop import Budgets, run_rollouts
+        if generator_seed is not None:
+            torch.manual_seed(generator_seed)
+            random.seed(generator_seed)
         r = self.cfg.rollout
         return run_rollouts(self.engine, examples, self.make_env, self.fmt,
                             Budgets(r.max_turns, r.max_tokens_per_turn, r.max_tokens_total),

@@ -1,0 +1,186 @@
+"""Resumable training checkpoints: complete folders under `train.checkpoint_dir`, or none.
+
+    checkpoints/
+      step_000010/             a complete checkpoint (it got this name only once whole)
+        state.json             step, data position, MLflow run id, fingerprint, metrics so far
+        policy/                DeepSpeed's save_checkpoint: weights, optimizer and scheduler
+                               state, one shard per ZeRO rank
+        critic/                the same for PPO's critic
+        rng_policy_rank0.pt    each trainer rank's python, numpy and torch generator states
+      .partial-step_000020/    being written; ignored and removed by the next run
+
+Atomic: a checkpoint is written into a `.partial-` folder, flushed to disk, then renamed to
+`step_N` (a rename within one folder is atomic), and only then are older ones pruned. A crash
+at any moment leaves only complete checkpoints under a `step_` name.
+
+Rollouts need no generator state: each step seeds its sampling from (seed, step) alone
+(`step_seed`), so a resumed run samples what an uninterrupted one would have.
+
+When a run resumes: the newest complete checkpoint whose fingerprint matches the run's and
+whose step is at most `train.steps`. The fingerprint hashes every params key that shapes
+what training computes (all of seed, model, data, env, algorithm, rollout, train except the
+keys in `NOT_SHAPING`: how long it runs, how often and where it saves or logs) and the content
+of the training inputs (the initial model, the training split). So `train.steps` may grow (a
+finished 40-step run continues to 60), while a different lr, seed or data starts afresh and
+removes the checkpoints of the other configuration.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from turnrl.config import Config
+
+log = logging.getLogger(__name__)
+
+SHAPING_SECTIONS = ("seed", "model", "data", "env", "algorithm", "rollout", "train")
+#: Keys of those sections that do not change what training computes.
+NOT_SHAPING = frozenset({"train.steps", "train.checkpoint_every", "train.keep_checkpoints",
+                         "train.checkpoint_dir", "train.samples_logged_every", "env.workers"})
+STATE_FILE = "state.json"
+_NAME = re.compile(r"^step_(\d+)$")
+
+
+def shaping_params(cfg: Config) -> dict[str, Any]:
+    """The params that a resumed run must share with the checkpoint's run."""
+    return {k: v for k, v in cfg.flat().items()
+            if k.split(".")[0] in SHAPING_SECTIONS and k not in NOT_SHAPING}
+
+
+def fingerprint(cfg: Config, inputs: Iterable[Path] = ()) -> str:
+    """sha256 of the shaping params and the content of `inputs` (files, or folders walked in
+    name order), shortened to 16 hex digits."""
+    digest = hashlib.sha256(json.dumps(shaping_params(cfg), sort_keys=True).encode())
+    for root in inputs:
+        root = Path(root)
+        files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+        for path in files:
+            digest.update(str(path.relative_to(root) if root.is_dir() else path.name).encode())
+            with path.open("rb") as f:
+                digest.update(hashlib.file_digest(f, "sha256").digest())
+    return digest.hexdigest()[:16]
+
+
+def step_seed(seed: int, step: int, engine: int = 0) -> int:
+    """The generator seed of one rollout engine at one step: a function of these alone."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{step}:{engine}".encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+
+@dataclass
+class Resume:
+    """A checkpoint to continue from."""
+    path: Path
+    state: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+    @property
+    def mlflow_run_id(self) -> str | None:
+        return self.state.get("mlflow_run_id")
+
+
+class CheckpointStore:
+    """The checkpoints of one training configuration (its `fingerprint`) in `root`."""
+
+    def __init__(self, root: str | Path, fingerprint: str, keep: int = 2):
+        self.root, self.fingerprint, self.keep = Path(root).resolve(), fingerprint, keep
+
+    def complete(self) -> list[tuple[int, Path]]:
+        """(step, folder) of every complete checkpoint, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.root.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
+        return sorted(found)
+
+    def read_state(self, folder: Path) -> dict[str, Any] | None:
+        try:
+            return json.loads((folder / STATE_FILE).read_text())
+        except (OSError, ValueError) as exc:
+            log.warning("checkpoint %s is unreadable (%s); skipping it", folder, exc)
+            return None
+
+    def resumable(self, max_step: int) -> Resume | None:
+        """The newest checkpoint of this configuration at step <= max_step, or None (and why)."""
+        for step, folder in reversed(self.complete()):
+            state = self.read_state(folder)
+            if state is None:
+                continue
+            if state.get("fingerprint") != self.fingerprint:
+                log.info("checkpoint %s is from another configuration (fingerprint %s, this run %s): "
+                         "not resuming from it", folder.name, state.get("fingerprint"), self.fingerprint)
+                continue
+            if step > max_step:
+                log.info("checkpoint %s is past train.steps = %d: not resuming from it", folder.name, max_step)
+                continue
+            return Resume(folder, state)
+        return None
+
+    def discard_all(self) -> None:
+        """Remove every checkpoint (a run that starts afresh: they belong to another config)."""
+        for _, folder in self.complete():
+            log.info("removing checkpoint %s (a fresh run does not continue it)", folder)
+            shutil.rmtree(folder)
+        self._remove_partials()
+
+    def _remove_partials(self) -> None:
+        if self.root.is_dir():
+            for partial in self.root.glob(".partial-*"):
+                shutil.rmtree(partial, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def writing(self, step: int) -> Iterator[Path]:
+        """A folder to write the checkpoint of `step` into; when the block ends without an
+        error it is flushed, renamed into place and older checkpoints pruned. `state.json`
+        must be written into it (it is what makes the folder readable as a checkpoint)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._remove_partials()
+        partial = self.root / f".partial-step_{step:06d}"
+        partial.mkdir()
+        try:
+            yield partial
+            if not (partial / STATE_FILE).exists():
+                raise RuntimeError(f"checkpoint of step {step} written without {STATE_FILE}")
+            _fsync_tree(partial)
+            final = self.root / f"step_{step:06d}"
+            if final.exists():           # e.g. written again after a resume at this step
+                shutil.rmtree(final)
+            partial.rename(final)
+            _fsync_dir(self.root)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        for _, old in self.complete()[:-self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint saved at step %d: %s", step, final)
+
+
+def write_state(folder: Path, state: dict[str, Any]) -> None:
+    (folder / STATE_FILE).write_text(json.dumps(state, indent=1))
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Flush every file and folder under `folder` to disk (a power cut, not only a kill)."""
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+    for path in [folder, *(p for p in folder.rglob("*") if p.is_dir())]:
+        _fsync_dir(path)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
