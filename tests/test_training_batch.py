@@ -7,7 +7,7 @@ from turnrl import envs
 from turnrl.config import Config
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.loop import replay
-from turnrl.training.loop import PromptSampler, advantages_for, collate, rollout_metrics
+from turnrl.training.loop import PromptSampler, advantage_metrics, advantages_for, collate, rollout_metrics
 
 EXAMPLE = {"prompt": "Compute 123 * 456.", "answer": "56088"}
 TOOL_RIGHT = ["<code>print(123 * 456)</code>", "<answer>56088</answer>"]
@@ -74,6 +74,23 @@ def test_rollout_metrics(fmt):
     m = rollout_metrics(trajs, n=2)
     assert m["reward_mean"] == 0.25 and m["tool_calls_mean"] == 0.5 and m["finish_answer_frac"] == 1.0
     assert m["groups_all_same_frac"] == 0.5                  # the two guesses are one flat group
+    # per-turn parts: turn 1 = the tool ran (2 of 4), turn 2 = the tool users' answers (1 right of 4)
+    assert m["turn1_reward_mean"] == 0.5 and m["turn2_reward_mean"] == 0.25 and "turn3_reward_mean" not in m
+    assert m["env_tool_calls_mean"] == 0.5                   # the env's numeric info, averaged
+    bad = rollout_metrics(trajectories(fmt, [BAD_TOOL, GUESS]), n=2)
+    assert bad["turn1_reward_mean"] == 0.0 and bad["env_tool_ok_mean"] == 0.0
+
+
+def test_advantage_metrics_per_turn(fmt):
+    # Row 0: turn 0 gets +1 on 2 tokens, turn 1 gets +1 on 1 token; row 1: turn 0 gets -1 on
+    # 2 tokens. Masked tokens (the 9s) are left out.
+    adv = torch.tensor([[1.0, 1.0, 9.0, 1.0], [-1.0, -1.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
+    turn_ids = torch.tensor([[0, 0, 0, 1], [0, 0, -1, -1]])
+    m = advantage_metrics(adv, mask, turn_ids)
+    assert m["advantage_abs_mean"] == 1.0
+    assert m["advantage_turn1_mean"] == 0.0 and m["advantage_turn1_std"] == 1.0
+    assert m["advantage_turn2_mean"] == 1.0 and m["advantage_turn2_std"] == 0.0
 
 
 def test_prompt_sampler_is_a_seeded_function_of_its_position():

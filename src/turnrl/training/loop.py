@@ -22,7 +22,8 @@ from typing import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from turnrl.algos import compute_advantages, contiguous_group_ids, first_obs_position, gae, outcome_token_rewards
+from turnrl.algos import (compute_advantages, contiguous_group_ids, first_obs_position, gae, outcome_token_rewards,
+                          per_turn_mean_std)
 from turnrl.config import Config
 from turnrl.envs.configured import trained_turns
 from turnrl.rollout.loop import Trajectory
@@ -87,11 +88,31 @@ def rollout_metrics(trajs: Sequence[Trajectory], n: int) -> dict[str, float]:
         "turns_mean": sum(t.num_turns for t in trajs) / count,
         "response_tokens_mean": sum(t.policy_tokens() for t in trajs) / count,
         "tool_calls_mean": sum(len(t.observations) for t in trajs) / count,
-        "turn1_reward_mean": sum(t.turn_rewards[0] for t in trajs if t.turn_rewards) / count,
         "groups_all_same_frac": sum(len(set(g)) == 1 for g in groups) / max(1, len(groups)),
     }
+    # The reward's per-turn parts (a turn a trajectory never reached counts as 0) and the
+    # environment's numeric reward components (tool_ok, answer_in_results, f1, improvement, ...).
+    for k in range(max((len(t.turn_rewards) for t in trajs), default=0)):
+        out[f"turn{k + 1}_reward_mean"] = sum(t.turn_rewards[k] for t in trajs if len(t.turn_rewards) > k) / count
+    numeric = {key for t in trajs for key, v in t.info.items()
+               if isinstance(v, (int, float)) and key not in ("outcome", "reward")}
+    for key in sorted(numeric):
+        values = [float(t.info[key]) for t in trajs if isinstance(t.info.get(key), (int, float))]
+        out[f"env_{key}_mean"] = sum(values) / len(values)
     for reason in ("answer", "no_action", "max_turns", "token_budget", "truncated"):
         out[f"finish_{reason}_frac"] = sum(t.finish == reason for t in trajs) / count
+    return out
+
+
+def advantage_metrics(advantages: torch.Tensor, mask: torch.Tensor, turn_ids: torch.Tensor) -> dict[str, float]:
+    """Mean |A| over trained tokens, and the mean and std of A per policy turn (all [B, L])."""
+    turns = int(turn_ids.max()) + 1 if turn_ids.numel() else 0
+    out = {"advantage_abs_mean": float((advantages.abs() * mask).sum() / mask.sum().clamp(min=1))}
+    mean, std, count = per_turn_mean_std(advantages, mask, turn_ids, max(turns, 1))
+    for k in range(turns):
+        if count[k] > 0:
+            out[f"advantage_turn{k + 1}_mean"] = float(mean[k])
+            out[f"advantage_turn{k + 1}_std"] = float(std[k])
     return out
 
 
@@ -243,9 +264,8 @@ def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], ou
             **rollout_metrics(trajs, cfg.rollout.n),
             **train_stats,
             **critic_stats,
+            **advantage_metrics(batch["advantages"], batch["loss_mask"], batch["turn_ids"]),
             "trained_tokens": float(batch["loss_mask"].sum()),   # policy tokens the update used
-            "advantage_abs_mean": float((batch["advantages"].abs() * batch["loss_mask"]).sum()
-                                        / batch["loss_mask"].sum().clamp(min=1)),
             "rollout_s": t_rollout - t_start,
             "advantage_s": t_adv - t_rollout,
             "train_s": t_train - t_adv,
