@@ -88,6 +88,9 @@ class CodeToolCfg(_Section):
     timeout_s: float = Field(5.0, gt=0)
     memory_mb: int = Field(256, ge=32)
     max_output_chars: int = Field(200, gt=0)
+    max_processes: int = Field(8, ge=2, description=(
+        "processes and threads of one call, the sandbox's helper included (RLIMIT_NPROC); "
+        "with memory_mb it bounds a call's memory: max_processes x memory_mb"))
 
 
 class SearchCfg(_Section):

@@ -40,10 +40,12 @@ class CodeToolEnv:
     stop = ("</code>", "</answer>")
 
     def __init__(self, timeout_s: float = 5.0, memory_mb: int = 256, max_output_chars: int = 200,
-                 system_prompt: str = SYSTEM_PROMPT):
+                 max_processes: int = 8, system_prompt: str = SYSTEM_PROMPT):
         self.system_prompt = system_prompt
+        # memory_mb is per process: max_processes x memory_mb bounds a call's memory (2 GiB here)
         self.limits = SandboxLimits(timeout_s=timeout_s, cpu_s=max(1, int(timeout_s) + 1),
-                                    memory_mb=memory_mb, max_output_chars=max_output_chars)
+                                    memory_mb=memory_mb, max_output_chars=max_output_chars,
+                                    max_processes=max_processes)
         self.example: dict = {}
         self.tool_calls = 0
 

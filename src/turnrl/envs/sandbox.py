@@ -239,9 +239,15 @@ def jail():
     MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
     MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 32, 4096, 8192, 16384, 1 << 18
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we do propagates to the host
-    # Hide directories (e.g. /root) behind a tmpfs, re-exposing only the interpreter's prefix.
+    # Hide host folders (the project, /home, /run and its sockets, /root, ...) behind an empty
+    # tmpfs, re-exposing only the interpreter's prefix; a top-level file behind an empty file.
     for n, spec in enumerate(filter(None, HIDE.split(";"))):
         hidden, *keep = spec.split("|")
+        if not os.path.isdir(hidden):
+            empty = os.path.join(STAGE, ".empty")
+            open(empty, "w").close()
+            mount(empty, hidden, None, MS_BIND)
+            continue
         stashes = []
         for i, rel in enumerate(keep):
             stash = os.path.join(STAGE, ".stash%d_%d" % (n, i))
@@ -265,6 +271,8 @@ def jail():
             points = [l.split()[4] for l in f]
         for p in points:
             p = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), p) if "\\" in p else p
+            if not os.path.exists(p):
+                continue  # under a hidden folder
             fl = os.statvfs(p).f_flag
             keep = fl & (MS_NOSUID | MS_NODEV | MS_NOEXEC) | (1024 if fl & 1024 else 0) | \
                 (2048 if fl & 2048 else 0) | ((1 << 21) if fl & 4096 else 0)
@@ -410,8 +418,16 @@ def _interpreter_roots(python: str) -> list[str]:
     return out
 
 
-def _hide_plan(python: str) -> tuple[str, bool, list[str]]:
-    """Which directories to cover with a tmpfs, and which interpreter paths to re-expose."""
+# Top-level entries a program may see (read-only): the system. Everything else at the top level
+# (/work, /home, /root, /run, /var, /opt, /mnt, /srv, files, ...) is covered by the jail.
+_SYSTEM_TOP = frozenset({"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "dev",
+                         "proc", "sys", "tmp"})
+
+
+def _hide_plan(python: str) -> tuple[str, bool, list[str], list[str]]:
+    """(plan for the boot helper, whether dropping root needs the jail, the hidden paths, the
+    top-level paths that cannot be hidden). The plan covers folders with a tmpfs and
+    re-exposes the interpreter's paths inside them."""
     roots = _interpreter_roots(python)
     hidden: dict[str, list[str]] = {}
     tmp = os.path.realpath(tempfile.gettempdir())
@@ -433,14 +449,28 @@ def _hide_plan(python: str) -> tuple[str, bool, list[str]]:
         if home not in ("/", "") and os.path.isdir(home):
             hidden[home] = [os.path.relpath(r, home) for r in roots
                             if r.startswith(home + "/")]
-    plan, hidden_dirs = [], []
-    for d, keep in hidden.items():
+    # As root, the uid drop needs the jail when the interpreter is in a folder others cannot enter.
+    need_fs = os.geteuid() == 0 and bool(hidden)
+    try:
+        top = sorted(os.listdir("/"))
+    except OSError:
+        top = []
+    for name in top:
+        d = "/" + name
+        if name in _SYSTEM_TOP or os.path.islink(d):  # a link leads to the system or a hidden path
+            continue
+        for inner in [h for h in hidden if h.startswith(d + "/")]:
+            del hidden[inner]  # covered by d, whose re-exposed paths are recomputed here
+        hidden[d] = ["" if r == d else os.path.relpath(r, d) for r in roots
+                     if r == d or r.startswith(d + "/")]
+    plan, hidden_dirs, kept = [], [], []
+    for d, keep in sorted(hidden.items()):
         if "" in keep or tmp == d or tmp.startswith(d + "/") or "|" in d or ";" in d:
-            continue  # cannot hide what we need whole, or the staging area
+            kept.append(d)  # cannot hide what we need whole, or the staging area
+            continue
         plan.append("|".join([d, *keep]))
         hidden_dirs.append(d)
-    need_fs = os.geteuid() == 0 and bool(hidden)
-    return ";".join(plan), need_fs, hidden_dirs
+    return ";".join(plan), need_fs, hidden_dirs, kept
 
 
 class _UidSlot:
@@ -780,7 +810,7 @@ def _compute_config() -> _Config:
     python = _python_executable()
     root = os.geteuid() == 0
     linux = sys.platform.startswith("linux")
-    hide, need_fs, hidden_dirs = _hide_plan(python) if linux else ("", False, [])
+    hide, need_fs, hidden_dirs, not_hidden = _hide_plan(python) if linux else ("", False, [], [])
     notes: list[str] = []
     attempts = []
     disabled = set(filter(None, os.environ.get("TURNRL_SANDBOX_DISABLE", "").split(",")))
@@ -805,6 +835,9 @@ def _compute_config() -> _Config:
         notes.append("probe failed: every run will report a sandbox error")
     if "jail" not in layers:
         hide, hidden_dirs = "", []
+    elif not_hidden:
+        notes.append(f"visible read-only (the interpreter or the staging directory is inside): "
+                     f"{', '.join(not_hidden)}")
     if root and "drop" not in layers:
         notes.append("running as root without a uid drop: the program can write any file, signal"
                      " host processes outside a pid namespace, and RLIMIT_NPROC does not apply")
