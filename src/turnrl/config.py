@@ -12,6 +12,7 @@ This module imports nothing heavy, so a stage fails within a second on a bad val
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,7 +25,8 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(),
+                              allow_inf_nan=False)  # .inf / .nan are never a sensible value here
 
 
 # --------------------------------------------------------------------------- model
@@ -290,21 +292,36 @@ def _allowed_keys(loc: tuple) -> list[str]:
     return list(section.model_fields)
 
 
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _key_text(part: Any) -> str:
+    """A key as written in params.yaml; quoted when it is not a plain name (empty, spaces,
+    control characters, a number or null used as a key) so the message stays one clear line."""
+    return part if isinstance(part, str) and _PLAIN_KEY.fullmatch(part) else repr(part)
+
+
+def _value_text(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
 def _describe(err: dict, source: str) -> str:
     loc = tuple(err["loc"])
-    key = ".".join(str(p) for p in loc) or "params"
+    key = ".".join(_key_text(p) for p in loc) or "params"
     if err["type"] == "extra_forbidden":
         allowed = _allowed_keys(loc)
         guess = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
         hint = f" (did you mean '{guess[0]}'?)" if guess else ""
-        parent = ".".join(str(p) for p in loc[:-1]) or "the top level"
+        parent = ".".join(_key_text(p) for p in loc[:-1]) or "the top level"
         return f"{source}: {key}: unknown key{hint}; keys under {parent}: {', '.join(allowed)}"
     msg = err["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
     if err["type"] == "literal_error":
         msg = "must be one of " + err["ctx"]["expected"]
-    if isinstance(err.get("input"), dict):  # a check across a whole section
+    msg = " ".join(msg.split())  # one line
+    if isinstance(err.get("input"), dict) and err["type"] == "value_error":  # a section-wide check
         return f"{source}: {key}: {msg}"
-    return f"{source}: {key} = {err.get('input')!r}: {msg}"
+    return f"{source}: {key} = {_value_text(err.get('input'))}: {msg}"
 
 
 def parse_config(data: Any, source: str = "params.yaml") -> Config:
@@ -325,9 +342,24 @@ def _set_dotted(data: dict, key: str, value: Any) -> None:
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"override {key}: '{part}' is not a section")
+            raise ConfigError(f"override {key}: {_key_text(part)} is a value, not a section")
         node = child
     node[parts[-1]] = value
+
+
+def _yaml(text: str, what: str, fix: str) -> Any:
+    """yaml.safe_load, every failure a ConfigError. PyYAML raises more than YAMLError on some
+    input (ValueError for a date like 2020-13-45, RecursionError for deep nesting, ...)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        where = f" at line {exc.problem_mark.line + 1}, column {exc.problem_mark.column + 1}" \
+            if exc.problem_mark else ""
+        problem = " ".join(filter(None, [exc.context, exc.problem])) or "syntax error"
+        raise ConfigError(f"{what}: {' '.join(problem.split())}{where}; {fix}") from None
+    except (yaml.YAMLError, ValueError, TypeError, AttributeError, RecursionError) as exc:
+        problem = " ".join(str(exc).split())[:200]
+        raise ConfigError(f"{what}: {type(exc).__name__}: {problem}; {fix}") from None
 
 
 def load_config(path: str | Path = "params.yaml", overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -335,17 +367,25 @@ def load_config(path: str | Path = "params.yaml", overrides: list[str] | tuple[s
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path}: not found; run from the project root or pass the params file path")
+    if not path.is_file():
+        raise ConfigError(f"{path}: not a file; pass the params file path (e.g. params.yaml)")
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); save it as UTF-8 YAML") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    data = _yaml(text, f"{path}: not valid YAML", "fix the line it names")
     data = data if data is not None else {}
     for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected key.path=value")
-        key, raw = item.split("=", 1)
+        key, eq, raw = str(item).partition("=")
+        key = key.strip()
+        if not eq or not key or not all(key.split(".")):
+            raise ConfigError(f"override {item!r}: expected key.path=value, e.g. train.steps=60")
+        value = _yaml(raw, f"override {key}: the value {raw!r} is not valid YAML",
+                      f"quote it if it is a string, e.g. {key}='\"...\"'")
         if isinstance(data, dict):
-            _set_dotted(data, key.strip(), yaml.safe_load(raw))
+            _set_dotted(data, key, value)
     return parse_config(data, source=str(path.name))
 
 
