@@ -13,6 +13,7 @@ def main(cfg):
     manifest = preprocess(cfg, OUT)
     mlflow.log_dict(manifest, "manifest.json")
     mlflow.log_metrics({f"{k}_n": v["n"] for k, v in manifest.items() if v.get("n") is not None})
+    mlflow.log_metric("bad_rows_dropped", manifest["bad_rows"]["dropped"])
 
 
 if __name__ == "__main__":

@@ -83,6 +83,10 @@ class DataCfg(_Section):
     train_examples: int = Field(4096, gt=0, description="training prompts (at most; a data set may have fewer)")
     heldout_examples: int = Field(256, gt=0, description="held-out prompts (the eval 'task' block)")
     math500_path: str = Field("", description="explicit MATH-500 jsonl/parquet; empty: $TURNRL_DATA_DIR, then the hub")
+    bad_rows: Literal["fail", "drop"] = Field("fail", description=(
+        "a malformed row in a data set or benchmark file (bad JSON, a missing, empty or null field, a wrong "
+        "type): fail stops preprocess naming the file and line; drop skips it and counts it in "
+        "data/processed/manifest.json and the log"))
 
 
 # --------------------------------------------------------------------------- env

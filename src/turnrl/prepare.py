@@ -104,6 +104,11 @@ def _trained_mask(t: Trajectory, choice: tuple[int, str] | None, fmt: ChatFormat
 def resolve_checkpoint(path: str, out_dir: Path) -> dict:
     """A real checkpoint is used where it is: `models/initial/turnrl_model.json` points to it."""
     local = Path(path).expanduser()
+    if not local.exists() and (local.is_absolute() or path.startswith((".", "~"))):
+        raise FileNotFoundError(
+            f"model.path={path}: no such folder. Point model.path at a Hugging Face model folder "
+            "(config.json, weights, tokenizer), a hub id (org/name), or 'tiny' for the embedded model; "
+            "e.g. dvc exp run -S model.path=tiny")
     if local.exists():
         if not (local / "config.json").exists():
             raise FileNotFoundError(f"model.path={path}: {local} has no config.json; point it at a Hugging Face model folder")

@@ -1,10 +1,13 @@
 """What every DVC stage script shares: validated params first, then an MLflow stage run.
 
 Exit codes: 2 for bad input (params, data, model path: retrying will not help, and the
-Prefect flow does not retry it), 1 for anything else.
+Prefect flow does not retry it), 1 for anything else. A full disk is reported as such (what
+was being written, where to free space), with exit code 1: it is not bad input, and a retry
+after space was freed succeeds.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -15,6 +18,7 @@ from typing import Any, Callable
 from turnrl.config import Config, ConfigError, load_config
 
 BAD_INPUT_EXIT = 2
+DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 
 
 def run_stage(name: str, body: Callable[[Config], Any],
@@ -37,11 +41,32 @@ def run_stage(name: str, body: Callable[[Config], Any],
     except (DataSourceError, FileNotFoundError) as exc:
         print(f"turnrl {name}: {exc}", file=sys.stderr)
         raise SystemExit(BAD_INPUT_EXIT) from None
+    except OSError as exc:
+        if exc.errno not in DISK_FULL_ERRNOS:
+            raise
+        print(disk_full_message(name, exc), file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def disk_full_message(stage: str, exc: OSError) -> str:
+    """What to do when a stage's write failed with ENOSPC / EDQUOT."""
+    target = Path(exc.filename) if exc.filename else Path.cwd()
+    where = f"while writing {exc.filename}" if exc.filename else "while writing its outputs"
+    folder = target if target.is_dir() else target.parent
+    return (f"turnrl {stage}: the disk is full ({os.strerror(exc.errno)}) {where}. Free space on the "
+            f"file system holding {folder} (see `df -h {folder}`), or move the project to a bigger "
+            f"disk, then rerun the stage (`dvc repro {stage}`). This run's outputs are incomplete and "
+            "DVC has not recorded them.")
 
 
 def write_json(path: str | Path, data: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    tmp.replace(path)   # readers never see a half-written file
+    try:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+        tmp.replace(path)   # readers never see a half-written file
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        exc.filename = exc.filename or str(path)
+        raise

@@ -42,6 +42,7 @@ import os
 import re
 import sys
 import warnings
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,7 @@ __all__ = [
     "DatasetSpec",
     "DATASETS",
     "DataSourceError",
+    "MalformedDataError",
     "LoadResult",
     "load",
     "load_rows",
@@ -77,6 +79,10 @@ OnBadRow = Literal["fail", "drop"]
 
 class DataSourceError(RuntimeError):
     """A data set could not be found, or a row in it is malformed. The message says how to fix it."""
+
+
+class MalformedDataError(DataSourceError):
+    """A file was found but a row in it (or the whole file) cannot be read; names file and line."""
 
 
 class _BadRow(ValueError):
@@ -289,32 +295,61 @@ def _is_parquet(path: Path) -> bool:
 
 
 def _iter_records(path: Path) -> Iterator[tuple[int, Any]]:
-    """Yield ``(line_or_row_number, record)``; a record that could not be decoded is a ``_BadRow``."""
+    """Yield ``(line_or_row_number, record)``; a record that could not be decoded is a ``_BadRow``.
+    A file that cannot be read at all (not parquet, broken gzip) is a ``DataSourceError``."""
     if _is_parquet(path):
-        for i, rec in enumerate(read_parquet(path), start=1):
+        try:
+            records = read_parquet(path)
+        except Exception as exc:  # pyarrow's ArrowInvalid, OSError, ...: not a parquet file
+            raise MalformedDataError(f"{path}: not a readable parquet file ({type(exc).__name__}: "
+                                  f"{str(exc)[:200]}); write it with pandas/pyarrow or use .jsonl") from None
+        for i, rec in enumerate(records, start=1):
             yield i, rec
         return
     if path.suffix == ".json":
-        text = path.read_text(encoding="utf-8")
-        stripped = text.lstrip()
-        if stripped.startswith("["):
+        raw = path.read_bytes()
+        if raw.lstrip().startswith(b"["):
             try:
-                data = json.loads(text)
+                data = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                raise MalformedDataError(f"{path}: not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
             except json.JSONDecodeError as exc:
-                raise DataSourceError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
-            for i, rec in enumerate(data, start=1):
+                raise MalformedDataError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
+            except RecursionError:
+                raise MalformedDataError(f"{path}: JSON nested too deeply to read") from None
+            for i, rec in enumerate(data if isinstance(data, list) else [data], start=1):
                 yield i, rec
             return
         # otherwise a .json file holding JSON lines: fall through
     opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as exc:
-                yield lineno, _BadRow(f"bad JSON line: {exc.msg} (column {exc.colno})")
+    lineno = 0
+    try:
+        with opener(path, "rb") as fh:
+            for lineno, raw_line in enumerate(fh, start=1):
+                yield lineno, _decode_line(raw_line)
+    except (OSError, EOFError, zlib.error) as exc:  # a truncated or corrupt .gz
+        raise MalformedDataError(f"{path}:{lineno + 1}: cannot read the file further ({type(exc).__name__}: "
+                              f"{exc}); is it a complete {'gzip' if path.name.endswith('.gz') else 'text'} "
+                              "file?") from None
+
+
+_BLANK = object()
+
+
+def _decode_line(raw: bytes) -> Any:
+    """One JSONL line to a record, ``_BadRow`` if it is not a JSON value, ``_BLANK`` if empty."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return _BadRow(f"not UTF-8 text (byte {exc.start} of the line)")
+    if not line.strip():
+        return _BLANK
+    try:
+        return json.loads(line.rstrip("\r\n"))  # so that a cut-off line's column is on this line
+    except json.JSONDecodeError as exc:
+        return _BadRow(f"bad JSON line: {exc.msg} (column {exc.colno})")
+    except RecursionError:
+        return _BadRow("bad JSON line: nested too deeply")
 
 
 def _get(rec: Mapping[str, Any], key: str) -> Any:
@@ -337,6 +372,8 @@ def _scalar_str(value: Any, what: str) -> str:
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _BadRow(f"{what} must be a string or number, got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _BadRow(f"{what} is not a finite number: {value!r}")
     return str(value)
 
 
@@ -477,7 +514,25 @@ def _map_row(
             row[key] = _passages(need(key))
         else:
             row[key] = optional(key)
+    for key, value in row.items():
+        _check_unicode(value, key)
     return row
+
+
+def _check_unicode(value: Any, key: str) -> None:
+    """JSON may escape a lone surrogate (\\ud800) that no UTF-8 file (parquet) can hold."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise _BadRow(f"{key} is not valid Unicode text ({exc.reason} at character {exc.start})") from None
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            _check_unicode(k, key)
+            _check_unicode(v, key)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _check_unicode(v, key)
 
 
 def _check_fields(fields: Mapping[str, str], where: str) -> dict[str, str]:
@@ -514,7 +569,8 @@ def _guess_fields(path: Path) -> dict[str, str]:
             first = rec
             break
     if first is None:
-        raise DataSourceError(f"{path}: no JSON object rows to infer fields from; pass fields=")
+        raise DataSourceError(f"{path}: no JSON object rows to infer fields from; give the field names "
+                              "(data.fields in params.yaml, fields= in Python), e.g. {prompt: question, answer: solution}")
     fields: dict[str, str] = {}
     for key, cands in _GUESS.items():
         for c in cands:
@@ -541,6 +597,9 @@ def _warn(msg: str) -> None:
         warnings.warn(msg, UserWarning, stacklevel=4)
 
 
+_DROP_HINT = "pass on_bad_row='drop' to skip malformed rows"
+
+
 def _map_records(
     records: Iterable[tuple[int, Any]],
     fields: Mapping[str, str],
@@ -548,12 +607,15 @@ def _map_records(
     source: str,
     where: str,
     on_bad_row: OnBadRow,
+    drop_hint: str = _DROP_HINT,
 ) -> LoadResult:
     rows: list[dict[str, Any]] = []
     dropped: list[tuple[int, str]] = []
     seen: set[str] = set()
     index = 0
     for lineno, rec in records:
+        if rec is _BLANK:
+            continue
         try:
             if isinstance(rec, _BadRow):
                 raise rec
@@ -562,9 +624,7 @@ def _map_records(
                 raise _BadRow(f"duplicate id {row['id']!r}")
         except _BadRow as exc:
             if on_bad_row == "fail":
-                raise DataSourceError(
-                    f"{where}:{lineno}: {exc} (pass on_bad_row='drop' to skip malformed rows)"
-                ) from None
+                raise MalformedDataError(f"{where}:{lineno}: {exc} ({drop_hint})") from None
             dropped.append((lineno, str(exc)))
         else:
             seen.add(row["id"])
@@ -575,10 +635,10 @@ def _map_records(
     return LoadResult(rows=rows, dropped=dropped, origin=where)
 
 
-def _load_file(path: Path, fields, transform, source, on_bad_row) -> LoadResult:
+def _load_file(path: Path, fields, transform, source, on_bad_row, drop_hint=_DROP_HINT) -> LoadResult:
     if not path.is_file():
         raise DataSourceError(f"{path}: no such file")
-    return _map_records(_iter_records(path), fields, transform, source, str(path), on_bad_row)
+    return _map_records(_iter_records(path), fields, transform, source, str(path), on_bad_row, drop_hint)
 
 
 # --------------------------------------------------------------------------- resolution
@@ -687,6 +747,7 @@ def load(
     source: str | None = None,
     use_hub: bool = True,
     params_key: str | None = None,
+    drop_hint: str = _DROP_HINT,
 ) -> LoadResult:
     """Load a data set into the schema; see the module docstring for the resolution order.
 
@@ -694,7 +755,8 @@ def load(
     ``gsm8k_test``) or a path to a file. ``fields`` / ``answer_transform`` override the spec's
     (for a path without ``fields``, common column names are tried). ``source`` overrides the
     ``source`` column. ``use_hub=False`` skips the hub. ``params_key`` is the params.yaml key
-    named in the not-found error (default ``data.<name>_path``).
+    named in the not-found error (default ``data.<name>_path``); ``drop_hint`` is how the
+    caller turns on dropping, named in the error of a malformed row.
     """
     if on_bad_row not in ("fail", "drop"):
         raise DataSourceError(f"on_bad_row must be 'fail' or 'drop', got {on_bad_row!r}")
@@ -708,7 +770,8 @@ def load(
             raise DataSourceError(f"{file}: no such file (a data set path was given for {key!r})")
         flds = _check_fields(fields, str(file)) if fields is not None else _guess_fields(file)
         src = source or (key if path is not None else file.name.split(".")[0])
-        return _load_file(file, flds, _resolve_transform(answer_transform or "strip"), src, on_bad_row)
+        return _load_file(file, flds, _resolve_transform(answer_transform or "strip"), src, on_bad_row,
+                          drop_hint)
 
     spec = _lookup(key, split)
     src = source or spec.name
@@ -724,13 +787,13 @@ def load(
                 f"{'; ' + params_key if params_key else ''}); fix the path or leave it empty to use "
                 f"${ENV_VAR}/{spec.relpath} or the hub"
             )
-        return _load_file(file, flds, transform, src, on_bad_row)
+        return _load_file(file, flds, transform, src, on_bad_row, drop_hint)
 
     # 2. data directory
     base = _data_dir(data_dir)
     local = resolve_local_path(spec.name, data_dir)
     if local is not None:
-        return _load_file(local, flds, transform, src, on_bad_row)
+        return _load_file(local, flds, transform, src, on_bad_row, drop_hint)
 
     # 3. hub
     hub_why = "skipped (use_hub=False)" if not use_hub else ""
@@ -739,7 +802,7 @@ def load(
         if records is not None:
             hflds = _check_fields(fields if fields is not None else (spec.hub_fields or spec.fields), spec.name)
             where = f"hf://{spec.hub_id}[{spec.hub_split}]"
-            return _map_records(records, hflds, transform, src, where, on_bad_row)
+            return _map_records(records, hflds, transform, src, where, on_bad_row, drop_hint)
 
     raise _missing_error(spec, params_key or f"data.{spec.name}_path", base, hub_why)
 
@@ -803,9 +866,35 @@ def write_parquet(rows: Iterable[Mapping[str, Any]], path: str | os.PathLike[str
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = [dict(r) for r in rows]
-    table = pa.Table.from_pylist(rows) if rows else pa.table({k: pa.array([], pa.null()) for k in SCHEMA_FIELDS})
-    pq.write_table(table, path)
+    try:
+        table = pa.Table.from_pylist(rows) if rows else pa.table({k: pa.array([], pa.null()) for k in SCHEMA_FIELDS})
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+        raise DataSourceError(f"{path}: cannot store the rows as parquet: {_mixed_column(rows) or exc}") from None
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        pq.write_table(table, tmp)
+        tmp.replace(path)          # a failed write (a full disk) never leaves a half file at `path`
+    except OSError as exc:         # pyarrow's errors do not say which file
+        exc.filename = exc.filename or str(path)
+        raise
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
+
+
+def _mixed_column(rows: list[dict[str, Any]]) -> str:
+    """Which column pyarrow cannot store, and why (values of several types), or ""."""
+    import pyarrow as pa
+
+    for key in dict.fromkeys(k for r in rows for k in r):
+        values = [r.get(key) for r in rows]
+        try:
+            pa.array(values)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+            kinds = sorted({type(v).__name__ for v in values if v is not None})
+            return (f"field {key!r} holds values of different types ({', '.join(kinds)}); map only "
+                    "fields with one type in data.fields, or make the values one type")
+    return ""
 
 
 def read_parquet(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
