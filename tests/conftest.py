@@ -69,3 +69,10 @@ class ScriptedEngine:
             cut = ids[:limit]
             out.append(Sample(cut, [-0.5] * len(cut), "length" if len(cut) < len(ids) else self.finish))
         return out
+
+
+def print_past_capture(request, text: str) -> None:
+    """Print `text` even under pytest's output capture (a suite's summary table or fuzz counts)."""
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        print(text)

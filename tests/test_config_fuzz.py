@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from turnrl.config import Config, ConfigError, load_config, parse_config
 
-from conftest import ROOT
+from conftest import ROOT, print_past_capture
 
 EXAMPLES = int(os.environ.get("TURNRL_FUZZ_EXAMPLES", "400"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -173,7 +173,5 @@ def test_a_params_path_that_is_a_folder_or_missing_is_a_clear_error(tmp_path):
 def _print_counts(request):
     yield
     if TRIED:
-        capture = request.config.pluginmanager.get_plugin("capturemanager")
-        with capture.global_and_fixture_disabled():
-            print("\nparams fuzz, cases tried (all answered with a Config or a ConfigError): "
-                  + ", ".join(f"{k}: {v}" for k, v in TRIED.items()) + f"; total {sum(TRIED.values())}")
+        print_past_capture(request, "\nparams fuzz, cases tried (all answered with a Config or a ConfigError): "
+                           + ", ".join(f"{k}: {v}" for k, v in TRIED.items()) + f"; total {sum(TRIED.values())}")

@@ -24,6 +24,8 @@ from turnrl.config import Config
 from turnrl.data.sources import DataSourceError, MalformedDataError, read_parquet
 from turnrl.preprocess import preprocess
 
+from conftest import print_past_capture
+
 EXAMPLES = int(os.environ.get("TURNRL_FUZZ_EXAMPLES", "300"))
 TRIED: Counter = Counter()
 
@@ -172,9 +174,7 @@ def test_any_bytes_as_a_data_file_give_rows_or_a_clear_error(content, suffix, po
 def _print_counts(request):
     yield
     if TRIED:
-        capture = request.config.pluginmanager.get_plugin("capturemanager")
-        with capture.global_and_fixture_disabled():
-            formats = {k: v for k, v in TRIED.items() if not k.startswith("answered")}
-            print(f"\ndata-row fuzz: {sum(formats.values())} files tried ("
-                  + ", ".join(f"{k} {v}" for k, v in sorted(formats.items())) + "), all answered cleanly: "
-                  + ", ".join(f"{k[10:]} {v}" for k, v in sorted(TRIED.items()) if k.startswith("answered")))
+        formats = {k: v for k, v in TRIED.items() if not k.startswith("answered")}
+        print_past_capture(request, f"\ndata-row fuzz: {sum(formats.values())} files tried ("
+                           + ", ".join(f"{k} {v}" for k, v in sorted(formats.items())) + "), all answered cleanly: "
+                           + ", ".join(f"{k[10:]} {v}" for k, v in sorted(TRIED.items()) if k.startswith("answered")))

@@ -19,10 +19,8 @@ from __future__ import annotations
 import os
 import random
 import re
-import signal
 import socket
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,10 +32,14 @@ import pytest
 from turnrl import envs
 from turnrl.envs.sandbox import sandbox_capabilities
 
+from conftest import print_past_capture
+from test_sandbox import _assert_nothing_left, _name_self   # name / find the program's processes
+
 CAPS = sandbox_capabilities()
 ROOT = Path(__file__).resolve().parents[1]
-TIMEOUT_S = 1.5           # the env's wall-clock limit in this suite (params default: 5 s)
-SLACK_S = 1.0             # a loaded 2-core host: process start-up and teardown
+TIMEOUT_S = 3.0           # the env's wall-clock limit in this suite (params default: 5 s); a normal
+                          # call must fit in it on a 2-core host shared with other jobs
+SLACK_S = 1.5             # process start-up and teardown on that host
 EXAMPLE = {"prompt": "Compute 347 * 8215.", "answer": "2850605"}
 
 
@@ -145,26 +147,6 @@ def host(monkeypatch):
 
 
 # --------------------------------------------------------------------------- host checks
-def _live_processes(token: str) -> list[str]:
-    """Live (non-zombie) processes named `token` or with `token` on their command line."""
-    found = []
-    for p in os.listdir("/proc"):
-        if not p.isdigit() or int(p) == os.getpid():
-            continue
-        try:
-            status = Path(f"/proc/{p}/status").read_text()
-            cmdline = Path(f"/proc/{p}/cmdline").read_bytes()
-        except OSError:
-            continue
-        name = re.search(r"^Name:\s*(.*)$", status, re.M)
-        state = re.search(r"^State:\s*(\S)", status, re.M)
-        if state and state.group(1) in "ZX":
-            continue
-        if (name and name.group(1) == token) or token.encode() in cmdline:
-            found.append(f"pid {p} {name.group(1) if name else '?'}")
-    return found
-
-
 def _nothing_accepted(sock: socket.socket) -> bool:
     try:
         conn, _ = sock.accept()
@@ -175,10 +157,7 @@ def _nothing_accepted(sock: socket.socket) -> bool:
 
 
 def assert_host_untouched(h: Host) -> None:
-    deadline = time.monotonic() + 2.0            # a killed pid namespace is gone within ms
-    while (left := _live_processes(h.token)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not left, f"processes of the program survived the call: {left}"
+    _assert_nothing_left(h.token)
     assert h.files() == h.snapshot["files"], "a host file or folder was changed"
     assert sorted(p.name for p in h.canary_dir.iterdir()) == ["inside.txt"]
     assert sorted(p.name for p in h.canary.parent.iterdir()) == ["canary.txt", "dir", "secret.txt", "sock"]
@@ -199,12 +178,6 @@ def assert_env_keeps_going(env) -> None:
 
 
 # --------------------------------------------------------------------------- the cases
-def _name_self(token: str) -> str:
-    """Program prologue: name the process `token`; children inherit the name."""
-    return (f"try:\n    open('/proc/self/comm', 'w').write({token!r})\nexcept OSError:\n"
-            f"    import ctypes\n    ctypes.CDLL(None).prctl(15, {token!r}.encode(), 0, 0, 0)\n")
-
-
 # Shared helper for the programs: try an action, print "label:OK" or "label:<errno name>".
 _TRY = """
 import errno, os
@@ -387,7 +360,6 @@ def _shared_memory(h: Host) -> str:
 attempt('shm_read', lambda: open('/dev/shm/turnrl-hostile-{h.token}', 'rb').read())
 attempt('shm_overwrite', lambda: open('/dev/shm/turnrl-hostile-{h.token}', 'wb').write(b'pwned'))
 attempt('shm_delete', lambda: os.remove('/dev/shm/turnrl-hostile-{h.token}'))
-import sys
 attempt('sysv_shm_list', lambda: open('/proc/sysvipc/shm').read().count(chr(10)) - 1)
 """
 
@@ -460,11 +432,11 @@ CASES = [
          [(r"fork refused:EAGAIN", "rlimits: RLIMIT_NPROC (own uid)"), TIMEOUT, XCPU],
          needs=("rlimits", "nproc_enforced")),
     Case("fork_memory_bomb", "64 children each touching 160 MB", _fork_memory_bomb,
-         [(r"fork refused:EAGAIN", "rlimits: RLIMIT_NPROC x RLIMIT_AS bound the total")],
+         [(r"fork refused:EAGAIN", "rlimits: RLIMIT_NPROC x RLIMIT_AS bound the total"), TIMEOUT],
          needs=("rlimits", "nproc_enforced"), check=_check_fork_memory),
     Case("memory_bomb", "appends 32 MB blocks forever",
          lambda h: "x = []\nwhile True:\n    x.append(b'x' * (32 << 20))\n",
-         [(r"MemoryError", "rlimits: RLIMIT_AS")], needs=("rlimits",)),
+         [(r"MemoryError", "rlimits: RLIMIT_AS"), TIMEOUT], needs=("rlimits",)),
     Case("stdout_flood", "prints 1 kB lines forever", lambda h: "while True:\n    print('x' * 1000)\n",
          [(r"output limit exceeded", "bounded reader kills the program (always)")]),
     Case("stderr_binary_flood", "writes random bytes to stderr forever",
@@ -472,7 +444,7 @@ CASES = [
          [(r"output limit exceeded", "bounded reader kills the program (always)")]),
     Case("fill_disk", "writes a 64 MB file, then 15 MB files until the disk is full", _fill_disk,
          [(r"one_big_file:EFBIG", "rlimits: RLIMIT_FSIZE"),
-          (r"many_files:ENOSPC", "jail: its /tmp is a small private tmpfs")], needs=("rlimits",)),
+          (r"many_files:ENOSPC", "jail: its /tmp is a small private tmpfs"), TIMEOUT], needs=("rlimits",)),
     Case("busy_threads", "starts 500 spinning threads", _busy_threads,
          [(r"thread refused", "rlimits: RLIMIT_NPROC counts threads"), XCPU, TIMEOUT], needs=("rlimits",)),
     Case("write_outside", "overwrites, chmods, renames, deletes project / host-/tmp canaries; new files "
@@ -571,9 +543,7 @@ def _run_case(case: Case, h: Host):
 def _print_table(request):
     yield
     if TABLE:
-        capture = request.config.pluginmanager.get_plugin("capturemanager")
-        with capture.global_and_fixture_disabled():  # shown even without -s
-            print("\n\n" + format_table())
+        print_past_capture(request, "\n\n" + format_table())
 
 
 def format_table() -> str:
