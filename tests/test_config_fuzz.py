@@ -2,7 +2,7 @@
 valid Config or a ConfigError whose every line names the key it is about. Never another
 exception.
 
-The number of examples per test is TURNRL_FUZZ_EXAMPLES (default 400); the module prints how
+The number of examples per test is TURNRL_FUZZ_EXAMPLES (default 200); the module prints how
 many cases each test tried (`pytest tests/test_config_fuzz.py`), or run hypothesis' own
 statistics with `--hypothesis-show-statistics`.
 """
@@ -22,7 +22,7 @@ from turnrl.config import Config, ConfigError, load_config, parse_config
 
 from conftest import ROOT, print_past_capture
 
-EXAMPLES = int(os.environ.get("TURNRL_FUZZ_EXAMPLES", "400"))
+EXAMPLES = int(os.environ.get("TURNRL_FUZZ_EXAMPLES", "200"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TRIED: Counter = Counter()
 
@@ -119,14 +119,23 @@ def test_changed_keys_give_a_config_or_an_error_naming_them(changes):
 # --------------------------------------------------------------------------- load_config
 @pytest.fixture(scope="module")
 def params_file(tmp_path_factory):
+    """The defaults in YAML flow style: 2-3x faster to parse per example than the commented file."""
     path = tmp_path_factory.mktemp("fuzz") / "params.yaml"
-    path.write_text((ROOT / "params.yaml").read_text())
+    path.write_text(yaml.safe_dump(Config().model_dump(), default_flow_style=True, width=10**6))
     return path
+
+
+@pytest.mark.parametrize("raw", ["[", "{a: ", "@x", "%", "*alias", "!!python/object:os.system x", "2020-13-45",
+                                 "!!int x", "!!timestamp x", "{[1]: 2}", "[" * 600])
+def test_override_values_pyyaml_cannot_read_are_a_clear_error(params_file, raw):
+    """PyYAML raises YAMLError, ValueError, AttributeError or RecursionError on these."""
+    with pytest.raises(ConfigError, match=r"^override train\.steps: the value .* is not valid YAML"):
+        load_config(params_file, [f"train.steps={raw}"])
 
 
 raw_values = (st.text(max_size=16) | yamlish.map(lambda v: yaml.safe_dump(v, default_flow_style=True).strip())
               | st.sampled_from(["[", "{a: ", "!!python/object:os.system x", "*alias", "- a\n- b", "%", "@x",
-                                 "2020-13-45", "!!int x", "!!timestamp x", "{[1]: 2}", "[" * 500]))
+                                 "2020-13-45", "!!int x", "!!timestamp x", "{[1]: 2}"]))
 
 
 @FUZZ

@@ -5,7 +5,7 @@ surrogate, missing / null / empty / wrongly typed prompt or answer, non-finite n
 blank lines, as jsonl, jsonl.gz or parquet. `preprocess` must then, with `data.bad_rows: fail`,
 stop with a MalformedDataError naming the file and the line of the first malformed row; with
 `drop`, keep exactly the good rows and count the dropped ones, by line, in the manifest.
-Never another exception. TURNRL_FUZZ_EXAMPLES sets the number of files tried (default 300).
+Never another exception. TURNRL_FUZZ_EXAMPLES sets the number of files tried (default 200).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from turnrl.preprocess import preprocess
 
 from conftest import print_past_capture
 
-EXAMPLES = int(os.environ.get("TURNRL_FUZZ_EXAMPLES", "300"))
+EXAMPLES = int(os.environ.get("TURNRL_FUZZ_EXAMPLES", "200"))
 TRIED: Counter = Counter()
 
 text = st.text(max_size=12)
