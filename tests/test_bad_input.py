@@ -129,7 +129,7 @@ def test_disk_full_in_any_stage_body_is_reported_not_a_traceback(tmp_path, monke
     monkeypatch.setenv("TURNRL_PARAMS", str(tmp_path / "params.yaml"))
     import turnrl.tracking as tracking
     from contextlib import nullcontext
-    monkeypatch.setattr(tracking, "stage_run", lambda name, cfg: nullcontext())   # no MLflow here
+    monkeypatch.setattr(tracking, "stage_run", lambda *args, **kwargs: nullcontext())   # no MLflow here
 
     def body(cfg: Config) -> None:
         real_write_text = Path.write_text
