@@ -87,6 +87,7 @@ def test_task_metrics_and_generations(tmp_path, tiny_model_dir, cfg, monkeypatch
     task = metrics["task"]
     assert task["accuracy"] == 1.0 and task["accuracy_greedy"] == 1.0 and task["n"] == 12
     assert task["mean_turns"] == 2.0 and task["tokens_per_correct"] == task["mean_response_tokens"]
+    assert task["tool_call_rate"] == 1.0 and task["tool_success_rate"] == 1.0   # the oracle always calls it
     # the task always goes through the training environment, whatever eval.protocol says
     assert (task["protocol"], task["env"], task["max_turns"]) == ("multi", "code_tool", 3)
     assert task["temperature"] == 1.0 and task["samples_per_problem"] == 1 and task["seed"] == 0
@@ -97,6 +98,22 @@ def test_task_metrics_and_generations(tmp_path, tiny_model_dir, cfg, monkeypatch
     assert rows["correct"].all() and (rows["extracted"] == rows["answer"]).all()
     assert set(rows["reason"]) == {"equivalent to reference"}
     assert rows["trajectory"].str.contains("<output>").all()   # observations are part of the text
+
+
+def test_tool_rates_count_calls_and_successful_calls(tiny_model_dir):
+    from turnrl import envs
+    from turnrl.evaluation import summarize
+    from turnrl.rollout.chat import ChatFormat
+    from turnrl.rollout.loop import replay
+    fmt = ChatFormat(AutoTokenizer.from_pretrained(tiny_model_dir))
+    example = {"prompt": "Compute 12 * 34.", "answer": "408"}
+    scripts = [["<code>print(12 * 34)</code>", "<answer>408</answer>"],     # called, ran
+               ["<code>print(12 / 0)</code>", "<answer>408</answer>"],      # called, crashed
+               ["<answer>408</answer>"], ["<answer>1</answer>"]]             # never called
+    out = summarize([replay(envs.make("code_tool"), fmt, example, s) for s in scripts])
+    assert out["tool_call_rate"] == 0.5 and out["tool_success_rate"] == 0.25 and out["accuracy"] == 0.75
+    # environments without a tool have no tool rates
+    assert "tool_call_rate" not in summarize([replay(envs.make("intervention"), fmt, example, ["<answer>408</answer>"])])
 
 
 @pytest.mark.parametrize("n, c, k, expected", [

@@ -17,7 +17,9 @@ Blocks of the metrics (`metrics/baseline.json`, `metrics/eval.json`):
 Every block has `accuracy` (mean@k over `eval.samples` = k samples per problem), `pass_at_k`
 (the unbiased estimator), `n` (problems), `correct`, `mean_response_tokens` (policy tokens
 per trajectory), `tokens_per_correct` (all policy tokens / correct trajectories, MuTIS's
-efficiency measure), `mean_turns`, and how it was decoded: `protocol`, `env`, `temperature`,
+efficiency measure), `mean_turns`, for tool environments `tool_call_rate` (trajectories that
+called the tool) and `tool_success_rate` (whose last call ran: MT-GRPO's tool success), and
+how it was decoded: `protocol`, `env`, `temperature`,
 `top_p`, `samples_per_problem`, `seed`.
 
 Decoding: `eval.temperature` (0 = greedy), `eval.top_p`, `eval.samples`; every trajectory and
@@ -81,6 +83,9 @@ def summarize(trajs: Sequence[Trajectory], k: int = 1) -> dict:
         "tokens_per_correct": tokens / len(correct) if correct else None,
         "mean_turns": sum(t.num_turns for t in trajs) / len(trajs) if trajs else 0.0,
     }
+    if any("tool_ok" in t.info for t in trajs):   # a tool environment (code_tool, search)
+        out["tool_call_rate"] = sum("tool_ok" in t.info for t in trajs) / len(trajs)
+        out["tool_success_rate"] = sum(bool(t.info.get("tool_ok")) for t in trajs) / len(trajs)
     return out
 
 
