@@ -132,3 +132,27 @@ def test_a_turn_ended_by_the_model_is_not_closed_twice(fmt):
     rendered = fmt.tokenizer.apply_chat_template(messages, tokenize=False)
     text = fmt.tokenizer.decode(t.prompt_ids + t.response_ids, skip_special_tokens=False)
     assert rendered.startswith(text) and rendered[len(text):].strip() == fmt.tokenizer.eos_token
+
+
+def test_two_models_each_play_their_level_of_one_conversation(fmt):
+    """math_refine with a second model for the feedback: turns 0 and 2 come from the solver's
+    engine, turn 1 from the feedback model's, each batched over the live trajectories."""
+    tok = fmt.tokenizer
+    low = ScriptedEngine(tok, ["<answer>57</answer>", "<answer>123</answer>"])
+    high = ScriptedEngine(tok, ["<feedback>5+8=13 7+4+1=12</feedback>"])
+    example = {"prompt": "Compute 75 + 48.", "answer": "123"}
+    trajs = run_rollouts({"low": low, "high": high}, [example], lambda: envs.make("math_refine"), fmt,
+                         Budgets(3, 32, 400), n=2)
+    assert len(low.calls) == 2 and len(high.calls) == 1
+    assert all(len(c["prompts"]) == 2 for c in low.calls + high.calls)   # the group shares each call
+    for t in trajs:
+        assert t.turn_texts == ["<answer>57</answer>", "<feedback>5+8=13 7+4+1=12</feedback>", "<answer>123</answer>"]
+        assert t.outcome == 1.0 and t.info["attempt_correct"] == 0.0 and t.finish == "answer"
+        # the feedback model continued exactly the solver's tokens and the environment's
+        attempt = tok("<answer>57</answer>", add_special_tokens=False)["input_ids"]
+        assert high.calls[0]["prompts"][0][len(t.prompt_ids):][:len(attempt)] == attempt
+        assert sorted(set(t.turn_ids)) == [0, 1, 2]
+    # one engine for both levels is the shared-weights mode: three calls
+    shared = ScriptedEngine(tok, ["<answer>57</answer>", "<feedback>ok</feedback>", "<answer>123</answer>"])
+    run_rollouts(shared, [example], lambda: envs.make("math_refine"), fmt, Budgets(3, 32, 400))
+    assert len(shared.calls) == 3

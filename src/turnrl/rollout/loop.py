@@ -1,7 +1,8 @@
 """The multi-turn rollout loop: all live trajectories generate together each turn.
 
     for each turn:
-        the engine continues every live trajectory by one policy turn (one batched call)
+        the engine continues every live trajectory by one policy turn (one batched call; with
+            two models in one conversation, one call per model)
         each environment reads its turn and answers (tool result, feedback, ...) or ends it
         observation tokens are appended with loss mask 0; ended trajectories drop out
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 from tqdm.auto import tqdm
 
@@ -100,15 +101,27 @@ def _seed(base: int, index: int, turn: int) -> int:
     return zlib.crc32(f"{base}:{index}:{turn}".encode()) & 0x7FFFFFFF
 
 
-def run_rollouts(engine: Engine, examples: Sequence[dict], make_env: Callable[[], Env],
+def level_of(env: Env, turn: int) -> str:
+    """Which model plays policy turn `turn`: an environment with two levels (math_refine's
+    solver and feedback) says so with `level(turn)`; any other is played by "low" alone."""
+    level = getattr(env, "level", None)
+    return level(turn) if level is not None else "low"
+
+
+def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict], make_env: Callable[[], Env],
                  fmt: ChatFormat, budgets: Budgets, *, n: int = 1, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int | None = None, env_workers: int = 2,
                  progress: bool = False, desc: str = "rollout") -> list[Trajectory]:
     """Roll out `n` trajectories per example; trajectory i belongs to group i // n.
 
+    `engine` is one engine for every turn, or one per level ({"low": solver, "high": feedback
+    model}) when two models share a conversation: each turn goes to the engine of its level
+    (`level_of`), all live trajectories of a level in one batched call.
+
     With a `seed`, every (trajectory, turn) samples with its own derived seed, so a rerun
     gives the same trajectories whatever the batching; without one the engine's own
     generator is used (faster on vLLM)."""
+    engines = engine if isinstance(engine, Mapping) else None
     envs: list[Env] = []
     trajs: list[Trajectory] = []
     for example in examples:
@@ -135,10 +148,17 @@ def run_rollouts(engine: Engine, examples: Sequence[dict], make_env: Callable[[]
             live = [i for i in live if room[i] > 0]
             if not live:
                 break
-            samples = engine.generate([trajs[i].prompt_ids + trajs[i].response_ids for i in live],
-                                      max_tokens=[room[i] for i in live], stop=stop, temperature=temperature,
-                                      top_p=top_p,
-                                      seeds=[None if seed is None else _seed(seed, i, turn) for i in live])
+            by_engine: dict[str, list[int]] = {}
+            for k, i in enumerate(live):
+                by_engine.setdefault(level_of(envs[i], turn) if engines is not None else "", []).append(k)
+            samples: list[Sample] = [None] * len(live)  # type: ignore[list-item]
+            for level, ks in by_engine.items():
+                outs = (engines[level] if engines is not None else engine).generate(
+                    [trajs[live[k]].prompt_ids + trajs[live[k]].response_ids for k in ks],
+                    max_tokens=[room[live[k]] for k in ks], stop=stop, temperature=temperature, top_p=top_p,
+                    seeds=[None if seed is None else _seed(seed, live[k], turn) for k in ks])
+                for k, out in zip(ks, outs):
+                    samples[k] = out
             texts = [fmt.tokenizer.decode(s.token_ids, skip_special_tokens=False) for s in samples]
             for i, sample, text in zip(live, samples, texts):
                 trajs[i].add_turn(turn, sample.token_ids, sample.logprobs, text)
