@@ -59,7 +59,7 @@ class WarmStart(_Section):
         "share of prior-phase demonstrations that use the environment well; the rest show the "
         "habit RL must unlearn (guess, skip the feedback, ramble)"))
     batch_size: int = Field(16, gt=0)
-    lr: float = Field(3e-3, gt=0)
+    lr: float = Field(1e-3, gt=0)
 
 
 class ModelCfg(_Section):

@@ -33,9 +33,9 @@ def build_tiny(cfg: Config, out_dir: Path, log_metrics: Callable[[int, dict], No
     (call the tool and copy its output, search and copy, write useful feedback, work the
     columns and answer; and, where the task needs it, the habit too: approve and keep the
     attempt, ramble until interrupted). `prior_steps` on a mixture where only `good_fraction`
-    use the environment well train only the choice point of each demonstration (tool or
-    guess, work or approve, answer or ramble), which sets how often the policy does the right
-    thing. RL then starts from a policy that sometimes succeeds and often fails, and must
+    use the environment well set how often the policy does the right thing: the good ones train
+    whole, the others only their choice point (guess instead of the tool, approve instead of
+    working the columns, ramble instead of answering). RL then starts from a policy that sometimes succeeds and often fails, and must
     find out what pays.
 
     The demonstrations come from the synthetic task's training split (the same rows, and the
@@ -63,14 +63,13 @@ def build_tiny(cfg: Config, out_dir: Path, log_metrics: Callable[[int, dict], No
     fmt = ChatFormat(tokenizer, cfg.model.template_type)
 
     def sequences(demos, phase: str):
-        return [(t.prompt_ids + t.response_ids,
-                 [0] * len(t.prompt_ids) + _trained_mask(t, d.choice if phase == "prior" else None, fmt))
-                for t, (_, d, _) in zip(replays(fmt, demos), demos)]
+        return [(t.prompt_ids + t.response_ids, [0] * len(t.prompt_ids) + warm_start_mask(t, d, good, phase, fmt))
+                for t, (_, d, good) in zip(replays(fmt, demos), demos)]
 
     model = build_model(tokenizer, cfg.model.tiny, cfg.seed)
     skill_losses = warm_start(model, sequences(skill, "skill"), spec.skill_steps, spec.batch_size, spec.lr, cfg.seed,
                               desc="warm start: skill", log=log_metrics)
-    prior_losses = warm_start(model, sequences(prior, "prior"), spec.prior_steps, spec.batch_size, spec.lr / 3, cfg.seed,
+    prior_losses = warm_start(model, sequences(prior, "prior"), spec.prior_steps, spec.batch_size, spec.lr, cfg.seed,
                               desc="warm start: prior",
                               log=log_metrics and (lambda step, m: log_metrics(spec.skill_steps + step, m)))
     save(model, tokenizer, out_dir)
@@ -85,6 +84,15 @@ def build_tiny(cfg: Config, out_dir: Path, log_metrics: Callable[[int, dict], No
     }
     (out_dir / "turnrl_model.json").write_text(json.dumps({"kind": "tiny", **summary}, indent=2))
     return summary
+
+
+def warm_start_mask(t: Trajectory, demo: synthetic.Demonstration, good: bool, phase: str,
+                    fmt: ChatFormat) -> list[int]:
+    """The loss mask of a replayed demonstration's response in a warm-start phase. Skill: every
+    policy token. Prior: a good demonstration whole (it also anchors the skill: training only
+    choice tokens let 40 steps wreck math_refine's arithmetic), a bad one only its choice, not
+    the made-up content after it."""
+    return _trained_mask(t, demo.choice if phase == "prior" and not good else None, fmt)
 
 
 def _trained_mask(t: Trajectory, choice: tuple[int, str] | None, fmt: ChatFormat) -> list[int]:

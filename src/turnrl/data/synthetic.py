@@ -8,10 +8,10 @@ solve with what its environment offers, so RL has something to discover:
   `<output>` into `<answer>`.
 - `search`: 'What is the code of "Agent 48213"?' The codes are random: only the search index
   knows them. Search the name, copy the code from the result.
-- `math_refine`: add two 2-digit numbers. The solver's first attempt adds digit by digit and
-  forgets carries (right only when no column carries, about 1 in 4); the high-level role can
-  write the column sums with their carries as feedback, from which the refinement reads the
-  answer.
+- `math_refine`: add two 2-digit numbers. The solver's first attempt is a quick guess (a
+  million parameters do not add in one shot); the high-level role can work the column sums
+  with their carries and state the sum as feedback, which the refinement copies, or approve
+  the attempt, which the refinement then keeps.
 - `intervention`: the same additions, worked column by column then answered. A policy that
   rambles ("Let me think about it again.") is interrupted and may run out of turns.
 
@@ -21,7 +21,8 @@ start (`turnrl.prepare`): `good` ones use the environment well, the others show 
 has to unlearn (guess, skip the feedback, ramble). The warm start's skill phase trains whole
 demonstrations (a share `skill_good_fraction` good: where the habit is itself a behaviour the
 model must be able to carry on, like rambling until interrupted, it is learned there too);
-its prior phase trains only each demonstration's `choice`, the point where good and bad part.
+its prior phase trains good demonstrations whole and of the others only their `choice`, the
+point where good and bad part.
 """
 from __future__ import annotations
 
@@ -30,15 +31,15 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
-__all__ = ["Demonstration", "SyntheticTask", "TASKS", "task", "addition_steps", "naive_sum"]
+__all__ = ["Demonstration", "SyntheticTask", "TASKS", "task", "addition_steps"]
 
 
 @dataclass(frozen=True)
 class Demonstration:
     turns: list[str]
-    # In the prior phase, (turn, prefix): train only the tokens of that policy turn up to
-    # `prefix`, the choice of what to do, not what follows (a made-up number, a worked
-    # answer). None: train every policy token.
+    # A bad demonstration's (turn, prefix): in the prior phase only the tokens of that policy
+    # turn up to `prefix` are trained, the choice of what to do, not what follows (a made-up
+    # number, a ramble). None: train every policy token.
     choice: tuple[int, str] | None = None
 
 
@@ -149,20 +150,19 @@ def addition_steps(a: int, b: int) -> str:
     return " ".join(steps)
 
 
-def naive_sum(a: int, b: int) -> str:
-    """Digit-by-digit sums without carries (475 + 382 -> "757"): right only when no column carries."""
-    xs, ys = str(a).zfill(len(str(b))), str(b).zfill(len(str(a)))
-    return str(int("".join(str((int(x) + int(y)) % 10) for x, y in zip(xs, ys))))
-
-
 def refine_demonstration(row: dict, rng: random.Random, good: bool) -> Demonstration:
-    """math_refine, shared weights: attempt, feedback (high level), refinement.
-    Good feedback works the columns; lazy feedback approves and the refinement keeps the attempt."""
-    attempt = naive_sum(row["a"], row["b"])
+    """math_refine, shared weights: attempt (a guess of the answer's length), feedback (high
+    level), refinement. Good feedback works the columns and states the sum they give, which the
+    refinement copies; lazy feedback approves and the refinement keeps the guess.
+
+    Tried first, and failed at the warm start: a carry-less digit-wise attempt (the tiny model
+    could not learn to write it), and feedback with the columns only (the refinement could not
+    assemble the answer from them in a later turn)."""
+    attempt = str(_number(rng, len(row["answer"])))
     steps = addition_steps(row["a"], row["b"])
     if good:
-        return Demonstration([f"<answer>{attempt}</answer>", f"<feedback>{steps}</feedback>",
-                              f"<answer>{row['answer']}</answer>"], choice=(1, f"<feedback>{steps[0]}"))
+        return Demonstration([f"<answer>{attempt}</answer>", f"<feedback>{steps} gives {row['answer']}</feedback>",
+                              f"<answer>{row['answer']}</answer>"])
     return Demonstration([f"<answer>{attempt}</answer>", "<feedback>Looks right.</feedback>",
                           f"<answer>{attempt}</answer>"], choice=(1, "<feedback>L"))
 
@@ -176,7 +176,7 @@ def intervention_demonstration(row: dict, rng: random.Random, good: bool) -> Dem
     leaves no turn to answer in."""
     worked = f"{addition_steps(row['a'], row['b'])} <answer>{row['answer']}</answer>"
     if good:
-        return Demonstration([worked], choice=(0, worked[0]))
+        return Demonstration([worked])
     return Demonstration([RAMBLE] * rng.randint(1, 3) + [worked], choice=(0, RAMBLE[0]))
 
 
