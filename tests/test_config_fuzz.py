@@ -48,7 +48,7 @@ WORDS = ["grpo", "ppo", "vllm", "hf", "tiny", "synthetic", "code_tool", "search"
          "math500", "single", "k3", "token-mean", "endpoint", "self", "both", "1e-4", "-3", "yes", ""]
 
 scalars = (st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.integers()
-           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12) | st.sampled_from(WORDS))
+           | st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=False) | st.text(max_size=12) | st.sampled_from(WORDS))
 any_key = st.sampled_from(NAMES) | st.text(max_size=8) | st.integers() | st.booleans() | st.none()
 yamlish = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
                        | st.dictionaries(any_key, inner, max_size=4), max_leaves=12)
