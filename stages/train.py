@@ -54,17 +54,24 @@ def main(cfg):
     if resume is not None:
         mlflow.set_tag("turnrl.resumed_from_step", resume.step)
     shutil.rmtree(FINAL, ignore_errors=True)
+    where = {}   # ranks, engines, nodes: filled once the actors are up
     history = train(cfg, source, str(DATA), load_split(DATA, "train"), str(FINAL), on_step=on_step,
-                    checkpoints=store, resume=resume, mlflow_run_id=mlflow.active_run().info.run_id)
+                    checkpoints=store, resume=resume, mlflow_run_id=mlflow.active_run().info.run_id, info=where)
 
     plots.write_csv(history, Path("plots/train.csv"))
     plots.render_png(history, Path("plots/train_curves.png"),
                      title=f"{cfg.algorithm.name} on {cfg.env.name}, {cfg.train.steps} steps")
     last = history[-5:]
-    mean = lambda key, rows=history: sum(h[key] for h in rows) / len(rows)  # noqa: E731
+
+    def mean(key, rows=history):   # over the steps that have the metric (a resumed run's older ones may not)
+        values = [h[key] for h in rows if key in h]
+        return sum(values) / len(values) if values else None
     summary = {
         "steps": len(history),
         "resumed_from_step": resume.step if resume else 0,
+        "trainer_ranks": where["trainer_ranks"],
+        "rollout_engines": where["rollout_engines"],
+        "nodes": where["nodes"],
         "reward_first": history[0]["reward_mean"],
         "reward_last5": mean("reward_mean", last),
         "accuracy_last5": mean("accuracy", last),
@@ -73,10 +80,13 @@ def main(cfg):
         "rollout_s_mean": mean("rollout_s"),
         "train_s_mean": mean("train_s"),
         "sync_s_mean": mean("sync_s"),
+        "engine_idle_frac_mean": mean("engine_idle_frac"),
+        "trainer_idle_frac_mean": mean("trainer_idle_frac"),
         "gen_tokens_per_s_mean": mean("gen_tokens_per_s"),
         "wall_s": time.perf_counter() - start,
     }
     write_json("metrics/train.json", summary)
+    mlflow.log_dict(where, "actors.json")
     tracking.log_metrics({f"final.{k}": v for k, v in summary.items()})
     mlflow.log_artifact("plots/train_curves.png", "plots")
     mlflow.log_artifacts(str(FINAL), "model")

@@ -77,10 +77,12 @@ def test_fingerprint_covers_what_shapes_training_and_not_how_long_or_where(tmp_p
     base = Config()
     key = fingerprint(base)
     for same in ({"train": {"steps": 60}}, {"train": {"checkpoint_every": 3, "keep_checkpoints": 5}},
-                 {"eval": {"limit": 10}}, {"tracking": {"experiment": "x"}}, {"cluster": {"num_cpus": 8}}):
+                 {"eval": {"limit": 10}}, {"tracking": {"experiment": "x"}},
+                 {"cluster": {"num_cpus": 8, "address": "head:6379", "placement": "separate", "engine_cpus": 2}}):
         assert fingerprint(Config.model_validate(same)) == key, same
     for other in ({"train": {"lr": 1e-4}}, {"seed": 1}, {"rollout": {"n": 4}}, {"algorithm": {"name": "rloo"}},
-                  {"data": {"train_examples": 100}}, {"model": {"dtype": "bfloat16"}}):
+                  {"data": {"train_examples": 100}}, {"model": {"dtype": "bfloat16"}},
+                  {"cluster": {"trainer_ranks": 2}}, {"cluster": {"rollout_engines": 2}}):
         assert fingerprint(Config.model_validate(other)) != key, other
     weights = tmp_path / "model" / "w.bin"
     weights.parent.mkdir()
@@ -105,7 +107,8 @@ PARAMS = {
     "train": {"steps": 5, "prompts_per_step": 2, "checkpoint_every": 2},
     "rollout": {"n": 2, "max_tokens_per_turn": 16, "max_tokens_total": 48},
 }
-TIMING = ("rollout_s", "advantage_s", "train_s", "sync_s", "step_s", "gen_tokens_per_s")
+TIMING = ("rollout_s", "advantage_s", "train_s", "sync_s", "step_s", "gen_tokens_per_s", "engine_idle_frac",
+          "trainer_idle_frac")
 
 
 def _project(root: Path, model_dir: Path) -> Path:

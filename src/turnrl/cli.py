@@ -4,6 +4,8 @@
     turnrl presets [NAME [--apply]]        list presets, print -S args, or write them to params.yaml
     turnrl evaluate PATH --out DIR ...     score any Hugging Face checkpoint on the configured benchmarks
     turnrl report A.json B.json --out DIR  compare two evaluations as Markdown with plots
+    turnrl doctor [params.yaml] [-S k=v]   check the environment a run needs (versions, vLLM, DeepSpeed,
+                                           Ray at cluster.address, GPUs, MLflow) and say what to fix
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import importlib
 import sys
 
 COMMANDS = {"config": "turnrl.config", "presets": "turnrl.presets",
-            "evaluate": "turnrl.evaluate_checkpoint", "report": "turnrl.report"}
+            "evaluate": "turnrl.evaluate_checkpoint", "report": "turnrl.report", "doctor": "turnrl.doctor"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -242,8 +242,32 @@ class EvalCfg(_Section):
 
 
 class ClusterCfg(_Section):
+    """Where the actors run. Trainer ranks (one DeepSpeed group; PPO adds as many critic ranks)
+    and rollout engines are Ray actors in one placement group: `colocated` puts trainer rank i
+    and engine i in one bundle (they share its devices and take turns), `separate` gives each
+    actor a bundle of its own (dedicated devices per role)."""
     address: str = Field("", description="empty: start a local Ray; else HOST:PORT of a Ray cluster")
     num_cpus: int = Field(2, gt=0, description="CPUs of the local Ray started when address is empty")
+    trainer_ranks: int = Field(1, ge=1, description="DeepSpeed world size: trainer ranks, each a Ray actor")
+    rollout_engines: int = Field(1, ge=1, description="rollout engines sharing each step's prompts")
+    placement: Literal["colocated", "separate"] = "colocated"
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description=(
+        "Ray placement group strategy over nodes (SPREAD: one bundle per node where possible)"))
+    trainer_cpus: float = Field(0.5, gt=0, description="Ray CPUs per trainer rank (and per critic rank)")
+    trainer_gpus: float = Field(0.0, ge=0, description="GPUs per trainer rank (and per critic rank)")
+    engine_cpus: float = Field(0.5, gt=0, description="Ray CPUs per rollout engine")
+    engine_gpus: float = Field(0.0, ge=0, description="GPUs per rollout engine")
+    threads_per_actor: int = Field(0, ge=0, description=(
+        "OMP threads of each actor; 0: num_cpus // max(trainer_ranks, rollout_engines) on a local Ray "
+        "(roles take turns), else the actor's CPUs rounded (at least 1)"))
+    weight_sync: Literal["auto", "object_store", "nccl"] = Field("auto", description=(
+        "how weights reach the engines after an update: object_store (buckets through Ray's object store, "
+        "shared memory on one node), nccl (vLLM's NCCL broadcast, GPUs in separate placement); "
+        "auto: nccl with separate GPU engines, else object_store"))
+    bucket_mb: int = Field(256, gt=0, description="object_store weight push: MB of named tensors per bucket")
+    engine_gpu_memory: float = Field(0.85, gt=0, le=1.0, description=(
+        "vLLM gpu_memory_utilization on GPUs (colocated: leave room for the trainer)"))
+    ready_timeout_s: float = Field(600.0, gt=0, description="wait this long for the cluster to place every actor")
 
 
 class TrackingCfg(_Section):

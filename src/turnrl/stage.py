@@ -38,7 +38,7 @@ def run_stage(name: str, body: Callable[[Config], Any],
     try:
         with tracking.stage_run(name, cfg, resume_run(cfg) if resume_run else None):
             body(cfg)
-    except (DataSourceError, FileNotFoundError) as exc:
+    except (DataSourceError, FileNotFoundError, ConfigError) as exc:   # e.g. params that cannot work together
         print(f"turnrl {name}: {exc}", file=sys.stderr)
         raise SystemExit(BAD_INPUT_EXIT) from None
     except OSError as exc:

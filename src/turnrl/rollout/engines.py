@@ -27,12 +27,14 @@ def cpu_env_defaults(kv_cache_gib: float = 1.0) -> dict[str, str]:
 
 class VLLMEngine:
     def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0,
-                 max_model_len: int = 2048, kv_cache_gib: float = 1.0, enforce_eager: bool = True):
+                 max_model_len: int = 2048, kv_cache_gib: float = 1.0, enforce_eager: bool = True,
+                 **llm_options):
+        """`llm_options` go to vllm.LLM as they are (e.g. gpu_memory_utilization on GPUs)."""
         for key, value in cpu_env_defaults(kv_cache_gib).items():
             os.environ.setdefault(key, value)
         from vllm import LLM
         self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
-                       enforce_eager=enforce_eager, enable_prefix_caching=True)
+                       enforce_eager=enforce_eager, enable_prefix_caching=True, **llm_options)
         self.max_model_len = max_model_len
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: Sequence[int],
@@ -54,6 +56,16 @@ class VLLMEngine:
             logprobs = [lp[tok].logprob for tok, lp in zip(ids, c.logprobs)]
             samples.append(Sample(ids, logprobs, "length" if c.finish_reason == "length" else "stop"))
         return samples
+
+    def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """log p(token t | tokens < t) for every token of each sequence (entry 0: 0.0)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params,
+                                    use_tqdm=False)
+        return [[0.0] + [lp[tok].logprob for tok, lp in zip(s[1:], out.prompt_logprobs[1:])]
+                for s, out in zip(sequences, outputs)]
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
@@ -105,6 +117,16 @@ class HFEngine:
                         break
                 samples[i] = Sample(toks, lps, finish)
         return samples  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """log p(token t | tokens < t) for every token of each sequence (entry 0: 0.0)."""
+        out = []
+        for s in sequences:
+            ids = torch.tensor([list(s)])
+            logp = torch.log_softmax(self.model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+            out.append([0.0] + logp.gather(-1, ids[0, 1:, None])[:, 0].tolist())
+        return out
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.model.load_state_dict(dict(named_tensors), strict=False)

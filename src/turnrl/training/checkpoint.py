@@ -19,7 +19,8 @@ Rollouts need no generator state: each step seeds its sampling from (seed, step)
 When a run resumes: the newest complete checkpoint whose fingerprint matches the run's and
 whose step is at most `train.steps`. The fingerprint hashes every params key that shapes
 what training computes (all of seed, model, data, env, algorithm, rollout, train except the
-keys in `NOT_SHAPING`: how long it runs, how often and where it saves or logs) and the content
+keys in `NOT_SHAPING`: how long it runs, how often and where it saves or logs; plus
+`cluster.trainer_ranks` and `cluster.rollout_engines`) and the content
 of the training inputs (the initial model, the training split). So `train.steps` may grow (a
 finished 40-step run continues to 60), while a different lr, seed or data starts afresh and
 removes the checkpoints of the other configuration.
@@ -42,6 +43,8 @@ from turnrl.config import Config
 log = logging.getLogger(__name__)
 
 SHAPING_SECTIONS = ("seed", "model", "data", "env", "algorithm", "rollout", "train")
+#: Cluster keys that change the result: the ZeRO partitioning and each engine's share of prompts.
+SHAPING_CLUSTER = frozenset({"cluster.trainer_ranks", "cluster.rollout_engines"})
 #: Keys of those sections that do not change what training computes.
 NOT_SHAPING = frozenset({"train.steps", "train.checkpoint_every", "train.keep_checkpoints",
                          "train.checkpoint_dir", "train.samples_logged_every", "env.workers"})
@@ -52,7 +55,7 @@ _NAME = re.compile(r"^step_(\d+)$")
 def shaping_params(cfg: Config) -> dict[str, Any]:
     """The params that a resumed run must share with the checkpoint's run."""
     return {k: v for k, v in cfg.flat().items()
-            if k.split(".")[0] in SHAPING_SECTIONS and k not in NOT_SHAPING}
+            if (k.split(".")[0] in SHAPING_SECTIONS and k not in NOT_SHAPING) or k in SHAPING_CLUSTER}
 
 
 def fingerprint(cfg: Config, inputs: Iterable[Path] = ()) -> str:
@@ -69,9 +72,10 @@ def fingerprint(cfg: Config, inputs: Iterable[Path] = ()) -> str:
     return digest.hexdigest()[:16]
 
 
-def step_seed(seed: int, step: int, engine: int = 0) -> int:
-    """The generator seed of one rollout engine at one step: a function of these alone."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{step}:{engine}".encode()).digest()[:4], "little") & 0x7FFFFFFF
+def step_seed(seed: int, step: int, stream: int | str = 0) -> int:
+    """The generator seed of one random stream at one step (rollout engine i: stream i; the
+    trainers' mini-batch order: a name): a function of these alone."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{step}:{stream}".encode()).digest()[:4], "little") & 0x7FFFFFFF
 
 
 @dataclass

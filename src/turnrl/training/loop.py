@@ -1,10 +1,10 @@
 """The training loop, on a Ray cluster: one readable loop for every algorithm.
 
     for step in steps:
-        trajectories = rollout worker: multi-turn rollouts for a batch of prompts (n each)
+        trajectories = rollout engines: multi-turn rollouts, each for its share of the prompts
         advantages   = pure function of rewards, groups and token masks (turnrl.algos)
-        metrics      = policy worker: policy-gradient update (DeepSpeed)
-        weights      = policy worker -> rollout worker (named tensors, no engine restart)
+        metrics      = trainer ranks: policy-gradient update (DeepSpeed, each on its share)
+        weights      = trainer -> every engine (named tensors, no engine restart)
         checkpoint   = every train.checkpoint_every steps and at the end (see checkpoint.py)
 
 A run given a checkpoint to resume from loads it first and continues at the next step.
@@ -12,10 +12,8 @@ A run given a checkpoint to resume from loads it first and continues at the next
 from __future__ import annotations
 
 import logging
-import os
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -27,7 +25,8 @@ from turnrl.algos import (compute_advantages, contiguous_group_ids, first_obs_po
 from turnrl.config import Config
 from turnrl.envs.configured import trained_turns
 from turnrl.rollout.loop import Trajectory
-from turnrl.training.checkpoint import CheckpointStore, Resume, step_seed, write_state
+from turnrl.training.checkpoint import CheckpointStore, Resume, write_state
+from turnrl.training.cluster import TrainerGroup, Workers, check_cluster, start_ray, start_workers
 
 log = logging.getLogger(__name__)
 
@@ -154,77 +153,43 @@ class PromptSampler:
         return batch
 
 
-# --------------------------------------------------------------------------- Ray
-def start_ray(cfg: Config) -> None:
-    import ray
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if ray.is_initialized():
-        return
-    if cfg.cluster.address:
-        ray.init(address=cfg.cluster.address, log_to_driver=True)
-    else:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, log_to_driver=True)
-
-
-@dataclass
-class Workers:
-    policy: object
-    rollout: object
-    critic: object | None = None    # PPO only
-
-
-def start_workers(cfg: Config, model_dir: str, data_dir: str) -> Workers:
-    import ray
-
-    from turnrl.rollout.engines import cpu_env_defaults
-    from turnrl.training.workers import CriticWorker, PolicyWorker, RolloutWorker
-    threads = str(cfg.cluster.num_cpus)  # the roles take turns, so each may use every core
-    common = {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
-    ppo = cfg.algorithm.name == "ppo"
-    share = 1.0 / (3 if ppo else 2)      # of this machine's CPUs per role (they take turns)
-    trainer_env = {"env_vars": {**common, "DS_ACCELERATOR": "cpu"}}
-    policy = ray.remote(num_cpus=share)(PolicyWorker).options(runtime_env=trainer_env).remote(
-        model_dir, cfg.model_dump(), master_port=_free_port())
-    rollout = ray.remote(num_cpus=share)(RolloutWorker).options(
-        runtime_env={"env_vars": {**common, **cpu_env_defaults(cfg.rollout.kv_cache_gib)}}).remote(
-        model_dir, cfg.model_dump(), str(Path(data_dir).resolve()))
-    critic = ray.remote(num_cpus=share)(CriticWorker).options(runtime_env=trainer_env).remote(
-        model_dir, cfg.model_dump(), master_port=_free_port()) if ppo else None
-    ray.get([w.__ray_ready__.remote() for w in (policy, rollout, critic) if w is not None])
-    return Workers(policy, rollout, critic)
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # --------------------------------------------------------------------------- the loop
 def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], out_dir: str,
           on_step: Callable[[int, dict, list[Trajectory]], None] | None = None,
           checkpoints: CheckpointStore | None = None, resume: Resume | None = None,
-          mlflow_run_id: str | None = None) -> list[dict]:
+          mlflow_run_id: str | None = None, info: dict | None = None) -> list[dict]:
     """Run RL steps up to `train.steps` from the model in `model_dir` (or from `resume`, a
     checkpoint in `checkpoints`); save the final HF folder to `out_dir`. With `checkpoints`,
     a checkpoint is written every `train.checkpoint_every` steps and at the end (a run that
     does not resume first removes the old ones). Returns one metrics dict per step, from
-    step 1 (a resumed run's earlier steps come from the checkpoint)."""
-    import ray
-
+    step 1 (a resumed run's earlier steps come from the checkpoint). `info`, if given, gets
+    where the actors ran (ranks, engines, nodes)."""
+    check_cluster(cfg)
+    # Actors run elsewhere (other nodes, other working directories): absolute local paths.
+    model_dir, data_dir, out_dir = (str(Path(p).resolve()) if Path(p).exists() or p == out_dir else p
+                                    for p in (model_dir, data_dir, out_dir))
     start_ray(cfg)
     t0 = time.perf_counter()
     workers = start_workers(cfg, model_dir, data_dir)
     log.info("workers ready in %.1fs", time.perf_counter() - t0)
+    if info is not None:
+        info.update(trainer_ranks=cfg.cluster.trainer_ranks, rollout_engines=cfg.cluster.rollout_engines,
+                    nodes=workers.nodes, placement=cfg.cluster.placement, actors=workers.locations)
+    try:
+        return _train(cfg, workers, model_dir, train_rows, out_dir, on_step, checkpoints, resume, mlflow_run_id)
+    finally:
+        workers.shutdown()
+
+
+def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict], out_dir: str,
+           on_step, checkpoints: CheckpointStore | None, resume: Resume | None, mlflow_run_id: str | None) -> list[dict]:
     sampler = PromptSampler(train_rows, cfg.seed)
     history: list[dict] = []
     first = 1
     if resume is not None:
         log.info("resuming from step %d (%s)", resume.step, resume.path)
         load_checkpoint(workers, resume.path)
-        ray.get(workers.rollout.load_weights.remote(workers.policy.named_weights.remote()))
+        workers.sync.push()
         sampler.position = resume.state["position"]
         history = list(resume.state["history"])
         first = resume.step + 1
@@ -236,30 +201,34 @@ def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], ou
     for step in bar:
         t_start = time.perf_counter()
         examples = sampler.next(cfg.train.prompts_per_step)
-        trajs: list[Trajectory] = ray.get(workers.rollout.rollout.remote(
-            examples, cfg.rollout.n, generator_seed=step_seed(cfg.seed, step)))
+        trajs, engine_busy = workers.rollout.rollout(examples, cfg.rollout.n, step)
+        if workers.offload_engines:       # colocated on GPUs: give the device to the trainer
+            workers.rollout.call("sleep")
         t_rollout = time.perf_counter()
 
         batch = collate(trajs, pad_id)
         batch["loss_mask"] *= trained_turns(cfg, batch["turn_ids"], step)   # e.g. a frozen feedback level
         critic_stats = {}
         if workers.critic is not None:   # PPO: GAE on the critic's values, then fit the critic
-            batch["values"] = ray.get(workers.critic.values.remote(batch))
+            batch["values"] = workers.critic.values(batch)
             batch["advantages"], batch["returns"] = gae(
                 token_rewards=outcome_token_rewards(torch.tensor([t.outcome for t in trajs]), batch["loss_mask"]),
                 values=batch["values"], mask=batch["loss_mask"], gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam)
         else:
             batch["advantages"] = advantages_for(cfg, trajs, batch)
         t_adv = time.perf_counter()
-        train_stats = ray.get(workers.policy.train.remote(batch))
+        train_stats, trainer_busy = workers.policy.train(batch, step)
         if workers.critic is not None:
-            critic_stats = ray.get(workers.critic.train.remote(batch))
+            critic_stats, _ = workers.critic.train(batch, step)
         t_train = time.perf_counter()
 
-        ray.get(workers.rollout.load_weights.remote(workers.policy.named_weights.remote()))
+        if workers.offload_engines:
+            workers.rollout.call("wake_up")
+        workers.sync.push()
         t_sync = time.perf_counter()
 
         generated = sum(t.policy_tokens() for t in trajs)
+        step_s = t_sync - t_start
         metrics = {
             **rollout_metrics(trajs, cfg.rollout.n),
             **train_stats,
@@ -270,7 +239,10 @@ def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], ou
             "advantage_s": t_adv - t_rollout,
             "train_s": t_train - t_adv,
             "sync_s": t_sync - t_train,
-            "step_s": t_sync - t_start,
+            "step_s": step_s,
+            # share of the step each role's actors wait (for the other role, or the slowest of their own)
+            "engine_idle_frac": 1 - sum(engine_busy) / len(workers.rollout.handles) / step_s,
+            "trainer_idle_frac": 1 - sum(trainer_busy) / len(trainer_busy) / step_s,
             "gen_tokens_per_s": generated / max(1e-9, t_rollout - t_start),
             "step": step,
         }
@@ -283,23 +255,24 @@ def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], ou
             save_checkpoint(workers, checkpoints, step, {
                 "position": sampler.position, "history": history, "mlflow_run_id": mlflow_run_id})
     bar.close()
-    ray.get(workers.policy.save.remote(out_dir, model_dir))
+    workers.policy.call("save", out_dir, model_dir)
     return history
 
 
 def save_checkpoint(workers: Workers, store: CheckpointStore, step: int, state: dict) -> None:
-    """Every trainer role writes its DeepSpeed checkpoint and RNG states into one folder,
-    then the driver adds state.json and the store renames the folder into place."""
-    import ray
+    """Every trainer rank writes its DeepSpeed shard and RNG states into one folder, then the
+    driver adds state.json and the store renames the folder into place. The folder must be
+    on storage every node shares (train.checkpoint_dir)."""
     with store.writing(step) as folder:
-        ray.get([w.save_checkpoint.remote(str(folder / role)) for role, w in _trainer_roles(workers)])
+        for role, group in _trainer_roles(workers):
+            group.call("save_checkpoint", str(folder / role))
         write_state(folder, {"step": step, "fingerprint": store.fingerprint, **state})
 
 
 def load_checkpoint(workers: Workers, folder: Path) -> None:
-    import ray
-    ray.get([w.load_checkpoint.remote(str(folder / role)) for role, w in _trainer_roles(workers)])
+    for role, group in _trainer_roles(workers):
+        group.call("load_checkpoint", str(folder / role))
 
 
-def _trainer_roles(workers: Workers) -> list[tuple[str, object]]:
+def _trainer_roles(workers: Workers) -> list[tuple[str, TrainerGroup]]:
     return [("policy", workers.policy)] + ([("critic", workers.critic)] if workers.critic is not None else [])

@@ -1,25 +1,32 @@
-"""The two roles of a training run, each a plain class that runs as a Ray actor:
+"""The roles of a training run, each a plain class that runs as a Ray actor:
 
-- `PolicyWorker`: the policy as a DeepSpeed engine (ZeRO stage from params). Computes token
-  logprobs, runs the policy-gradient update, hands out its weights as named tensors.
+- `PolicyWorker`: one rank of the policy's DeepSpeed group (ZeRO stage from params). Computes
+  token logprobs, runs the policy-gradient update, hands out its weights as named tensors.
+- `CriticWorker`: one rank of PPO's critic, a DeepSpeed group of its own.
 - `RolloutWorker`: a rollout engine (vLLM, or transformers) plus the environments. Runs the
-  multi-turn loop for a batch of prompts and takes new weights without restarting.
+  multi-turn loop for its share of a step's prompts and takes new weights without restarting.
 
-They are joined only by "push named weights": the driver asks the policy for its weights
-and gives them to the rollout worker (through Ray's object store on one machine).
+Every trainer rank gets the whole rollout batch and trains on its share of each mini-batch
+(`rank_rows`), its loss weighted by the share's part of the mini-batch's normalizer
+(`share_weight`) and multiplied by the world size, so that DeepSpeed's average of the ranks'
+gradients is the gradient one rank computes on the whole mini-batch.
+
+The roles are joined only by "push named weights" (see turnrl.training.cluster).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
 from turnrl.algos import (entropy_from_logits, explained_variance, kl_estimate, kl_loss, logprobs_from_logits,
                           masked_mean, policy_loss, value_loss)
 from turnrl.config import Config
+from turnrl.training.checkpoint import step_seed
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -33,9 +40,44 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(entropy_from_logits(logits[:, :-1]), (1, 0))
 
 
+# --------------------------------------------------------------------------- data parallel
+def rank_rows(rows: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's contiguous share of the row indices `rows` (shares differ by at most one)."""
+    return rows.tensor_split(world_size)[rank]
+
+
+def normalizer(mask: torch.Tensor, agg: str) -> float:
+    """What `algos.aggregate(..., agg)` divides by for a [B, T] mask: its tokens (token-mean)
+    or its sequences with at least one token (seq-mean-*)."""
+    if agg == "token-mean":
+        return float(mask.sum())
+    return float((mask.sum(dim=-1) > 0).sum())
+
+
+def share_weight(part_mask: torch.Tensor, whole_mask: torch.Tensor, agg: str) -> float:
+    """w such that aggregate(whole) = sum over disjoint parts of w(part) * aggregate(part)."""
+    whole = normalizer(whole_mask, agg)
+    return normalizer(part_mask, agg) / whole if whole else 0.0
+
+
+def combine_rank_stats(per_rank: list[dict[str, dict]]) -> dict[str, float]:
+    """The ranks' train() results -> one dict: `sum` entries (per mini-batch, already weighted
+    by each rank's share) add up across ranks, `max` entries take the largest; both are then
+    averaged over mini-batches. `same` entries (computed on the whole batch) come from rank 0."""
+    out: dict[str, float] = {}
+    for kind, reduce in (("sum", sum), ("max", max)):
+        for key, first in per_rank[0][kind].items():
+            per_minibatch = [reduce(r[kind][key][i] for r in per_rank) for i in range(len(first))]
+            out[key] = sum(per_minibatch) / len(per_minibatch)
+    out.update(per_rank[0]["same"])
+    return out
+
+
+# --------------------------------------------------------------------------- DeepSpeed ranks
 def _deepspeed_engine(model: torch.nn.Module, cfg: Config, lr: float, rank: int, world_size: int,
                       master_addr: str, master_port: int):
-    """`model` wrapped in a DeepSpeed engine (ZeRO stage from params) in this process's group."""
+    """`model` wrapped in a DeepSpeed engine (ZeRO stage from params) in this process's group:
+    gloo on CPU, NCCL on GPUs (each rank's actor sees its own GPU as device 0)."""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size),
                        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
@@ -61,25 +103,6 @@ def _deepspeed_engine(model: torch.nn.Module, cfg: Config, lr: float, rank: int,
     return engine
 
 
-class _Checkpointed:
-    """Checkpoint save and load for a worker holding a DeepSpeed `engine` as trainer `rank`.
-    Every rank calls these with the same folder (DeepSpeed writes each rank's ZeRO shard)."""
-    engine: Any
-    rank: int
-    TAG = "engine"
-
-    def save_checkpoint(self, folder: str) -> None:
-        self.engine.save_checkpoint(folder, tag=self.TAG, save_latest=False)
-        torch.save(rng_state(), Path(folder).parent / f"rng_{Path(folder).name}_rank{self.rank}.pt")
-
-    def load_checkpoint(self, folder: str) -> None:
-        path, _ = self.engine.load_checkpoint(folder, tag=self.TAG)
-        if path is None:
-            raise FileNotFoundError(f"{folder}: no DeepSpeed checkpoint '{self.TAG}' for rank {self.rank}")
-        set_rng_state(torch.load(Path(folder).parent / f"rng_{Path(folder).name}_rank{self.rank}.pt",
-                                 weights_only=False))
-
-
 def rng_state() -> dict[str, Any]:
     """This process's generator states: python, numpy, torch (and CUDA when present)."""
     import numpy as np
@@ -98,99 +121,244 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-class PolicyWorker(_Checkpointed):
+def actor_location() -> dict[str, Any]:
+    """Which node, process, GPUs and turnrl code this actor has (for the run's log)."""
+    import ray
+
+    import turnrl
+    return {"node": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(), "gpus": [str(g) for g in ray.get_gpu_ids()] if ray.is_initialized() else [],
+            "turnrl": str(Path(turnrl.__file__).parent)}
+
+
+class _TrainerRank:
+    """What a policy or critic rank shares: its DeepSpeed engine, its rows of a batch, ZeRO-3
+    gathers, checkpoints. Every rank of a group is called with the same arguments."""
+    engine: Any
+    cfg: Config
+    rank: int
+    world_size: int
+    TAG = "engine"   # DeepSpeed's checkpoint tag inside a checkpoint folder
+
+    def where(self) -> dict[str, Any]:
+        return {**actor_location(), "rank": self.rank}
+
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.engine.device) for k, v in batch.items()}
+
+    def _all_rows(self, fn: Callable[[dict], torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """fn over the whole batch ([B, ...] out): each rank computes its contiguous rows, an
+        all-reduce of the disjoint parts gives every rank all of them."""
+        size = batch["input_ids"].shape[0]
+        mine = rank_rows(torch.arange(size), self.rank, self.world_size)
+        if len(mine) == 0:
+            raise ValueError(f"a batch of {size} rows cannot be shared by {self.world_size} trainer ranks")
+        part = fn({k: v[mine] for k, v in batch.items()})
+        if self.world_size == 1:
+            return part
+        full = torch.zeros((size, *part.shape[1:]), dtype=part.dtype, device=part.device)
+        full[mine] = part
+        torch.distributed.all_reduce(full)
+        return full
+
+    def _minibatches(self, size: int, step: int, stream: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(mini-batch rows, this rank's share of them) for every epoch and mini-batch, in an
+        order that is a function of (seed, step): the same on every rank, and on a resume."""
+        alg = self.cfg.algorithm
+        generator = torch.Generator().manual_seed(step_seed(self.cfg.seed, step, stream))
+        for _ in range(alg.epochs):
+            for chunk in torch.randperm(size, generator=generator).chunk(alg.mini_batches):
+                mine = rank_rows(chunk, self.rank, self.world_size)
+                if len(mine) == 0:
+                    raise ValueError(f"a mini-batch of {len(chunk)} rows cannot be shared by {self.world_size} "
+                                     "trainer ranks: raise train.prompts_per_step or lower algorithm.mini_batches")
+                yield chunk, mine
+
+    @contextlib.contextmanager
+    def _gathered(self, params: list[torch.nn.Parameter]) -> Iterator[None]:
+        """Under ZeRO-3, the full `params` on every rank inside the block (a collective)."""
+        if self.cfg.train.zero_stage == 3:
+            import deepspeed
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                yield
+        else:
+            yield
+
+    def save_checkpoint(self, folder: str) -> None:
+        """Every rank: DeepSpeed writes this rank's shard (weights, optimizer, scheduler) and
+        we add its generator states."""
+        self.engine.save_checkpoint(folder, tag=self.TAG, save_latest=False)
+        torch.save(rng_state(), Path(folder).parent / f"rng_{Path(folder).name}_rank{self.rank}.pt")
+
+    def load_checkpoint(self, folder: str) -> None:
+        path, _ = self.engine.load_checkpoint(folder, tag=self.TAG)
+        if path is None:
+            raise FileNotFoundError(f"{folder}: no DeepSpeed checkpoint '{self.TAG}' for rank {self.rank}")
+        set_rng_state(torch.load(Path(folder).parent / f"rng_{Path(folder).name}_rank{self.rank}.pt",
+                                 weights_only=False))
+
+
+class PolicyWorker(_TrainerRank):
     def __init__(self, model_dir: str, cfg: dict[str, Any], rank: int = 0, world_size: int = 1,
                  master_addr: str = "127.0.0.1", master_port: int = 29500):
         from transformers import AutoModelForCausalLM
 
         self.cfg = Config.model_validate(cfg)
-        self.rank = rank
+        self.rank, self.world_size = rank, world_size
         torch.manual_seed(self.cfg.seed + rank)
         torch.set_flush_denormal(True)   # subnormal floats slow CPU training down several-fold
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, self.cfg.model.dtype))
-        train = self.cfg.train
-        self.engine = _deepspeed_engine(model, self.cfg, train.lr, rank, world_size, master_addr, master_port)
-        self.zero_stage = train.zero_stage
+        dtype = getattr(torch, self.cfg.model.dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        self.engine = _deepspeed_engine(model, self.cfg, self.cfg.train.lr, rank, world_size, master_addr, master_port)
+        self.zero_stage = self.cfg.train.zero_stage
         # The frozen starting policy: KL to it is reported every step and, with
         # algorithm.kl_coef > 0, added to the loss. Loaded once; it only computes logprobs.
-        self.reference = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=getattr(torch, self.cfg.model.dtype)).eval().requires_grad_(False)
+        self.reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(
+            self.engine.device).eval().requires_grad_(False)
+        self.transfer = None   # vLLM's NCCL weight transfer (GPUs), see init_weight_transfer
 
     def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
     @torch.no_grad()
-    def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         self.engine.eval()
         return token_logprobs(self._forward(batch), batch["input_ids"])
 
-    def train(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        """One policy-gradient update on a rollout batch.
+    @torch.no_grad()
+    def _reference_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = self.reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return token_logprobs(logits, batch["input_ids"])
+
+    def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Token logprobs [B, L] of the whole batch under the current weights (all ranks call)."""
+        return self._all_rows(self._logprobs, self._to_device(batch)).cpu()
+
+    def train(self, batch: dict[str, torch.Tensor], step: int = 0) -> dict[str, dict]:
+        """One policy-gradient update on a rollout batch; this rank trains on its share of
+        each mini-batch. Returns stats for `combine_rank_stats`.
 
         batch: input_ids, attention_mask, loss_mask, advantages, engine_logprobs, all [B, L],
         token-aligned (entry t describes token t)."""
         alg = self.cfg.algorithm
+        batch = self._to_device(batch)
         mask = batch["loss_mask"]
-        old_logp = self.logprobs(batch)
-        # Correctness signal: the engine sampled with the same weights the trainer holds.
-        gap = ((old_logp - batch["engine_logprobs"]).abs() * mask).max().item()
-        with torch.no_grad():
-            ref_logits = self.reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            ref_logp = token_logprobs(ref_logits, batch["input_ids"])
-        kl_ref = masked_mean(kl_estimate(old_logp, ref_logp, kind=alg.kl_estimator), mask).item()
+        old_logp = self._all_rows(self._logprobs, batch)
+        ref_logp = self._all_rows(self._reference_logprobs, batch)
+        # Correctness signal: the engines sampled with the weights the trainer holds.
+        same = {"logp_gap_max": ((old_logp - batch["engine_logprobs"]).abs() * mask).max().item(),
+                "kl_ref": masked_mean(kl_estimate(old_logp, ref_logp, kind=alg.kl_estimator), mask).item()}
 
-        stats: dict[str, list[float]] = {}
+        sums: dict[str, list[float]] = {}
+        maxes: dict[str, list[float]] = {}
         self.engine.train()
-        size = batch["input_ids"].shape[0]
-        for _ in range(alg.epochs):
-            order = torch.randperm(size)
-            for chunk in order.chunk(alg.mini_batches):
-                mb = {k: v[chunk] for k, v in batch.items()}
-                logits = self._forward(mb)
-                logp = token_logprobs(logits, mb["input_ids"])
-                loss, info = policy_loss(logp, old_logp[chunk], mb["advantages"], mb["loss_mask"],
-                                         clip_low=alg.clip_low, clip_high=alg.clip_high,
-                                         dual_clip=alg.dual_clip, agg=alg.loss_agg)
-                ent_mean = masked_mean(entropy(logits if alg.entropy_coef else logits.detach()), mb["loss_mask"])
-                if alg.entropy_coef:
-                    loss = loss - alg.entropy_coef * ent_mean
-                if alg.kl_coef:
-                    loss = loss + alg.kl_coef * kl_loss(logp, ref_logp[chunk], mb["loss_mask"], kind=alg.kl_estimator,
-                                                        agg=alg.loss_agg)
-                self.engine.backward(loss)
-                self.engine.step()
-                row = {"loss": loss.item(), "entropy": ent_mean.item(),
-                       "grad_norm": float(self.engine.get_global_grad_norm() or 0.0)}
-                row.update({k: float(v) for k, v in info.items()})
-                for k, v in row.items():
-                    stats.setdefault(k, []).append(v)
-        out = {k: sum(v) / len(v) for k, v in stats.items()}
-        out["logp_gap_max"] = gap
-        out["kl_ref"] = kl_ref
-        return out
+        for chunk, mine in self._minibatches(mask.shape[0], step, "policy"):
+            mb = {k: v[mine] for k, v in batch.items()}
+            weight = share_weight(mb["loss_mask"], mask[chunk], alg.loss_agg)
+            token_weight = share_weight(mb["loss_mask"], mask[chunk], "token-mean")
+            logits = self._forward(mb)
+            logp = token_logprobs(logits, mb["input_ids"])
+            loss, info = policy_loss(logp, old_logp[mine], mb["advantages"], mb["loss_mask"],
+                                     clip_low=alg.clip_low, clip_high=alg.clip_high,
+                                     dual_clip=alg.dual_clip, agg=alg.loss_agg)
+            loss = weight * loss
+            ent_mean = masked_mean(entropy(logits if alg.entropy_coef else logits.detach()), mb["loss_mask"])
+            if alg.entropy_coef:
+                loss = loss - alg.entropy_coef * token_weight * ent_mean
+            if alg.kl_coef:
+                loss = loss + alg.kl_coef * weight * kl_loss(logp, ref_logp[mine], mb["loss_mask"],
+                                                             kind=alg.kl_estimator, agg=alg.loss_agg)
+            self.engine.backward(loss * self.world_size)   # DeepSpeed averages gradients over ranks
+            self.engine.step()
+            row = {"loss": loss.item(), "entropy": token_weight * ent_mean.item()}
+            row.update({k: token_weight * float(v) for k, v in info.items() if k != "ratio_max"})
+            for k, v in row.items():
+                sums.setdefault(k, []).append(v)
+            for k, v in {"ratio_max": float(info["ratio_max"]),
+                         "grad_norm": float(self.engine.get_global_grad_norm() or 0.0)}.items():
+                maxes.setdefault(k, []).append(v)
+        return {"sum": sums, "max": maxes, "same": same}
+
+    # ----------------------------------------------------------------------- weights out
+    def _param_buckets(self, bucket_bytes: int) -> list[list[tuple[str, torch.nn.Parameter]]]:
+        """The parameters in order, grouped into buckets of at most bucket_bytes (or one tensor).
+        Tied weights come under each of their names (lm_head.weight too: the engine may hold it
+        apart from the embedding)."""
+        buckets: list[list] = [[]]
+        size = 0
+        for name, param in self.engine.module.named_parameters(remove_duplicate=False):
+            nbytes = getattr(param, "ds_numel", param.numel()) * param.element_size()
+            if buckets[-1] and size + nbytes > bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append((name, param))
+            size += nbytes
+        return buckets
+
+    def weight_buckets(self, bucket_mb: int) -> list | None:
+        """Every rank calls this (a collective under ZeRO-3). Rank 0 returns its weights as
+        object-store refs, one per bucket of named CPU tensors; the others return None."""
+        import ray
+        refs = []
+        for bucket in self._param_buckets(bucket_mb << 20):
+            with self._gathered(list({id(p): p for _, p in bucket}.values())):
+                if self.rank == 0:
+                    refs.append(ray.put({name: p.detach().cpu() for name, p in bucket}))
+        return refs if self.rank == 0 else None
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """Full weights as CPU tensors (gathered from all ranks under ZeRO-3)."""
+        """Full weights as CPU tensors (gathered from all ranks under ZeRO-3: all ranks call)."""
         module = self.engine.module
-        if self.zero_stage == 3:
-            import deepspeed
-            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-                return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+        with self._gathered(list(module.parameters())):
+            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
 
     def save(self, out_dir: str, tokenizer_dir: str) -> str:
-        """Save an HF folder (weights + tokenizer) that transformers and vLLM load."""
+        """Save an HF folder (weights + tokenizer) that transformers and vLLM load; all ranks
+        call, rank 0 writes."""
         from transformers import AutoTokenizer
         weights = self.named_weights()
-        self.engine.module.save_pretrained(out_dir, state_dict=weights, safe_serialization=True)
-        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
+        if self.rank == 0:
+            self.engine.module.save_pretrained(out_dir, state_dict=weights, safe_serialization=True)
+            AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
         return out_dir
 
+    def init_weight_transfer(self, master_address: str, master_port: int, world_size: int, engines: list) -> None:
+        """GPUs: join vLLM's NCCL weight transfer (rank 0 broadcasts to every engine; the other
+        ranks join the ZeRO-3 gathers). `engines` are the RolloutWorker actors."""
+        from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
+        from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo,
+                                                                   NCCLTrainerWeightTransferEngine)
+        self.transfer = NCCLTrainerWeightTransferEngine.trainer_init(
+            NCCLTrainerInitInfo(master_address=master_address, master_port=master_port,
+                                world_size=world_size, rank=self.rank),
+            client=RayVLLMWeightSyncClient(engines), source=_gathering_source(self))
 
-class CriticWorker(_Checkpointed):
+    def send_weights(self) -> None:
+        self.transfer.send_weights()
+
+
+def _gathering_source(rank: PolicyWorker):
+    """vLLM's WeightSource over a DeepSpeed module: full shapes up front, each parameter
+    gathered (ZeRO-3) while it is sent."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class GatheringSource(WeightSource):
+        def metadata(self) -> list:
+            return [ParamMeta(name, p.dtype, tuple(getattr(p, "ds_shape", p.shape)))
+                    for name, p in rank.engine.module.named_parameters()]
+
+        def __iter__(self):
+            for name, param in rank.engine.module.named_parameters():
+                with rank._gathered([param]):
+                    yield name, param.data
+
+    return GatheringSource()
+
+
+class CriticWorker(_TrainerRank):
     """PPO's critic: the policy's network with a scalar value head instead of the LM head
     (transformers' `...ForTokenClassification` with one label, the head freshly initialized),
-    in its own DeepSpeed engine. Values are token-aligned like logprobs: entry t is V of the
+    in its own DeepSpeed group. Values are token-aligned like logprobs: entry t is V of the
     state before token t."""
 
     def __init__(self, model_dir: str, cfg: dict[str, Any], rank: int = 0, world_size: int = 1,
@@ -198,8 +366,8 @@ class CriticWorker(_Checkpointed):
         from transformers import AutoModelForTokenClassification
 
         self.cfg = Config.model_validate(cfg)
-        self.rank = rank
-        torch.manual_seed(self.cfg.seed + 1000 + rank)
+        self.rank, self.world_size = rank, world_size
+        torch.manual_seed(self.cfg.seed + 1000)   # the same fresh value head on every rank
         torch.set_flush_denormal(True)
         model = AutoModelForTokenClassification.from_pretrained(
             model_dir, num_labels=1, dtype=getattr(torch, self.cfg.model.dtype))
@@ -211,32 +379,43 @@ class CriticWorker(_Checkpointed):
         return torch.nn.functional.pad(out[:, :-1], (1, 0))   # [B, L], shifted like token_logprobs
 
     @torch.no_grad()
-    def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _values_no_grad(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         self.engine.eval()
         return self._values(batch).float()
 
-    def train(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Clipped value regression on `returns` from the values at rollout time (`values`)."""
+    def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """V [B, L] of the whole batch (all ranks call)."""
+        return self._all_rows(self._values_no_grad, self._to_device(batch)).cpu()
+
+    def train(self, batch: dict[str, torch.Tensor], step: int = 0) -> dict[str, dict]:
+        """Clipped value regression on `returns` from the values at rollout time (`values`);
+        this rank fits its share of each mini-batch. Returns stats for `combine_rank_stats`."""
         alg = self.cfg.algorithm
-        stats: dict[str, list[float]] = {}
+        batch = self._to_device(batch)
+        mask = batch["loss_mask"]
+        sums: dict[str, list[float]] = {}
         self.engine.train()
-        size = batch["input_ids"].shape[0]
-        for _ in range(alg.epochs):
-            for chunk in torch.randperm(size).chunk(alg.mini_batches):
-                mb = {k: v[chunk] for k, v in batch.items()}
-                loss, info = value_loss(self._values(mb), mb["values"], mb["returns"], mb["loss_mask"],
-                                        clip=alg.value_clip, agg=alg.loss_agg)
-                self.engine.backward(loss)
-                self.engine.step()
-                for k, v in {"value_loss": loss.item(), **{k: float(v) for k, v in info.items()}}.items():
-                    stats.setdefault(k, []).append(v)
-        out = {k: sum(v) / len(v) for k, v in stats.items()}
-        out["explained_variance"] = float(explained_variance(batch["values"], batch["returns"], batch["loss_mask"]))
-        return out
+        for chunk, mine in self._minibatches(mask.shape[0], step, "critic"):
+            mb = {k: v[mine] for k, v in batch.items()}
+            weight = share_weight(mb["loss_mask"], mask[chunk], alg.loss_agg)
+            token_weight = share_weight(mb["loss_mask"], mask[chunk], "token-mean")
+            loss, info = value_loss(self._values(mb), mb["values"], mb["returns"], mb["loss_mask"],
+                                    clip=alg.value_clip, agg=alg.loss_agg)
+            loss = weight * loss
+            self.engine.backward(loss * self.world_size)
+            self.engine.step()
+            row = {"value_loss": loss.item(), **{k: token_weight * float(v) for k, v in info.items()}}
+            for k, v in row.items():
+                sums.setdefault(k, []).append(v)
+        same = {"explained_variance": float(explained_variance(batch["values"], batch["returns"], mask))}
+        return {"sum": sums, "max": {}, "same": same}
 
 
+# --------------------------------------------------------------------------- rollouts
 class RolloutWorker:
-    def __init__(self, model_dir: str, cfg: dict[str, Any], data_dir: str):
+    def __init__(self, model_dir: str, cfg: dict[str, Any], data_dir: str, engine_options: dict | None = None):
+        """`engine_options` go to the engine (vLLM: e.g. gpu_memory_utilization,
+        enable_sleep_mode, weight_transfer_config on GPUs)."""
         from transformers import AutoTokenizer
 
         from turnrl.rollout.chat import ChatFormat
@@ -244,10 +423,14 @@ class RolloutWorker:
         self.cfg = Config.model_validate(cfg)
         r = self.cfg.rollout
         self.engine = make_engine(r.engine, model_dir, dtype=self.cfg.model.dtype, seed=self.cfg.seed,
-                                  kv_cache_gib=r.kv_cache_gib, max_model_len=context_length(model_dir))
+                                  kv_cache_gib=r.kv_cache_gib, max_model_len=context_length(model_dir),
+                                  **(engine_options or {}))
         self.fmt = ChatFormat(AutoTokenizer.from_pretrained(model_dir), self.cfg.model.template_type)
         from turnrl.envs.configured import env_factory
         self.make_env = env_factory(self.cfg, data_dir)   # built once: a search index is loaded here
+
+    def where(self) -> dict[str, Any]:
+        return actor_location()
 
     def rollout(self, examples: list[dict], n: int, seed: int | None = None,
                 temperature: float | None = None, generator_seed: int | None = None) -> list:
@@ -265,5 +448,43 @@ class RolloutWorker:
                             n=n, temperature=r.temperature if temperature is None else temperature,
                             top_p=r.top_p, seed=seed, env_workers=self.cfg.env.workers)
 
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """log p(token t | tokens < t) of each sequence under the engine's weights (entry 0 is 0)."""
+        return self.engine.prompt_logprobs(sequences)
+
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         self.engine.load_weights(weights.items())
+
+    def load_weight_buckets(self, buckets: list) -> None:
+        """New weights as object-store refs, one per bucket of named tensors: streamed into
+        the engine bucket by bucket (one fetched at a time)."""
+        import ray
+
+        def tensors():
+            for ref in buckets:
+                yield from ray.get(ref).items()
+        self.engine.load_weights(tensors())
+
+    # vLLM's weight-transfer control plane (NCCL on GPUs): RayVLLMWeightSyncClient calls these.
+    def init_weight_transfer_engine(self, request) -> None:
+        self.engine.llm.init_weight_transfer_engine(request)
+
+    def start_weight_update(self) -> None:
+        self.engine.llm.start_weight_update()
+
+    def update_weights(self, request) -> None:
+        self.engine.llm.update_weights(request)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.engine.llm.finish_weight_update(weight_version)
+        self.engine.llm.reset_prefix_cache()
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.engine.llm.shutdown_weight_transfer_engine()
+
+    # Colocated on a GPU: free the device for the trainer while it trains.
+    def sleep(self) -> None:
+        self.engine.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        self.engine.llm.wake_up()

@@ -1,0 +1,361 @@
+"""The training run's actors on a Ray cluster: where they go, and how they are driven.
+
+    cluster.address  ''           a local Ray with cluster.num_cpus CPUs
+                     HOST:PORT    join that cluster (`ray start --head`, `ray start --address`)
+    one placement group (cluster.strategy over nodes), its bundles by cluster.placement:
+      colocated      bundle i: trainer rank i (+ critic rank i) and rollout engine i share its
+                     devices and take turns (the loop runs the phases one after the other)
+      separate       a bundle per actor: dedicated devices per role
+    trainer ranks    one DeepSpeed process group per model (gloo on CPU, NCCL on GPUs),
+                     rendezvous at rank 0's node
+    rollout engines  each rolls out a contiguous share of a step's prompts, its generator
+                     seeded from (seed, step, engine)
+    weights          after every update, from the trainer to every engine (`WeightSync`)
+
+Every call on the actors goes through `wait_all`: an actor that dies or raises stops the run
+with an `ActorFailure` naming its role and the cause.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+from turnrl.config import Config, ConfigError
+from turnrl.training.checkpoint import step_seed
+from turnrl.training.workers import combine_rank_stats
+
+log = logging.getLogger(__name__)
+
+
+class ActorFailure(RuntimeError):
+    """A Ray actor of the run died or raised; the message names its role and the cause."""
+
+
+# --------------------------------------------------------------------------- checks and plan
+def weight_sync_mode(cfg: Config) -> str:
+    c = cfg.cluster
+    if c.weight_sync != "auto":
+        return c.weight_sync
+    separate_gpu_engines = c.placement == "separate" and c.engine_gpus > 0 and cfg.rollout.engine == "vllm"
+    return "nccl" if separate_gpu_engines else "object_store"
+
+
+def check_cluster(cfg: Config) -> None:
+    """Params that cannot work together, found before any actor starts."""
+    c, alg = cfg.cluster, cfg.algorithm
+    rows = cfg.train.prompts_per_step * cfg.rollout.n
+    if rows // alg.mini_batches < c.trainer_ranks:
+        raise ConfigError(
+            f"cluster.trainer_ranks = {c.trainer_ranks}: each mini-batch has only {rows // alg.mini_batches} rows "
+            f"(train.prompts_per_step x rollout.n / algorithm.mini_batches) and every rank needs at least one; "
+            "raise train.prompts_per_step or lower algorithm.mini_batches or cluster.trainer_ranks")
+    if weight_sync_mode(cfg) == "nccl":
+        if cfg.rollout.engine != "vllm" or c.engine_gpus <= 0 or c.trainer_gpus <= 0:
+            raise ConfigError("cluster.weight_sync = nccl needs rollout.engine: vllm and GPUs for both roles "
+                              "(cluster.trainer_gpus, cluster.engine_gpus > 0); use object_store on CPUs")
+        if c.placement == "colocated":
+            raise ConfigError("cluster.weight_sync = nccl cannot pair a trainer rank and an engine on one GPU "
+                              "(NCCL refuses two ranks on one device): use placement: separate, or object_store")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One actor's place: its role, index within the role, bundle and resources."""
+    role: str      # policy | critic | engine
+    index: int
+    bundle: int
+    cpus: float
+    gpus: float
+
+    @property
+    def name(self) -> str:
+        return f"rollout engine {self.index}" if self.role == "engine" else f"{self.role} rank {self.index}"
+
+
+def plan_placement(cfg: Config) -> tuple[list[dict[str, float]], list[Slot]]:
+    """The placement group's bundles and every actor's slot in them (see the module doc).
+    Colocated: a bundle's CPUs are its actors' sum, its GPUs the largest request, shared
+    evenly (Ray hands the actors of a bundle fractions of the same device)."""
+    c = cfg.cluster
+    actors = [("policy", r, c.trainer_cpus, c.trainer_gpus) for r in range(c.trainer_ranks)]
+    if cfg.algorithm.name == "ppo":
+        actors += [("critic", r, c.trainer_cpus, c.trainer_gpus) for r in range(c.trainer_ranks)]
+    actors += [("engine", e, c.engine_cpus, c.engine_gpus) for e in range(c.rollout_engines)]
+    if c.placement == "separate":
+        slots = [Slot(role, i, k, cpus, gpus) for k, (role, i, cpus, gpus) in enumerate(actors)]
+        return [_bundle(s.cpus, s.gpus) for s in slots], slots
+    bundles, slots = [], []
+    for b in range(max(c.trainer_ranks, c.rollout_engines)):
+        members = [a for a in actors if a[1] == b]
+        gpus = max(a[3] for a in members)
+        bundles.append(_bundle(sum(a[2] for a in members), gpus))
+        slots += [Slot(role, i, b, cpus, gpus / len(members)) for role, i, cpus, _ in members]
+    return bundles, slots
+
+
+def _bundle(cpus: float, gpus: float) -> dict[str, float]:
+    return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+
+
+def threads_per_actor(cfg: Config, slot: Slot) -> int:
+    c = cfg.cluster
+    if c.threads_per_actor:
+        return c.threads_per_actor
+    if not c.address:   # one machine: the actors busy at once are the ranks, or the engines
+        return max(1, c.num_cpus // max(c.trainer_ranks, c.rollout_engines))
+    return max(1, round(slot.cpus))
+
+
+# --------------------------------------------------------------------------- Ray
+def start_ray(cfg: Config) -> None:
+    import ray
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():
+        return
+    if cfg.cluster.address:
+        import turnrl
+        try:   # py_modules: this checkout's turnrl goes with the job to every node's workers
+            ray.init(address=cfg.cluster.address, log_to_driver=True,
+                     runtime_env={"py_modules": [str(Path(turnrl.__file__).parent)]})
+        except Exception as exc:
+            raise ConnectionError(
+                f"cluster.address = {cfg.cluster.address!r}: no Ray cluster reachable ({type(exc).__name__}: {exc}). "
+                "Start one with `ray start --head --port PORT` (and `ray start --address HOST:PORT` on the other "
+                "nodes), or leave cluster.address empty for a local Ray; `turnrl doctor` checks it") from None
+    else:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, log_to_driver=True)
+
+
+def wait_all(calls: Sequence[tuple[str, Any]]) -> tuple[list, list[float]]:
+    """Results of `calls` ((role, object ref) pairs) in order, and the seconds until each was
+    done. The first failure raises ActorFailure at once, without waiting for the others
+    (they may be stuck in a collective with the actor that died)."""
+    import ray
+    start = time.perf_counter()
+    pending = {ref: i for i, (_, ref) in enumerate(calls)}
+    results: list = [None] * len(calls)
+    seconds = [0.0] * len(calls)
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1)
+        for ref in ready:
+            i = pending.pop(ref)
+            seconds[i] = time.perf_counter() - start
+            try:
+                results[i] = ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                raise ActorFailure(f"{calls[i][0]} failed: {_cause(exc)}") from exc
+    return results, seconds
+
+
+def _cause(exc: Exception) -> str:
+    import ray
+    if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None:
+        return f"{type(exc.cause).__name__}: {exc.cause}"
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:600]}"
+
+
+# --------------------------------------------------------------------------- groups
+@dataclass
+class ActorGroup:
+    """Actors of one role, called together (every rank of a DeepSpeed group must be)."""
+    names: list[str]
+    handles: list
+
+    def call(self, method: str, *args, **kwargs) -> tuple[list, list[float]]:
+        return wait_all([(name, getattr(h, method).remote(*args, **kwargs)) for name, h in zip(self.names, self.handles)])
+
+    def results(self, method: str, *args, **kwargs) -> list:
+        return self.call(method, *args, **kwargs)[0]
+
+
+class TrainerGroup(ActorGroup):
+    """The ranks of one DeepSpeed group (policy or critic). Each gets the whole batch (one
+    object-store copy) and trains on its share."""
+
+    def train(self, batch: dict, step: int) -> tuple[dict[str, float], list[float]]:
+        import ray
+        stats, seconds = self.call("train", ray.put(batch), step)
+        return combine_rank_stats(stats), seconds
+
+    def values(self, batch: dict):
+        import ray
+        return self.results("values", ray.put(batch))[0]
+
+
+class RolloutGroup(ActorGroup):
+    def __init__(self, names: list[str], handles: list, seed: int):
+        super().__init__(names, handles)
+        self.seed = seed
+
+    def rollout(self, examples: list[dict], n: int, step: int) -> tuple[list, list[float]]:
+        """Each engine rolls out a contiguous share of `examples` (whole groups of n), seeded
+        from (seed, step, engine); the trajectories come back in the examples' order."""
+        count = len(self.handles)
+        shares = [examples[e * len(examples) // count:(e + 1) * len(examples) // count] for e in range(count)]
+        calls = [(name, h.rollout.remote(share, n, generator_seed=step_seed(self.seed, step, e)))
+                 for e, (name, h, share) in enumerate(zip(self.names, self.handles, shares)) if share]
+        results, seconds = wait_all(calls)
+        return [t for part in results for t in part], seconds
+
+
+# --------------------------------------------------------------------------- weights
+class WeightSync(Protocol):
+    """After an update: every engine gets the trainer's weights."""
+    def push(self) -> None: ...
+
+
+@dataclass
+class ObjectStoreSync:
+    """Rank 0's weights as buckets of named CPU tensors in Ray's object store (shared memory
+    on its node, transferred once to each other node), streamed into every engine."""
+    policy: TrainerGroup
+    engines: RolloutGroup
+    bucket_mb: int
+
+    def push(self) -> None:
+        buckets = self.policy.results("weight_buckets", self.bucket_mb)[0]
+        self.engines.call("load_weight_buckets", buckets)
+
+
+@dataclass
+class NcclSync:
+    """GPUs in separate placement: vLLM's NCCL weight transfer. Trainer rank 0 and every
+    engine form one NCCL group; rank 0 broadcasts each parameter (gathered under ZeRO-3 by
+    all ranks) and the engines load it in place. Not run on this project's CPU-only CI."""
+    policy: TrainerGroup
+    engines: RolloutGroup
+    address: tuple[str, int]
+
+    def __post_init__(self) -> None:
+        host, port = self.address
+        self.policy.call("init_weight_transfer", host, port, 1 + len(self.engines.handles), self.engines.handles)
+
+    def push(self) -> None:
+        self.policy.call("send_weights")
+
+
+# --------------------------------------------------------------------------- start
+@dataclass
+class Workers:
+    policy: TrainerGroup
+    rollout: RolloutGroup
+    critic: TrainerGroup | None = None     # PPO only
+    sync: WeightSync | None = None
+    offload_engines: bool = False          # colocated on GPUs: engines sleep while the trainer trains
+    locations: dict[str, dict] = field(default_factory=dict)
+    placement_group: Any = None
+
+    @property
+    def nodes(self) -> int:
+        return len({loc["node_id"] for loc in self.locations.values()})
+
+    def shutdown(self) -> None:
+        """Remove the placement group: its actors end with it."""
+        if self.placement_group is not None:
+            import ray
+            ray.util.remove_placement_group(self.placement_group)
+            self.placement_group = None
+
+
+def start_workers(cfg: Config, model_dir: str, data_dir: str) -> Workers:
+    """Place and start every actor, join the trainer ranks into their DeepSpeed groups, and
+    set up the weight sync. Logs where each actor runs."""
+    import ray
+    c = cfg.cluster
+    bundles, slots = plan_placement(cfg)
+    pg = ray.util.placement_group(bundles, strategy=c.strategy)
+    try:
+        ray.get(pg.ready(), timeout=c.ready_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.util.remove_placement_group(pg)
+        raise ActorFailure(
+            f"the cluster cannot place the run's actors within {c.ready_timeout_s:.0f}s: bundles {bundles} "
+            f"({c.strategy}), available {ray.available_resources()}. Lower cluster.trainer_cpus / engine_cpus / "
+            "*_gpus, raise cluster.num_cpus, or add nodes") from None
+
+    try:
+        return _start(cfg, model_dir, data_dir, pg, slots)
+    except BaseException:
+        ray.util.remove_placement_group(pg)   # and with it every actor started so far
+        raise
+
+
+def _start(cfg: Config, model_dir: str, data_dir: str, pg, slots: list[Slot]) -> Workers:
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from turnrl.rollout.engines import cpu_env_defaults
+    from turnrl.training.workers import CriticWorker, PolicyWorker, RolloutWorker
+    c = cfg.cluster
+
+    def strategy(slot: Slot):
+        return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=slot.bundle)
+
+    def options(slot: Slot, env: dict[str, str]) -> dict:
+        threads = str(threads_per_actor(cfg, slot))
+        return {"num_cpus": slot.cpus, "num_gpus": slot.gpus, "scheduling_strategy": strategy(slot),
+                "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false", **env}}}
+
+    address_task = ray.remote(num_cpus=0)(_free_port_here)
+
+    def rendezvous(slot: Slot) -> tuple[str, int]:   # on the node of the slot's bundle
+        return ray.get(address_task.options(scheduling_strategy=strategy(slot)).remote())
+
+    trainer_env = {} if c.trainer_gpus else {"DS_ACCELERATOR": "cpu"}
+    groups = {}
+    for role, cls in (("policy", PolicyWorker), ("critic", CriticWorker)):
+        members = [s for s in slots if s.role == role]
+        if not members:
+            continue
+        host, port = rendezvous(members[0])
+        handles = [ray.remote(cls).options(**options(s, trainer_env)).remote(
+            model_dir, cfg.model_dump(), rank=s.index, world_size=len(members), master_addr=host, master_port=port)
+            for s in members]
+        groups[role] = TrainerGroup([s.name for s in members], handles)
+
+    sync_mode = weight_sync_mode(cfg)
+    engine_options: dict[str, Any] = {}
+    offload = c.placement == "colocated" and c.engine_gpus > 0 and cfg.rollout.engine == "vllm"
+    if c.engine_gpus > 0 and cfg.rollout.engine == "vllm":
+        engine_options["gpu_memory_utilization"] = c.engine_gpu_memory
+        engine_options["enable_sleep_mode"] = offload
+    if sync_mode == "nccl":
+        engine_options["weight_transfer_config"] = {"backend": "nccl"}
+    engine_env = cpu_env_defaults(cfg.rollout.kv_cache_gib)
+    engine_slots = [s for s in slots if s.role == "engine"]
+    engines = RolloutGroup([s.name for s in engine_slots], [
+        ray.remote(RolloutWorker).options(**options(s, engine_env)).remote(
+            model_dir, cfg.model_dump(), data_dir, engine_options) for s in engine_slots], seed=cfg.seed)
+
+    everyone = [*groups.values(), engines]
+    names = [name for g in everyone for name in g.names]
+    places = wait_all([(name, h.where.remote()) for g in everyone for name, h in zip(g.names, g.handles)])[0]
+    workers = Workers(groups["policy"], engines, groups.get("critic"), offload_engines=offload,
+                      locations=dict(zip(names, places)), placement_group=pg)
+    for name, loc in workers.locations.items():
+        log.info("%s: node %s (%s), pid %s%s, turnrl from %s", name, loc["node"], loc["node_id"][:8], loc["pid"],
+                 f", GPUs {loc['gpus']}" if loc["gpus"] else "", loc["turnrl"])
+    log.info("%d trainer ranks (ZeRO-%d, %s), %d rollout engines, %s placement on %d node(s), weights by %s",
+             c.trainer_ranks, cfg.train.zero_stage, "NCCL" if c.trainer_gpus else "gloo", c.rollout_engines,
+             c.placement, workers.nodes, sync_mode)
+    if sync_mode == "nccl":
+        workers.sync = NcclSync(workers.policy, engines, rendezvous(next(s for s in slots if s.role == "policy")))
+    else:
+        workers.sync = ObjectStoreSync(workers.policy, engines, c.bucket_mb)
+    return workers
+
+
+def _free_port_here() -> tuple[str, int]:
+    """(this node's IP, a free port on it): where a process group can meet."""
+    import socket
+
+    import ray
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return ray.util.get_node_ip_address(), s.getsockname()[1]
