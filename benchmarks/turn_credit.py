@@ -8,7 +8,11 @@ For each environment and seed, a scratch copy of the project runs the real pipel
 reuses the seed's preprocess, warm start and baseline, so the algorithms of one seed start from
 the same model. Per run it keeps the held-out task accuracy (sampled at the eval temperature),
 the tool-call success rate on the held-out set, and the training curve's tool success.
-Results go to a JSON file (resumable: finished runs are skipped) and a markdown table.
+Per run it also reads the training curve back from the run's MLflow store (the scratch
+project's `mlflow.db`): the mean training reward over the first half of the steps, and the
+first step where it reaches 0.5 (how fast the task is learned, which turn-level credit is
+meant to speed up). Results go to a JSON file (resumable: finished runs
+are skipped) and a markdown table.
 """
 from __future__ import annotations
 
@@ -69,7 +73,29 @@ def run_one(project: Path, env: str, seed: int, algorithm: str, extra: list[str]
         "train_reward_last5": float(tail["reward_mean"].mean()),
         "train_tool_ok_last5": float(tail["env_tool_ok_mean"].mean()) if "env_tool_ok_mean" in tail else None,
         "steps": train["steps"],
+        **curve_summary(training_curve(project, seed, algorithm, "reward_mean")),
     }
+
+
+def curve_summary(reward: list[float]) -> dict:
+    """Mean training reward over the first half of the steps, and the first step it is >= 0.5."""
+    half = reward[: max(1, len(reward) // 2)]
+    return {"train_reward_first_half": sum(half) / len(half) if half else None,
+            "steps_to_reward_0.5": next((i + 1 for i, v in enumerate(reward) if v >= 0.5), None)}
+
+
+def training_curve(project: Path, seed: int, algorithm: str, metric: str) -> list[float]:
+    """Per-step values of `metric` of the newest finished train run with this seed and algorithm."""
+    import mlflow
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    runs = [r for r in client.search_runs(experiments, order_by=["attributes.start_time DESC"], max_results=500)
+            if r.info.run_name == "train" and r.info.status == "FINISHED"
+            and r.data.params.get("seed") == str(seed) and r.data.params.get("algorithm.name") == algorithm]
+    if not runs:
+        return []
+    history = client.get_metric_history(runs[0].info.run_id, metric)
+    return [m.value for m in sorted(history, key=lambda m: m.step)]
 
 
 def _rate(value: float | None) -> str:
@@ -94,8 +120,9 @@ def table(results: list[dict]) -> str:
             continue
         seeds = sorted({r["seed"] for r in rows})
         lines += [f"### `{env}` ({len(seeds)} seeds: {', '.join(map(str, seeds))})", "",
-                  "| algorithm | held-out accuracy | gain over baseline | tool success (held-out) | tool calls (held-out) |",
-                  "|---|---|---|---|---|"]
+                  "| algorithm | held-out accuracy | gain over baseline | tool success (held-out) | tool calls (held-out) "
+                  "| training reward, first half | steps to training reward 0.5 |",
+                  "|---|---|---|---|---|---|---|"]
         for alg in algorithms:
             mine = [r for r in rows if r["algorithm"] == alg]
             if not mine:
@@ -103,7 +130,9 @@ def table(results: list[dict]) -> str:
             gains = [r["accuracy"] - r["baseline_accuracy"] for r in mine]
             lines.append(f"| `{alg}` | {mean_sd([r['accuracy'] for r in mine])} | {mean_sd(gains)} | "
                          f"{mean_sd([r['tool_success'] for r in mine if r['tool_success'] is not None])} | "
-                         f"{mean_sd([r['tool_call_rate'] for r in mine if r['tool_call_rate'] is not None])} |")
+                         f"{mean_sd([r['tool_call_rate'] for r in mine if r['tool_call_rate'] is not None])} | "
+                         f"{mean_sd([r['train_reward_first_half'] for r in mine if r.get('train_reward_first_half') is not None])} | "
+                         f"{mean_sd([r['steps_to_reward_0.5'] for r in mine if r.get('steps_to_reward_0.5') is not None])} |")
         lines += ["", "| seed | algorithm | baseline acc | acc | tool success: baseline → trained | run (s) |",
                   "|---|---|---|---|---|---|"]
         for r in sorted(rows, key=lambda r: (r["seed"], algorithms.index(r["algorithm"]))):
@@ -126,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     results = json.loads(args.results.read_text()) if args.results.exists() else []
+    for r in results:   # runs recorded before the curve columns existed: read them now
+        project = args.work_dir / r["env"]
+        if "train_reward_first_half" not in r and (project / "mlflow.db").exists():
+            r.update(curve_summary(training_curve(project, r["seed"], r["algorithm"], "reward_mean")))
     done = {(r["env"], r["seed"], r["algorithm"]) for r in results}
     plan = ({env: algs.split(",") for env, algs in (c.split("=", 1) for c in args.compare)}
             if args.compare else {env: COMPARISONS[env] for env in args.envs})

@@ -77,8 +77,10 @@ def test_rollout_metrics(fmt):
     # per-turn parts: turn 1 = the tool ran (2 of 4), turn 2 = the tool users' answers (1 right of 4)
     assert m["turn1_reward_mean"] == 0.5 and m["turn2_reward_mean"] == 0.25 and "turn3_reward_mean" not in m
     assert m["env_tool_calls_mean"] == 0.5                   # the env's numeric info, averaged
+    assert m["tool_call_rate"] == 0.5 and m["tool_success_rate"] == 0.5   # as the evaluation counts them
     bad = rollout_metrics(trajectories(fmt, [BAD_TOOL, GUESS]), n=2)
     assert bad["turn1_reward_mean"] == 0.0 and bad["env_tool_ok_mean"] == 0.0
+    assert bad["tool_call_rate"] == 0.5 and bad["tool_success_rate"] == 0.0
 
 
 def test_advantage_metrics_per_turn(fmt):

@@ -83,10 +83,17 @@ def summarize(trajs: Sequence[Trajectory], k: int = 1) -> dict:
         "tokens_per_correct": tokens / len(correct) if correct else None,
         "mean_turns": sum(t.num_turns for t in trajs) / len(trajs) if trajs else 0.0,
     }
-    if any("tool_ok" in t.info for t in trajs):   # a tool environment (code_tool, search)
-        out["tool_call_rate"] = sum("tool_ok" in t.info for t in trajs) / len(trajs)
-        out["tool_success_rate"] = sum(bool(t.info.get("tool_ok")) for t in trajs) / len(trajs)
+    out.update(tool_rates(trajs))
     return out
+
+
+def tool_rates(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """For a tool environment (code_tool, search; its info has `tool_ok` once a call was
+    made): the share of trajectories that called the tool and whose last call ran. {} otherwise."""
+    if not any("tool_ok" in t.info for t in trajs):
+        return {}
+    return {"tool_call_rate": sum("tool_ok" in t.info for t in trajs) / len(trajs),
+            "tool_success_rate": sum(bool(t.info.get("tool_ok")) for t in trajs) / len(trajs)}
 
 
 def breakdown(trajs: Sequence[Trajectory], key: str, k: int = 1) -> dict:

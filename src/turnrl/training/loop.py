@@ -24,6 +24,7 @@ from turnrl.algos import (compute_advantages, contiguous_group_ids, first_obs_po
                           per_turn_mean_std)
 from turnrl.config import Config
 from turnrl.envs.configured import trained_turns
+from turnrl.evaluation import tool_rates
 from turnrl.rollout.loop import Trajectory
 from turnrl.training.checkpoint import CheckpointStore, Resume, write_state
 from turnrl.training.cluster import TrainerGroup, Workers, check_cluster, start_ray, start_workers
@@ -88,6 +89,7 @@ def rollout_metrics(trajs: Sequence[Trajectory], n: int) -> dict[str, float]:
         "response_tokens_mean": sum(t.policy_tokens() for t in trajs) / count,
         "tool_calls_mean": sum(len(t.observations) for t in trajs) / count,
         "groups_all_same_frac": sum(len(set(g)) == 1 for g in groups) / max(1, len(groups)),
+        **tool_rates(trajs),   # the held-out evaluation's tool_call_rate / tool_success_rate
     }
     # The reward's per-turn parts (a turn a trajectory never reached counts as 0) and the
     # environment's numeric reward components (tool_ok, answer_in_results, f1, improvement, ...).
