@@ -76,3 +76,28 @@ def print_past_capture(request, text: str) -> None:
     capture = request.config.pluginmanager.get_plugin("capturemanager")
     with capture.global_and_fixture_disabled():
         print(text)
+
+
+def train_two_steps(model_dir, tmp_path, env: dict, algorithm: dict, **sections) -> list[dict]:
+    """Two steps of the training loop on the real stack (Ray actors, DeepSpeed, vLLM) for a
+    small config (`sections` update its sections, e.g. train={"lr": 1e-2}); the training rows
+    are the preprocess stage's."""
+    import ray
+
+    from turnrl.config import Config
+    from turnrl.preprocess import load_split, preprocess
+    from turnrl.training.loop import train
+    data = {"env": env, "algorithm": algorithm,
+            "data": {"train_examples": 32, "heldout_examples": 8}, "eval": {"benchmarks": []},
+            "train": {"steps": 2, "prompts_per_step": 4}, "rollout": {"n": 2, "max_tokens_per_turn": 16}}
+    for name, values in sections.items():
+        data[name] = {**data.get(name, {}), **values}
+    cfg = Config.model_validate(data)
+    preprocess(cfg, tmp_path / "data")
+    try:
+        history = train(cfg, str(model_dir), str(tmp_path / "data"), load_split(tmp_path / "data", "train"),
+                        str(tmp_path / "final"))
+    finally:
+        ray.shutdown()
+    assert [h["step"] for h in history] == [1, 2]
+    return history

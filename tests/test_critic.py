@@ -7,6 +7,8 @@ import torch
 
 from turnrl.config import Config
 
+from conftest import train_two_steps
+
 
 def _port() -> int:
     with socket.socket() as s:
@@ -41,32 +43,11 @@ def test_critic_values_are_token_aligned_and_fit_the_returns(tiny_model_dir):
     assert stats["explained_variance"] > 0.5
 
 
-def _train_two_steps(tiny_model_dir, tmp_path, env: dict, algorithm: dict) -> list[dict]:
-    """Two steps of the training loop on the real stack (Ray actors, DeepSpeed, vLLM) for a
-    small config; the training rows are the preprocess stage's."""
-    import ray
-
-    from turnrl.preprocess import load_split, preprocess
-    from turnrl.training.loop import train
-    cfg = Config.model_validate({
-        "env": env, "algorithm": algorithm,
-        "data": {"train_examples": 32, "heldout_examples": 8}, "eval": {"benchmarks": []},
-        "train": {"steps": 2, "prompts_per_step": 4}, "rollout": {"n": 2, "max_tokens_per_turn": 16}})
-    preprocess(cfg, tmp_path / "data")
-    try:
-        history = train(cfg, str(tiny_model_dir), str(tmp_path / "data"), load_split(tmp_path / "data", "train"),
-                        str(tmp_path / "final"))
-    finally:
-        ray.shutdown()
-    assert [h["step"] for h in history] == [1, 2]
-    return history
-
-
 @pytest.mark.slow
 def test_ppo_steps_on_the_real_stack(tiny_model_dir, tmp_path):
     """Two PPO steps through the training loop: Ray actors for the policy, the critic and the
     vLLM engine; GAE on the critic's values; value loss and explained variance reported."""
-    history = _train_two_steps(tiny_model_dir, tmp_path, {"name": "intervention"}, {"name": "ppo"})
+    history = train_two_steps(tiny_model_dir, tmp_path, {"name": "intervention"}, {"name": "ppo"})
     for h in history:
         assert {"value_loss", "explained_variance", "vf_clip_fraction", "loss", "kl_ref"} <= h.keys()
         assert h["logp_gap_max"] < 1e-3
@@ -77,7 +58,7 @@ def test_ppo_steps_on_the_real_stack(tiny_model_dir, tmp_path):
 def test_mlmt_steps_alternate_levels_on_the_real_stack(tiny_model_dir, tmp_path):
     """MLMT's setup through the training loop: shared weights write the feedback, stage II
     turn rewards with GRPO per turn, the levels trained in turn (1 step high, 1 step low)."""
-    history = _train_two_steps(tiny_model_dir, tmp_path, {"name": "math_refine", "math_refine": {"alternate": [1, 1]}},
+    history = train_two_steps(tiny_model_dir, tmp_path, {"name": "math_refine", "math_refine": {"alternate": [1, 1]}},
                                {"name": "mlmt"})
     for h in history:
         generated = h["response_tokens_mean"] * 8          # 4 prompts x 2 samples

@@ -149,6 +149,13 @@ class AlgorithmCfg(_Section):
     lam: float = Field(1.0, ge=0.0, le=1.0, description="ppo: GAE lambda")
     mlmt_stage: Literal[1, 2] = Field(2, description="mlmt: stage I or II turn rewards")
     mlmt_alpha: float = Field(1.0, ge=0.0, description="mlmt stage II: weight of the improvement R - R1")
+    mlmt_betas: list[float] = Field(default_factory=lambda: [0.0, 0.0, 0.0], description=(
+        "mlmt: [beta_1 (stage II; beta_2 in stage I), beta_H, beta_L], the weights of each turn's KL to the "
+        "reference, sum(logp - logp_ref) over the turn's tokens, in the turn rewards; all 0: no KL terms"))
+    mlmt_context_coef: float = Field(0.0, ge=0.0, description=(
+        "mlmt: lambda of the context-utilization reward lambda * min(log p(y | x, c) - log p(y | x), tau) "
+        "added to the refinement turn (y the refinement, c the feedback); 0: off"))
+    mlmt_context_cap: float = Field(1.0, gt=0.0, description="mlmt: tau, the cap of the log-likelihood gain")
     critic_lr: float = Field(1e-3, gt=0, description="ppo: learning rate of the critic (value head model)")
     value_clip: float | None = Field(0.2, gt=0, description="ppo: clip range of the value loss (null: unclipped)")
     clip_low: float = Field(0.2, ge=0.0, lt=1.0)
@@ -160,6 +167,13 @@ class AlgorithmCfg(_Section):
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     epochs: int = Field(1, gt=0, description="passes over each rollout batch (PPO num_iterations)")
     mini_batches: int = Field(1, gt=0, description="optimizer steps per pass")
+
+    @model_validator(mode="after")
+    def _mlmt_betas(self) -> "AlgorithmCfg":
+        if len(self.mlmt_betas) != 3 or min(self.mlmt_betas) < 0:
+            raise ValueError(f"mlmt_betas = {self.mlmt_betas}: must be three non-negative numbers "
+                             "[beta_1 (beta_2 in stage I), beta_H, beta_L], e.g. [0.01, 0.01, 0.01]")
+        return self
 
 
 # --------------------------------------------------------------------------- rollout
@@ -289,6 +303,14 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _budgets(self) -> "Config":
+        alg = self.algorithm
+        if alg.name != "mlmt" and (any(alg.mlmt_betas) or alg.mlmt_context_coef):
+            raise ValueError("algorithm.mlmt_betas and algorithm.mlmt_context_coef apply to algorithm.name: mlmt only; "
+                             f"set them to 0 for {alg.name}")
+        if alg.mlmt_context_coef and (self.env.name != "math_refine" or self.env.math_refine.feedback == "endpoint"):
+            raise ValueError("algorithm.mlmt_context_coef needs env.name: math_refine with a feedback turn in the "
+                             "conversation (env.math_refine.feedback: self); an endpoint's feedback is part of an "
+                             "observation, so there is no feedback turn to remove")
         if self.rollout.max_tokens_total < self.rollout.max_tokens_per_turn:
             raise ValueError(
                 f"rollout.max_tokens_total ({self.rollout.max_tokens_total}) must be at least "

@@ -371,13 +371,16 @@ def mlmt(
     alpha: float = 1.0,
     turn_kl: torch.Tensor | None = None,
     betas: tuple[float, float, float] = (0.0, 0.0, 0.0),
+    refine_bonus: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MLMT's hierarchical turn rewards, then GRPO turn by turn: advantages [B, T].
 
     rewards [B] = R (the refined answer), first_rewards [B] = R₁ (the attempt), turn_ids and
     mask [B, T] with turns 0, 1, 2 = attempt, feedback, refinement. Stage I or II rewards
     (`mlmt_stage1_rewards` / `mlmt_stage2_rewards`, with β = `betas` = (β₁ or β₂, β_H, β_L) on
-    `turn_kl` [B, 3]; no KL terms when turn_kl is None), group-normalized per turn.
+    `turn_kl` [B, 3]; no KL terms when turn_kl is None), plus `refine_bonus` [B] (the
+    context-utilization reward, `context_utilization_bonus`) on the refinement turn,
+    group-normalized per turn.
     """
     kl = turn_kl if turn_kl is not None else torch.zeros(rewards.shape[0], 3)
     b_low1, b_high, b_low = betas
@@ -386,6 +389,8 @@ def mlmt(
     else:
         per_turn = mlmt_stage2_rewards(rewards=rewards, first_rewards=first_rewards, turn_kl=kl, beta_1=b_low1,
                                        beta_h=b_high, beta_l=b_low, alpha=alpha)
+    if refine_bonus is not None:
+        per_turn[:, 2] += refine_bonus.float()
     return per_turn_grpo(per_turn_rewards=per_turn, turn_ids=turn_ids, mask=mask, group_ids=group_ids)
 
 

@@ -187,6 +187,16 @@ class TrainerGroup(ActorGroup):
         import ray
         return self.results("values", ray.put(batch))[0]
 
+    def logprobs(self, batch: dict):
+        """Token logprobs [B, L] under the policy's current weights (no grad)."""
+        import ray
+        return self.results("logprobs", ray.put(batch))[0]
+
+    def reference_logprobs(self, batch: dict):
+        """Token logprobs [B, L] under the frozen reference (the starting weights)."""
+        import ray
+        return self.results("reference_logprobs", ray.put(batch))[0]
+
 
 class RolloutGroup(ActorGroup):
     def __init__(self, names: list[str], handles: list, seed: int):

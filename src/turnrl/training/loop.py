@@ -28,6 +28,7 @@ from turnrl.evaluation import tool_rates
 from turnrl.rollout.loop import Trajectory
 from turnrl.training.checkpoint import CheckpointStore, Resume, write_state
 from turnrl.training.cluster import TrainerGroup, Workers, check_cluster, start_ray, start_workers
+from turnrl.training.mlmt import mlmt_extras, mlmt_turn_ids
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,10 @@ def collate(trajs: Sequence[Trajectory], pad_id: int) -> dict[str, torch.Tensor]
     return out
 
 
-def advantages_for(cfg: Config, trajs: Sequence[Trajectory], batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Token-level advantages [B, L] for `algorithm.name` from the trajectories' rewards."""
+def advantages_for(cfg: Config, trajs: Sequence[Trajectory], batch: dict[str, torch.Tensor],
+                   **extra) -> torch.Tensor:
+    """Token-level advantages [B, L] for `algorithm.name` from the trajectories' rewards;
+    `extra` are further estimator inputs (mlmt: turn_kl, betas, refine_bonus from `mlmt_extras`)."""
     mask = batch["loss_mask"]
     in_response = batch["turn_ids"] >= 0
     first_turn = torch.tensor([t.turn_rewards[0] if t.turn_rewards else 0.0 for t in trajs])
@@ -66,7 +69,7 @@ def advantages_for(cfg: Config, trajs: Sequence[Trajectory], batch: dict[str, to
         rewards=torch.tensor([t.outcome for t in trajs]),
         turn_rewards=first_turn,       # MT-GRPO / MS-GRPO / MS-PO: the first tool call's reward
         first_rewards=first_turn,      # MLMT: R1, the attempt's reward
-        turn_ids=batch["turn_ids"],
+        turn_ids=mlmt_turn_ids(cfg, batch["turn_ids"]),   # only mlmt reads turn ids
         mlmt_stage=cfg.algorithm.mlmt_stage,
         alpha=cfg.algorithm.mlmt_alpha,
         first_obs_pos=first_obs_position(in_response & (mask == 0)),
@@ -74,6 +77,7 @@ def advantages_for(cfg: Config, trajs: Sequence[Trajectory], batch: dict[str, to
         group_ids=contiguous_group_ids(len(trajs), cfg.rollout.n),
         turn_coef=cfg.algorithm.turn_coef,
         gamma=cfg.algorithm.gamma,
+        **extra,
     )
 
 
@@ -199,6 +203,10 @@ def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict]
         checkpoints.discard_all()
 
     pad_id = 0   # any id: padding is outside the attention and loss masks
+    eos_id = None
+    if cfg.algorithm.mlmt_context_coef:   # closes a message in the conversation without feedback
+        from transformers import AutoTokenizer
+        eos_id = AutoTokenizer.from_pretrained(model_dir).eos_token_id
     bar = tqdm(range(first, cfg.train.steps + 1), desc="train", unit="step")
     for step in bar:
         t_start = time.perf_counter()
@@ -209,6 +217,10 @@ def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict]
         t_rollout = time.perf_counter()
 
         batch = collate(trajs, pad_id)
+        extra, mlmt_stats = {}, {}
+        if cfg.algorithm.name == "mlmt":   # KL terms, context-utilization reward (on every policy token)
+            extra, mlmt_stats = mlmt_extras(cfg, trajs, batch, workers.policy.logprobs,
+                                            workers.policy.reference_logprobs, eos_id)
         batch["loss_mask"] *= trained_turns(cfg, batch["turn_ids"], step)   # e.g. a frozen feedback level
         critic_stats = {}
         if workers.critic is not None:   # PPO: GAE on the critic's values, then fit the critic
@@ -217,7 +229,7 @@ def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict]
                 token_rewards=outcome_token_rewards(torch.tensor([t.outcome for t in trajs]), batch["loss_mask"]),
                 values=batch["values"], mask=batch["loss_mask"], gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam)
         else:
-            batch["advantages"] = advantages_for(cfg, trajs, batch)
+            batch["advantages"] = advantages_for(cfg, trajs, batch, **extra)
         t_adv = time.perf_counter()
         train_stats, trainer_busy = workers.policy.train(batch, step)
         if workers.critic is not None:
@@ -235,6 +247,7 @@ def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict]
             **rollout_metrics(trajs, cfg.rollout.n),
             **train_stats,
             **critic_stats,
+            **mlmt_stats,
             **advantage_metrics(batch["advantages"], batch["loss_mask"], batch["turn_ids"]),
             "trained_tokens": float(batch["loss_mask"].sum()),   # policy tokens the update used
             "rollout_s": t_rollout - t_start,

@@ -234,6 +234,10 @@ class PolicyWorker(_TrainerRank):
         """Token logprobs [B, L] of the whole batch under the current weights (all ranks call)."""
         return self._all_rows(self._logprobs, self._to_device(batch)).cpu()
 
+    def reference_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Token logprobs [B, L] of the whole batch under the frozen reference (all ranks call)."""
+        return self._all_rows(self._reference_logprobs, self._to_device(batch)).cpu()
+
     def train(self, batch: dict[str, torch.Tensor], step: int = 0) -> dict[str, dict]:
         """One policy-gradient update on a rollout batch; this rank trains on its share of
         each mini-batch. Returns stats for `combine_rank_stats`.
