@@ -32,6 +32,7 @@ COMPARISONS = {
     "search": ["grpo", "ms_grpo", "ms_po"],      # RoSTE: step reward = search ran + answer retrieved
 }
 # Held-out task only (no MATH-500) and no greedy pass: the comparison is the sampled task accuracy.
+# TURN_CREDIT.md was made with --set train.steps=20 --set model.warmstart.skill_steps=600 --set cluster.num_cpus=1.
 COMMON = ["eval.benchmarks=[]", "eval.greedy=false"]
 
 
@@ -105,8 +106,9 @@ def _rate(value: float | None) -> str:
 def mean_sd(values: list[float]) -> str:
     if not values:
         return "-"
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.3f} ± {sd:.3f}"
+    if len(values) == 1:
+        return f"{values[0]:.3f} (1 seed)"
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
 
 
 def table(results: list[dict]) -> str:
@@ -159,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         project = args.work_dir / r["env"]
         if "train_reward_first_half" not in r and (project / "mlflow.db").exists():
             r.update(curve_summary(training_curve(project, r["seed"], r["algorithm"], "reward_mean")))
+    args.results.write_text(json.dumps(results, indent=2) + "\n")
     done = {(r["env"], r["seed"], r["algorithm"]) for r in results}
     plan = ({env: algs.split(",") for env, algs in (c.split("=", 1) for c in args.compare)}
             if args.compare else {env: COMPARISONS[env] for env in args.envs})
