@@ -1,0 +1,1 @@
+"""Performance harness: turnrl against TRL on the same work (see run.py)."""

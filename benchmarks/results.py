@@ -1,0 +1,143 @@
+"""Pure functions that shape benchmark measurements: medians over steps, fits, ratios, the
+breakdown of a step, and the summary line `run.py` prints last. No I/O, no frameworks."""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Mapping, Sequence
+
+# Parts of a turnrl step measured in-process (turnrl_side.run_parts), in the order a step runs.
+TURNRL_PARTS = ("generate_s", "env_s", "assembly_s", "advantage_s", "old_logprobs_s", "ref_logprobs_s",
+                "update_s", "weights_gather_s", "weights_load_s")
+# Model compute: what a step cannot avoid on any framework (the rest is environment, glue, overhead).
+MODEL_COMPUTE = ("generate_s", "old_logprobs_s", "ref_logprobs_s", "update_s")
+
+
+def median(values: Iterable[float]) -> float:
+    ordered = sorted(v for v in values if v is not None and not math.isnan(v))
+    if not ordered:
+        return float("nan")
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def measured(steps: Sequence[Mapping], warmup: int) -> list[Mapping]:
+    """The steps after the first `warmup` ones (engine warm-up, first allocations); an error if
+    none are left, since a median of nothing would be a silent zero."""
+    kept = [s for s in steps if s["step"] > warmup]
+    if not kept:
+        raise ValueError(f"no measured steps: {len(steps)} step(s) recorded, {warmup} warm-up; "
+                         "raise --steps or lower --warmup")
+    return kept
+
+
+def summarize(steps: Sequence[Mapping], warmup: int) -> dict[str, float]:
+    """Median of every numeric per-step key over the measured steps, plus `n_steps`."""
+    kept = measured(steps, warmup)
+    keys = sorted({k for s in kept for k, v in s.items() if isinstance(v, (int, float)) and k != "step"})
+    out = {k: median(s.get(k, float("nan")) for s in kept) for k in keys}
+    out["n_steps"] = len(kept)
+    return out
+
+
+def ratio(slower: float, faster: float) -> float:
+    """How many times faster `faster` is than `slower` (seconds per step each)."""
+    if not faster or math.isnan(faster) or math.isnan(slower):
+        return float("nan")
+    return slower / faster
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> dict[str, float]:
+    """Least-squares y = slope * x + intercept, with r^2. Needs two distinct x values."""
+    if len(xs) != len(ys) or len(set(xs)) < 2:
+        raise ValueError(f"a line needs at least two distinct x values, got x = {list(xs)}")
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    slope = sxy / sxx
+    intercept = my - slope * mx
+    ss_tot = sum((y - my) ** 2 for y in ys)
+    ss_res = sum((y - (slope * x + intercept)) ** 2 for x, y in zip(xs, ys))
+    return {"slope": slope, "intercept": intercept, "r2": 1.0 - ss_res / ss_tot if ss_tot else 1.0}
+
+
+def shares(parts: Mapping[str, float], total: float) -> dict[str, float]:
+    """Each part as a fraction of `total` (a step's seconds)."""
+    return {k: (v / total if total else float("nan")) for k, v in parts.items()}
+
+
+def overhead(loop: Mapping[str, float], parts: Mapping[str, float]) -> dict[str, float]:
+    """Where a Ray-loop step goes, from the loop's medians and the in-process parts' medians.
+
+    compute: model compute (generation, old and reference logprobs, update) measured in-process;
+    environment: env steps (sandbox runs); sync: the loop's weight push; overhead: the rest of
+    the loop's wall time per step (Ray calls and object transfers, token assembly, batching,
+    idle between steps). Fractions of the loop's wall time per step."""
+    step = loop["step_s"]
+    compute = sum(parts.get(k, 0.0) for k in MODEL_COMPUTE)
+    env = parts.get("env_s", 0.0)
+    sync = loop.get("sync_s", 0.0)
+    rest = max(0.0, step - compute - env - sync)
+    return {"step_s": step, "compute_s": compute, "env_s": env, "sync_s": sync, "overhead_s": rest,
+            "compute_frac": compute / step, "env_frac": env / step, "sync_frac": sync / step,
+            "overhead_frac": rest / step,
+            # the old-logprob forward recomputes what the update's forward gives when epochs =
+            # mini_batches = 1; counted as compute above, listed here as avoidable
+            "avoidable_old_logprobs_frac": parts.get("old_logprobs_s", 0.0) / step}
+
+
+def parse_grid(text: str) -> list[tuple[int, int]]:
+    """'4x4,8x8' -> [(4, 4), (8, 8)]: prompts x group size per point of a scaling sweep."""
+    points = []
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            prompts, group = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"sweep point {item!r}: expected PROMPTSxGROUP, e.g. 8x4") from None
+        if prompts < 1 or group < 2:
+            raise ValueError(f"sweep point {item!r}: prompts must be >= 1 and group >= 2 (GRPO needs a group)")
+        points.append((prompts, group))
+    if not points:
+        raise ValueError("empty sweep: give points like 4x4,8x4,8x8")
+    return points
+
+
+def parse_ints(text: str, name: str, minimum: int = 1) -> list[int]:
+    """'1,2,4' -> [1, 2, 4], each at least `minimum`; `name` names the option in errors."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{name} = {text!r}: expected comma-separated integers, e.g. 1,2,4") from None
+    if not values or min(values) < minimum:
+        raise ValueError(f"{name} = {text!r}: give integers >= {minimum}")
+    return values
+
+
+def headline(results: Mapping) -> dict[str, float]:
+    """The one-line summary: median seconds per step of each framework on the same work, and
+    the ratios against the targets (2x single-turn GRPO, 3x 3-turn tool use)."""
+    out: dict[str, float] = {}
+    pairs = results.get("pairs", {})
+    for name, prefix in (("grpo", ""), ("tool", "tool_")):
+        pair = pairs.get(name)
+        if pair:
+            t, p = pair["turnrl"]["step_s"], pair["trl"]["step_s"]
+            out[f"{prefix}turnrl_step_s"] = round(t, 3)
+            out[f"{prefix}trl_step_s"] = round(p, 3)
+            out[f"{prefix}speedup"] = round(ratio(p, t), 2)
+        vllm = pairs.get(f"{name}_trl_vllm")   # TRL with vLLM colocated, beside its default
+        if vllm:
+            out[f"{prefix}trl_vllm_step_s"] = round(vllm["trl"]["step_s"], 3)
+            out[f"{prefix}speedup_vs_trl_vllm"] = round(ratio(vllm["trl"]["step_s"], vllm["turnrl"]["step_s"]), 2)
+    if "grpo" in pairs:
+        out["speedup_target"] = 2.0
+    if "tool" in pairs:
+        out["tool_speedup_target"] = 3.0
+    breakdown = results.get("breakdown", {}).get("grpo")
+    if breakdown:
+        out["overhead_frac"] = round(breakdown["overhead_frac"], 3)
+        out["sync_frac"] = round(breakdown["sync_frac"], 4)
+    fit = results.get("sweep", {}).get("turnrl_fit")
+    if fit:
+        out["slope_s_per_sample"] = round(fit["slope"], 4)
+    return out

@@ -1,0 +1,208 @@
+"""turnrl's side of the benchmark.
+
+- `run_loop`: the product path, `turnrl.training.loop.train` on a local Ray cluster (policy as a
+  DeepSpeed engine in one actor, the rollout engine in another, weights pushed after every
+  update). Per step: the loop's own timers (rollout, advantages, train, sync) and the wall time
+  between steps.
+- `run_parts`: the same work with the same two worker classes in one process, no Ray, each
+  part timed on its own: generation, environment steps, token assembly, old and reference
+  logprobs, the update, weight gather and load. What the Ray loop spends beyond these parts is
+  framework overhead (Ray calls, moving batches and weights between processes, idle).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Any
+
+
+def config(case: dict[str, Any]):
+    """The turnrl Config of a benchmark case (same keys the harness gives TRL)."""
+    from turnrl.config import parse_config
+    return parse_config({
+        "seed": case["seed"],
+        "model": {"path": case["model_dir"]},
+        "env": {"name": "code_tool"},
+        "algorithm": {"name": "grpo", "kl_coef": case["beta"], "clip_low": 0.2, "clip_high": 0.28,
+                      "loss_agg": "token-mean"},
+        "rollout": {"engine": case["engine"], "n": case["group"], "max_turns": case["turns"],
+                    "max_tokens_per_turn": case["max_tokens"],
+                    "max_tokens_total": max(case["max_total"], case["max_tokens"])},
+        "train": {"steps": case["warmup"] + case["steps"], "prompts_per_step": case["prompts"], "lr": case["lr"]},
+        # the loop gives each role (they take turns) this many threads: the same as TRL's process
+        "cluster": {"num_cpus": case["threads"]},
+    }, source="benchmark case")
+
+
+def run_loop(case: dict[str, Any]) -> dict[str, Any]:
+    import ray
+
+    from benchmarks.models import train_rows
+    from turnrl.training.loop import train
+
+    cfg = config(case)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # A cluster of our own (never join another one on this shared machine), in a short temp dir.
+    temp_dir = f"/tmp/rb{os.getpid()}"
+    ray.init(address="local", num_cpus=cfg.cluster.num_cpus, include_dashboard=False, _temp_dir=temp_dir,
+             log_to_driver=False)
+    steps: list[dict] = []
+    marks = [time.perf_counter()]
+
+    def on_step(step: int, metrics: dict, trajs) -> None:
+        marks.append(time.perf_counter())
+        steps.append({
+            "step": step,
+            "step_s": marks[-1] - marks[-2] if step > 1 else metrics["step_s"],
+            "loop_step_s": metrics["step_s"],
+            "rollout_s": metrics["rollout_s"], "advantage_s": metrics["advantage_s"],
+            "train_s": metrics["train_s"], "sync_s": metrics["sync_s"],
+            "gen_tokens": float(sum(t.policy_tokens() for t in trajs)),
+            "trained_tokens": metrics["trained_tokens"],
+            "batch_tokens": float(sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs)),
+            "turns_mean": metrics["turns_mean"], "tool_calls_mean": metrics["tool_calls_mean"],
+            "reward_mean": metrics["reward_mean"], "logp_gap_max": metrics["logp_gap_max"],
+        })
+
+    try:
+        started = time.perf_counter()
+        train(cfg, case["model_dir"], case["work_dir"], train_rows(seed=case["seed"]),
+              os.path.join(case["work_dir"], "turnrl_out"), on_step=on_step)
+        total = time.perf_counter() - started
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    return {"framework": "turnrl", "steps": steps, "train_wall_s": total}
+
+
+def run_parts(case: dict[str, Any]) -> dict[str, Any]:
+    import socket
+
+    import torch
+
+    from benchmarks.models import train_rows
+    from turnrl.training.loop import PromptSampler, advantages_for, collate
+    from turnrl.training.workers import PolicyWorker, RolloutWorker, token_logprobs
+
+    cfg = config(case)
+    torch.set_flush_denormal(True)
+    timers: dict[str, float] = {}
+
+    def add(name: str, seconds: float) -> None:
+        timers[name] = timers.get(name, 0.0) + seconds
+
+    # The rollout engine first: in-process vLLM sets up torch.distributed (world of one), which
+    # DeepSpeed then reuses.
+    rollout = RolloutWorker(case["model_dir"], cfg.model_dump(), case["work_dir"])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    policy = PolicyWorker(case["model_dir"], cfg.model_dump(), master_port=port)
+
+    generate = rollout.engine.generate
+
+    def timed_generate(*a, **k):
+        start = time.perf_counter()
+        try:
+            return generate(*a, **k)
+        finally:
+            add("generate", time.perf_counter() - start)
+    rollout.engine.generate = timed_generate
+
+    make_env = rollout.make_env
+
+    def timed_env():
+        start = time.perf_counter()
+        env = make_env()
+        step = env.step
+
+        def timed_step(text):
+            t0 = time.perf_counter()
+            try:
+                return step(text)
+            finally:
+                add("env", time.perf_counter() - t0)
+        env.step = timed_step
+        add("env", time.perf_counter() - start)
+        return env
+    rollout.make_env = timed_env
+
+    sampler = PromptSampler(train_rows(seed=case["seed"]), cfg.seed)
+    steps = []
+    for step in range(1, case["warmup"] + case["steps"] + 1):
+        timers.clear()
+        t0 = time.perf_counter()
+        trajs = rollout.rollout(sampler.next(cfg.train.prompts_per_step), cfg.rollout.n)
+        t1 = time.perf_counter()
+        batch = collate(trajs, 0)
+        batch["advantages"] = advantages_for(cfg, trajs, batch)
+        t2 = time.perf_counter()
+        policy.logprobs(batch)
+        t3 = time.perf_counter()
+        with torch.no_grad():
+            token_logprobs(policy.reference(input_ids=batch["input_ids"],
+                                            attention_mask=batch["attention_mask"]).logits, batch["input_ids"])
+        t4 = time.perf_counter()
+        policy.train(batch)          # old logprobs + reference logprobs + the update
+        t5 = time.perf_counter()
+        weights = policy.named_weights()
+        t6 = time.perf_counter()
+        rollout.load_weights(weights)
+        t7 = time.perf_counter()
+        old_s, ref_s = t3 - t2, t4 - t3
+        steps.append({
+            "step": step,
+            "generate_s": timers.get("generate", 0.0),
+            "env_s": timers.get("env", 0.0),
+            "assembly_s": (t1 - t0) - timers.get("generate", 0.0) - timers.get("env", 0.0),
+            "advantage_s": t2 - t1,
+            "old_logprobs_s": old_s,
+            "ref_logprobs_s": ref_s,
+            "update_s": max(0.0, (t5 - t4) - old_s - ref_s),
+            "weights_gather_s": t6 - t5,
+            "weights_load_s": t7 - t6,
+            # the step as the loop runs it (train() holds its own old + reference forward)
+            "step_s": (t1 - t0) + (t2 - t1) + (t5 - t4) + (t7 - t5),
+            "gen_tokens": float(sum(t.policy_tokens() for t in trajs)),
+            "batch_tokens": float(batch["attention_mask"].sum()),
+            "padded_tokens": float(batch["attention_mask"].numel()),
+            "turns_mean": sum(t.num_turns for t in trajs) / len(trajs),
+        })
+    return {"framework": "turnrl_parts", "steps": steps}
+
+
+def run_rollout_sweep(case: dict[str, Any]) -> dict[str, Any]:
+    """Rollout tokens/s of the multi-turn loop for each (group size, max turns) in the case,
+    one engine, in-process (no trainer)."""
+    from benchmarks.models import train_rows
+    from turnrl.rollout.loop import Budgets, run_rollouts
+    from turnrl.training.workers import RolloutWorker
+
+    cfg = config({**case, "turns": max(case["turns_list"]), "group": max(case["groups"])})
+    worker = RolloutWorker(case["model_dir"], cfg.model_dump(), case["work_dir"])
+    rows = train_rows(seed=case["seed"])
+    r = cfg.rollout
+    points = []
+    offset = 0
+    for turns in case["turns_list"]:
+        for n in case["groups"]:
+            budgets = Budgets(turns, r.max_tokens_per_turn, r.max_tokens_total)
+            times, tokens, done_turns = [], [], []
+            for rep in range(case["warmup"] + case["steps"]):
+                examples = rows[offset:offset + case["prompts"]]
+                offset = (offset + case["prompts"]) % (len(rows) - case["prompts"])
+                start = time.perf_counter()
+                trajs = run_rollouts(worker.engine, examples, worker.make_env, worker.fmt, budgets, n=n,
+                                     temperature=r.temperature, top_p=r.top_p, env_workers=cfg.env.workers)
+                if rep >= case["warmup"]:
+                    times.append(time.perf_counter() - start)
+                    tokens.append(sum(t.policy_tokens() for t in trajs))
+                    done_turns.append(sum(t.num_turns for t in trajs) / len(trajs))
+            points.append({"engine": case["engine"], "group": n, "max_turns": turns, "prompts": case["prompts"],
+                           "rollout_s": sorted(times)[len(times) // 2],
+                           "tokens_per_s": sum(tokens) / sum(times),
+                           "gen_tokens": sum(tokens) / len(tokens),
+                           "turns_mean": sum(done_turns) / len(done_turns)})
+    return {"framework": "turnrl_rollout", "points": points}

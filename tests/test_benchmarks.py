@@ -1,0 +1,209 @@
+"""The benchmark harness (benchmarks/): argument checks, the plan's "same work" guarantee, the
+result-shaping functions, the chat/response templates the TRL peer relies on, and (slow) a
+tiny end-to-end `--quick` run."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import results as R  # noqa: E402
+from benchmarks.models import RESPONSE_TEMPLATE, TOOL_CHAT_TEMPLATE, ModelSpec, scripted_turns  # noqa: E402
+from benchmarks.run import assemble, parse_args, plan  # noqa: E402
+
+WORK_KEYS = ("prompts", "group", "max_tokens", "max_total", "turns", "steps", "warmup", "lr", "beta", "seed",
+             "threads", "model")
+
+
+# --------------------------------------------------------------------------- arguments and plan
+def test_quick_runs_the_headline_pairs_and_parts():
+    args = parse_args(["--quick"])
+    assert args.suites == ["grpo", "tool", "parts"]
+    assert args.steps == 4
+    names = [c["name"] for c in plan(args)]
+    assert names == ["grpo/turnrl-vllm", "grpo/trl-hf", "grpo/trl-vllm", "tool/turnrl-vllm", "tool/trl-hf",
+                     "tool/trl-vllm", "parts/grpo", "parts/tool"]
+
+
+def test_both_frameworks_of_a_pair_get_the_same_work():
+    args = parse_args(["--suites", "grpo,tool,engines,large,sweep", "--sweep", "4x4,8x2", "--prompts", "3"])
+    cases = plan(args)
+    for suite in ("grpo", "tool", "large"):
+        members = [c for c in cases if c["suite"] == suite]
+        assert {c["kind"] for c in members} == {"loop", "trl"}
+        for key in WORK_KEYS:
+            assert len({json.dumps(c[key], sort_keys=True) for c in members}) == 1, (suite, key)
+    assert {c["engine"] for c in cases if c["suite"] == "grpo" and c["kind"] == "loop"} == {"vllm", "hf"}
+    tool = next(c for c in cases if c["name"] == "tool/trl-hf")
+    assert tool["turns"] == 3 and tool["model"]["kind"] == "scripted"
+    sweep = {(c["prompts"], c["group"]) for c in cases if c["suite"] == "sweep"}
+    assert sweep == {(4, 4), (8, 2)}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--suites", "grpo,speed"], "unknown speed"),
+    (["--group", "1"], "GRPO needs at least 2"),
+    (["--max-tokens", "64", "--max-total", "32"], "--max-total (32) must be at least --max-tokens (64)"),
+    (["--sweep", "8by4"], "expected PROMPTSxGROUP"),
+    (["--rollout-groups", "1,x"], "comma-separated integers"),
+    (["--hidden", "500", "--heads", "8"], "multiple of heads"),
+    (["--threads", "0"], "--threads = 0"),
+])
+def test_bad_arguments_stop_with_the_fix(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- shaping results
+def steps_of(values, key="step_s"):
+    return [{"step": i + 1, key: v} for i, v in enumerate(values)]
+
+
+def test_summarize_takes_medians_after_the_warmup():
+    steps = [{"step": 1, "step_s": 50.0, "gen_tokens": 10}, {"step": 2, "step_s": 3.0, "gen_tokens": 20},
+             {"step": 3, "step_s": 1.0, "gen_tokens": 40}, {"step": 4, "step_s": 2.0, "gen_tokens": 30}]
+    out = R.summarize(steps, warmup=1)
+    assert out["step_s"] == 2.0 and out["gen_tokens"] == 30 and out["n_steps"] == 3
+    assert R.summarize(steps, warmup=0)["step_s"] == 2.5
+
+
+def test_summarize_refuses_when_no_step_is_left():
+    with pytest.raises(ValueError, match="no measured steps"):
+        R.summarize(steps_of([1.0, 2.0]), warmup=2)
+
+
+def test_fit_line_recovers_a_line_and_needs_two_points():
+    fit = R.fit_line([16, 32, 64, 128], [1 + 0.05 * x for x in (16, 32, 64, 128)])
+    assert fit["slope"] == pytest.approx(0.05) and fit["intercept"] == pytest.approx(1.0)
+    assert fit["r2"] == pytest.approx(1.0)
+    noisy = R.fit_line([1, 2, 3], [1.0, 3.0, 2.0])
+    assert 0 <= noisy["r2"] < 1
+    with pytest.raises(ValueError, match="two distinct x"):
+        R.fit_line([8, 8], [1.0, 2.0])
+
+
+def test_overhead_splits_a_loop_step():
+    loop = {"step_s": 10.0, "sync_s": 0.5}
+    parts = {"generate_s": 3.0, "old_logprobs_s": 1.0, "ref_logprobs_s": 1.0, "update_s": 2.0, "env_s": 1.0,
+             "assembly_s": 0.3}
+    out = R.overhead(loop, parts)
+    assert out["compute_s"] == 7.0 and out["overhead_s"] == pytest.approx(1.5)
+    assert out["compute_frac"] + out["env_frac"] + out["sync_frac"] + out["overhead_frac"] == pytest.approx(1.0)
+    assert out["avoidable_old_logprobs_frac"] == pytest.approx(0.1)
+
+
+def test_ratio_and_median_ignore_missing_values():
+    assert R.ratio(10.0, 2.5) == 4.0
+    assert math.isnan(R.ratio(10.0, 0.0))
+    assert R.median([3.0, float("nan"), 1.0]) == 2.0
+    assert math.isnan(R.median([]))
+
+
+def test_assemble_pairs_breakdown_sweep_and_headline():
+    args = parse_args(["--suites", "grpo,parts,sweep", "--sweep", "2x2,4x4", "--warmup", "1"])
+    cases = plan(args)
+
+    def run(step_s, **extra):
+        return {"wall_s": 60.0, "peak_rss_mib": 900.0,
+                "steps": [{"step": 1, "step_s": 99.0, **extra}] + [{"step": k, "step_s": step_s, **extra}
+                                                                     for k in (2, 3, 4)]}
+    outcomes = {
+        "grpo/turnrl-vllm": run(2.0, sync_s=0.1, gen_tokens=3000.0, trained_tokens=3000.0, train_s=1.0),
+        "grpo/trl-hf": run(6.0, gen_tokens=3000.0),
+        "parts/grpo": run(1.5, generate_s=0.8, env_s=0.0, old_logprobs_s=0.2, ref_logprobs_s=0.2, update_s=0.4),
+        "sweep/turnrl-2x2": run(1.0), "sweep/trl-2x2": run(2.0),
+        "sweep/turnrl-4x4": run(1.6), "sweep/trl-4x4": run(4.4),
+    }
+    report = assemble(args, cases, outcomes)
+    assert report["errors"] == {}
+    assert report["pairs"]["grpo"]["speedup"] == 3.0
+    assert report["cases"]["grpo/turnrl-vllm"]["train_tokens_per_s"] == 3000.0
+    assert report["breakdown"]["grpo"]["overhead_frac"] == pytest.approx((2.0 - 1.6 - 0.1) / 2.0)
+    assert report["sweep"]["turnrl_fit"]["slope"] == pytest.approx(0.6 / 12)
+    line = R.headline(report)
+    assert line["turnrl_step_s"] == 2.0 and line["trl_step_s"] == 6.0 and line["speedup"] == 3.0
+    assert line["slope_s_per_sample"] == pytest.approx(0.05)
+
+
+def test_a_failed_case_is_reported_not_dropped():
+    args = parse_args(["--suites", "grpo"])
+    report = assemble(args, plan(args), {"grpo/turnrl-vllm": {"error": "exit 1; see log"},
+                                         "grpo/trl-hf": {"steps": steps_of([1.0])}})
+    assert "grpo/turnrl-vllm" in report["errors"]
+    assert "no measured steps" in report["errors"]["grpo/trl-hf"]
+    assert report["pairs"] == {}
+
+
+# --------------------------------------------------------------------------- templates
+@pytest.fixture(scope="module")
+def tool_tokenizer():
+    from turnrl.envs.code_tool import SYSTEM_PROMPT
+    from turnrl.tiny import build_tokenizer
+    tok = build_tokenizer([SYSTEM_PROMPT + "<code>print(12 * 34)</code><output>408</output><answer>408</answer>"], 320)
+    tok.chat_template = TOOL_CHAT_TEMPLATE
+    tok.response_template = RESPONSE_TEMPLATE
+    return tok
+
+
+def test_a_python_tool_call_renders_as_the_code_tool_protocol(tool_tokenizer):
+    messages = [{"role": "user", "content": "Compute 12 * 34."},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": "python", "arguments": {"code": "print(12 * 34)"}}}]},
+                {"role": "tool", "name": "python", "content": "<output>408</output>"}]
+    text = tool_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == ("<|im_start|>user\nCompute 12 * 34.<|im_end|>\n<|im_start|>assistant\n<code>print(12 * 34)"
+                    "</code><|im_end|>\n<|im_start|>tool\n<output>408</output><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_the_response_template_reads_code_as_a_python_call(tool_tokenizer):
+    prefix = tool_tokenizer.apply_chat_template([{"role": "user", "content": "q"}], tokenize=True,
+                                                add_generation_prompt=True, return_dict=False)
+    ids = tool_tokenizer("<code>print(12 * 34)</code><|im_end|>", add_special_tokens=False)["input_ids"]
+    parsed = tool_tokenizer.parse_response(ids, prefix=prefix)
+    assert parsed["tool_calls"] == [{"type": "function", "function": {"name": "python",
+                                                                      "arguments": {"code": "print(12 * 34)"}}}]
+    answer = tool_tokenizer("<answer>408</answer><|im_end|>", add_special_tokens=False)["input_ids"]
+    assert "tool_calls" not in tool_tokenizer.parse_response(answer, prefix=prefix)
+
+
+def test_turnrl_frames_an_observation_as_trl_appends_a_tool_message(tool_tokenizer):
+    """turnrl's observation block after a `</code>` stop equals TRL's: the end-of-turn token the
+    model writes, then the tool message rendered by the same template."""
+    from turnrl.rollout.chat import ChatFormat
+    frame = ChatFormat(tool_tokenizer).observation_text("<output>408</output>", "tool")
+    assert frame == "<|im_end|>\n<|im_start|>tool\n<output>408</output><|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_scripted_turns_call_twice_then_answer():
+    turns = scripted_turns({"prompt": "Compute 12 * 34.", "answer": "408"})
+    assert turns[0].endswith("<code>print(12 * 34)</code>") and turns[1].endswith("<code>print(34 * 12)</code>")
+    assert turns[2].endswith("<answer>408</answer>")
+    with pytest.raises(ValueError, match="kind"):
+        ModelSpec(kind="trained")
+
+
+# --------------------------------------------------------------------------- end to end (slow)
+@pytest.mark.slow
+def test_quick_run_prints_both_step_times_last(tmp_path):
+    """A tiny `--quick` (grpo pair only, 2 prompts x 2 samples x 8 tokens, one measured step):
+    the real Ray/DeepSpeed/vLLM loop and TRL's GRPOTrainer both run; ~2-3 min on 2 cores."""
+    pytest.importorskip("trl", reason="the TRL peer needs the bench extra: pip install -e '.[bench]'")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--suites", "grpo", "--prompts", "2",
+         "--group", "2", "--max-tokens", "8", "--max-total", "8", "--steps", "1", "--warmup", "1",
+         "--threads", "1", "--work-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert line["turnrl_step_s"] > 0 and line["trl_step_s"] > 0
+    assert line["speedup"] == pytest.approx(line["trl_step_s"] / line["turnrl_step_s"], rel=0.01)
+    report = json.loads((tmp_path / "results.json").read_text())
+    for name in ("grpo/turnrl-vllm", "grpo/trl-hf"):
+        case = report["cases"][name]
+        assert case["gen_tokens"] > 0 and case["peak_rss_mib"] > 100, name
