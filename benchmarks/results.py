@@ -141,3 +141,53 @@ def headline(results: Mapping) -> dict[str, float]:
     if fit:
         out["slope_s_per_sample"] = round(fit["slope"], 4)
     return out
+
+
+def _fmt(value, digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def markdown(report: Mapping) -> str:
+    """Tables of a results.json report, for RESULTS.md: the cases, the pairs, the breakdown,
+    the sweep fit and the rollout points."""
+    lines = ["| case | s/step (median) | gen tokens/step | tokens/s of step | turns | peak RSS MiB | load 1-min |",
+             "|---|---|---|---|---|---|---|"]
+    for name, c in report.get("cases", {}).items():
+        if "step_s" not in c:
+            continue
+        load = c.get("load_avg_before", [float("nan")])[0], c.get("load_avg_after", [float("nan")])[0]
+        lines.append(f"| {name} | {_fmt(c['step_s'])} | {_fmt(c.get('gen_tokens'), 0)} | "
+                     f"{_fmt(c.get('gen_tokens_per_s_of_step'), 0)} | {_fmt(c.get('turns_mean', 1.0))} | "
+                     f"{_fmt(c.get('peak_rss_mib'), 0)} | {_fmt(load[0], 1)}-{_fmt(load[1], 1)} |")
+    pairs = report.get("pairs", {})
+    if pairs:
+        lines += ["", "| work | turnrl s/step | TRL s/step | TRL generation | turnrl speedup |", "|---|---|---|---|---|"]
+        for name, p in pairs.items():
+            lines.append(f"| {name.split('_trl_')[0]} | {_fmt(p['turnrl']['step_s'])} | {_fmt(p['trl']['step_s'])} | "
+                         f"{p.get('trl_engine', '-')} | {_fmt(p['speedup'])}x |")
+    for name, b in report.get("breakdown", {}).items():
+        lines += ["", f"Breakdown of a turnrl `{name}` step (loop {_fmt(b['step_s'])} s; parts measured in-process):",
+                  "", "| part | s | share of the loop step |", "|---|---|---|"]
+        for part, seconds in b["parts"].items():
+            lines.append(f"| {part.removesuffix('_s')} | {_fmt(seconds, 3)} | {_fmt(100 * seconds / b['step_s'], 1)}% |")
+        lines.append(f"| sync (loop) | {_fmt(b['sync_s'], 3)} | {_fmt(100 * b['sync_frac'], 1)}% |")
+        lines.append(f"| framework overhead (loop - parts) | {_fmt(b['overhead_s'], 3)} | "
+                     f"{_fmt(100 * b['overhead_frac'], 1)}% |")
+    sweep = report.get("sweep", {})
+    for framework in ("turnrl", "trl"):
+        fit = sweep.get(f"{framework}_fit")
+        if fit:
+            points = ", ".join(f"{x}: {_fmt(y)} s" for x, y in sweep[f"{framework}_points"])
+            lines += ["", f"{framework}: step_s = {fit['slope']:.4f} s x (prompts x group) + {fit['intercept']:.2f} s "
+                          f"(r^2 {fit['r2']:.2f}; {points})"]
+    if report.get("rollout"):
+        lines += ["", "| engine | group | max turns | turns | gen tokens | rollout s | tokens/s |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in report["rollout"]:
+            lines.append(f"| {r['engine']} | {r['group']} | {r['max_turns']} | {_fmt(r['turns_mean'])} | "
+                         f"{_fmt(r['gen_tokens'], 0)} | {_fmt(r['rollout_s'])} | {_fmt(r['tokens_per_s'], 0)} |")
+    return "\n".join(lines) + "\n"

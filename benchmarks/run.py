@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-total", type=int, default=160, help="response tokens of a multi-turn trajectory")
     p.add_argument("--turns", type=int, default=3, help="turns of the tool suite")
     p.add_argument("--steps", type=int, default=None, help="measured steps per case (default 6, quick 4)")
-    p.add_argument("--warmup", type=int, default=2, help="first steps not measured (warm-up)")
+    p.add_argument("--warmup", type=int, default=None, help="first steps not measured (warm-up; default 2, quick 1)")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--beta", type=float, default=0.04, help="KL coefficient (both compute reference logprobs)")
     p.add_argument("--seed", type=int, default=0)
@@ -71,14 +71,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=8, help="the large suite's model: layers")
     p.add_argument("--heads", type=int, default=8, help="the large suite's model: attention heads")
     p.add_argument("--kv-heads", type=int, default=2, help="the large suite's model: key/value heads")
+    p.add_argument("--env-workers", type=int, default=None,
+                   help="turnrl's env.workers (threads stepping environments); default: turnrl's own")
+    p.add_argument("--large-prompts", type=int, default=4, help="the large suite's prompts per step")
     p.add_argument("--engine", choices=("vllm", "hf"), default="vllm", help="turnrl's rollout engine in the pairs")
     p.add_argument("--trl-engines", default="hf,vllm",
                    help="TRL's generation, one case each: hf (transformers, TRL's default), vllm (colocated)")
     p.add_argument("--sweep", default="4x4,8x4,8x8,16x8,16x16", help="prompts x group points of the sweep suite")
     p.add_argument("--rollout-groups", default="1,2,4,8,16", help="group sizes of the rollout suite")
     p.add_argument("--rollout-turns", default="1,2,3", help="max turns of the rollout suite")
-    p.add_argument("--threads", type=int, default=2,
-                   help="torch threads of each framework (turnrl: per role, they take turns); 2 = the cores")
+    p.add_argument("--threads", default="auto",
+                   help="torch threads of each framework (turnrl: per role, they take turns). auto: all cores "
+                   "when the machine is quiet (1-min load average below 1), else 1: two OpenMP threads on "
+                   "busy shared cores stall each other (10-50x slower steps measured here)")
     p.add_argument("--only", default="", help="run only cases whose name contains one of these "
                    "comma-separated strings (e.g. trl-hf,parts/)")
     p.add_argument("--case-timeout", type=float, default=1200, help="seconds before a case is stopped")
@@ -104,7 +109,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.suites = suites
     if args.steps is None:
         args.steps = 4 if args.quick else 6
-    for name in ("prompts", "steps", "max_tokens", "max_total", "turns", "threads"):
+    if args.warmup is None:
+        args.warmup = 1 if args.quick else 2
+    try:
+        args.threads = auto_threads(os.getloadavg()[0], os.cpu_count() or 1) if args.threads == "auto" \
+            else int(args.threads)
+    except ValueError:
+        parser.error(f"--threads = {args.threads!r}: give a number of threads or auto")
+    for name in ("prompts", "steps", "max_tokens", "max_total", "turns", "threads", "large_prompts"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} = {getattr(args, name)}: must be at least 1")
     if args.group < 2:
@@ -126,6 +138,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def auto_threads(load_1min: float, cores: int) -> int:
+    """Threads per framework: every core on a quiet machine, one when others keep it busy."""
+    return cores if load_1min < 1.0 else 1
+
+
 # --------------------------------------------------------------------------- the plan
 def tiny(kind: str) -> ModelSpec:
     return ModelSpec(kind=kind)
@@ -135,11 +152,13 @@ def plan(args: argparse.Namespace) -> list[dict]:
     """The cases to run, in order. Each is a plain dict a child process can run."""
     base = {"prompts": args.prompts, "group": args.group, "max_tokens": args.max_tokens,
             "max_total": args.max_total, "steps": args.steps, "warmup": args.warmup, "lr": args.lr,
-            "beta": args.beta, "seed": args.seed, "turns": 1, "threads": args.threads}
+            "beta": args.beta, "seed": args.seed, "turns": 1, "threads": args.threads,
+            "env_workers": args.env_workers}
     single = {**base, "model": asdict(tiny("random"))}
     tool = {**base, "model": asdict(tiny("scripted")), "turns": args.turns}
-    large = {**base, "model": asdict(ModelSpec(hidden=args.hidden, layers=args.layers, heads=args.heads,
-                                               kv_heads=args.kv_heads, kind="random"))}
+    large = {**base, "prompts": args.large_prompts,
+             "model": asdict(ModelSpec(hidden=args.hidden, layers=args.layers, heads=args.heads,
+                                       kv_heads=args.kv_heads, kind="random"))}
     cases: list[dict] = []
 
     def pair(suite: str, spec: dict, engines=(args.engine,)):
@@ -155,7 +174,7 @@ def plan(args: argparse.Namespace) -> list[dict]:
         pair("tool", tool, engines)
     if "parts" in args.suites:
         cases.append({**single, "name": "parts/grpo", "suite": "parts", "kind": "parts", "engine": args.engine})
-        if "tool" in args.suites:
+        if "tool" in args.suites and not args.quick:
             cases.append({**tool, "name": "parts/tool", "suite": "parts", "kind": "parts", "engine": args.engine})
     if "large" in args.suites:
         pair("large", large)
@@ -301,7 +320,9 @@ def run_case_here(spec_file: str) -> None:
     case["work_dir"] = str(work / "run" / case["name"].replace("/", "_"))
     Path(case["work_dir"]).mkdir(parents=True, exist_ok=True)
     kind = case["kind"]
-    if kind == "trl":
+    if kind == "build":
+        result = {"model_dir": case["model_dir"]}
+    elif kind == "trl":
         from benchmarks import trl_peer
         result = trl_peer.run(case)
     elif kind == "loop":
@@ -411,6 +432,13 @@ def main(argv: list[str] | None = None) -> int:
     say(f"{len(cases)} cases ({', '.join(args.suites)}); load average {info['load_avg_start']}; work dir {work}")
     outcomes: dict[str, dict] = {}
     for case in cases:
+        if case.get("model") and not (work / "models" / ModelSpec(**case["model"]).name / "config.json").exists():
+            # built in a process of its own, so no case's memory or time includes the build
+            build = {**case, "name": f"build/{ModelSpec(**case['model']).name}", "kind": "build"}
+            say(f"{build['name']} (not timed) ...")
+            built = run_child(build, work, args.case_timeout, threads=1)
+            if "error" in built:
+                say(f"{build['name']}: FAILED {built['error'][:300]}")
         say(f"{case['name']} ...")
         outcomes[case["name"]] = got = run_child(case, work, args.case_timeout, threads=args.threads)
         if "error" in got:
@@ -426,8 +454,11 @@ def main(argv: list[str] | None = None) -> int:
               "settings": {k: v for k, v in vars(args).items() if k not in ("run_case",)},
               **assemble(args, cases, outcomes), "raw": outcomes}
     (work / "results.json").write_text(json.dumps(report, indent=2, default=str))
-    say(f"results: {work / 'results.json'}")
+    (work / "results.md").write_text(R.markdown(report))
+    say(f"results: {work / 'results.json'} (tables: results.md)")
     line = R.headline(report)
+    line["threads"] = args.threads
+    line["load_avg_1min"] = [round(info["load_avg_start"][0], 2), round(report["machine"]["load_avg_end"][0], 2)]
     if report["errors"]:
         line["errors"] = sorted(report["errors"])
     print(json.dumps(line))

@@ -23,7 +23,7 @@ def config(case: dict[str, Any]):
     return parse_config({
         "seed": case["seed"],
         "model": {"path": case["model_dir"]},
-        "env": {"name": "code_tool"},
+        "env": {"name": "code_tool", **({"workers": case["env_workers"]} if case.get("env_workers") else {})},
         "algorithm": {"name": "grpo", "kl_coef": case["beta"], "clip_low": 0.2, "clip_high": 0.28,
                       "loss_agg": "token-mean"},
         "rollout": {"engine": case["engine"], "n": case["group"], "max_turns": case["turns"],
@@ -78,10 +78,12 @@ def run_loop(case: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_parts(case: dict[str, Any]) -> dict[str, Any]:
+    import copy
     import socket
 
     import torch
 
+    from turnrl.algos import policy_loss
     from benchmarks.models import train_rows
     from turnrl.training.loop import PromptSampler, advantages_for, collate
     from turnrl.training.workers import PolicyWorker, RolloutWorker, token_logprobs
@@ -112,6 +114,7 @@ def run_parts(case: dict[str, Any]) -> dict[str, Any]:
     rollout.engine.generate = timed_generate
 
     make_env = rollout.make_env
+    env_spans: list[tuple[float, float]] = []   # environment steps run in a thread pool: keep spans
 
     def timed_env():
         start = time.perf_counter()
@@ -123,16 +126,34 @@ def run_parts(case: dict[str, Any]) -> dict[str, Any]:
             try:
                 return step(text)
             finally:
-                add("env", time.perf_counter() - t0)
+                env_spans.append((t0, time.perf_counter()))
         env.step = timed_step
-        add("env", time.perf_counter() - start)
+        env_spans.append((start, time.perf_counter()))
         return env
     rollout.make_env = timed_env
+
+    # The same update in plain PyTorch (no DeepSpeed, no metrics), on a copy of the policy: what
+    # the update costs without the engine around it.
+    plain = copy.deepcopy(policy.engine.module).train()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=cfg.train.lr, weight_decay=0.0, betas=(0.9, 0.99))
+
+    def plain_update(batch) -> float:
+        start = time.perf_counter()
+        logp = token_logprobs(plain(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                              batch["input_ids"])
+        loss, _ = policy_loss(logp, logp.detach(), batch["advantages"], batch["loss_mask"], clip_low=0.2,
+                              clip_high=0.28, dual_clip=None, agg="token-mean")
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), cfg.train.grad_clip)
+        plain_opt.step()
+        plain_opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
 
     sampler = PromptSampler(train_rows(seed=case["seed"]), cfg.seed)
     steps = []
     for step in range(1, case["warmup"] + case["steps"] + 1):
         timers.clear()
+        env_spans.clear()
         t0 = time.perf_counter()
         trajs = rollout.rollout(sampler.next(cfg.train.prompts_per_step), cfg.rollout.n)
         t1 = time.perf_counter()
@@ -151,18 +172,22 @@ def run_parts(case: dict[str, Any]) -> dict[str, Any]:
         t6 = time.perf_counter()
         rollout.load_weights(weights)
         t7 = time.perf_counter()
+        plain_s = plain_update(batch)
         old_s, ref_s = t3 - t2, t4 - t3
+        env_wall = covered(env_spans)
         steps.append({
             "step": step,
             "generate_s": timers.get("generate", 0.0),
-            "env_s": timers.get("env", 0.0),
-            "assembly_s": (t1 - t0) - timers.get("generate", 0.0) - timers.get("env", 0.0),
+            "env_s": env_wall,                                   # wall time with any env step running
+            "env_calls_s": sum(b - a for a, b in env_spans),     # summed over the pool's threads
+            "assembly_s": (t1 - t0) - timers.get("generate", 0.0) - env_wall,
             "advantage_s": t2 - t1,
             "old_logprobs_s": old_s,
             "ref_logprobs_s": ref_s,
             "update_s": max(0.0, (t5 - t4) - old_s - ref_s),
             "weights_gather_s": t6 - t5,
             "weights_load_s": t7 - t6,
+            "plain_torch_update_s": plain_s,
             # the step as the loop runs it (train() holds its own old + reference forward)
             "step_s": (t1 - t0) + (t2 - t1) + (t5 - t4) + (t7 - t5),
             "gen_tokens": float(sum(t.policy_tokens() for t in trajs)),
@@ -171,6 +196,16 @@ def run_parts(case: dict[str, Any]) -> dict[str, Any]:
             "turns_mean": sum(t.num_turns for t in trajs) / len(trajs),
         })
     return {"framework": "turnrl_parts", "steps": steps}
+
+
+def covered(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of time intervals (seconds during which at least one ran)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def run_rollout_sweep(case: dict[str, Any]) -> dict[str, Any]:

@@ -3,6 +3,7 @@ result-shaping functions, the chat/response templates the TRL peer relies on, an
 tiny end-to-end `--quick` run."""
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import results as R  # noqa: E402
 from benchmarks.models import RESPONSE_TEMPLATE, TOOL_CHAT_TEMPLATE, ModelSpec, scripted_turns  # noqa: E402
-from benchmarks.run import assemble, parse_args, plan  # noqa: E402
+from benchmarks.run import assemble, auto_threads, parse_args, plan  # noqa: E402
 
 WORK_KEYS = ("prompts", "group", "max_tokens", "max_total", "turns", "steps", "warmup", "lr", "beta", "seed",
              "threads", "model")
@@ -24,10 +25,18 @@ WORK_KEYS = ("prompts", "group", "max_tokens", "max_total", "turns", "steps", "w
 def test_quick_runs_the_headline_pairs_and_parts():
     args = parse_args(["--quick"])
     assert args.suites == ["grpo", "tool", "parts"]
-    assert args.steps == 4
+    assert (args.steps, args.warmup) == (4, 1)
     names = [c["name"] for c in plan(args)]
     assert names == ["grpo/turnrl-vllm", "grpo/trl-hf", "grpo/trl-vllm", "tool/turnrl-vllm", "tool/trl-hf",
-                     "tool/trl-vllm", "parts/grpo", "parts/tool"]
+                     "tool/trl-vllm", "parts/grpo"]
+    assert [c["name"] for c in plan(parse_args(["--quick", "--only", "trl-vllm,parts"]))] == \
+        ["grpo/trl-vllm", "tool/trl-vllm", "parts/grpo"]
+
+
+def test_threads_follow_the_load_unless_given():
+    assert auto_threads(0.3, 2) == 2 and auto_threads(5.0, 2) == 1
+    assert parse_args(["--threads", "2"]).threads == 2
+    assert parse_args([]).threads in (1, os.cpu_count())
 
 
 def test_both_frameworks_of_a_pair_get_the_same_work():
@@ -53,6 +62,8 @@ def test_both_frameworks_of_a_pair_get_the_same_work():
     (["--rollout-groups", "1,x"], "comma-separated integers"),
     (["--hidden", "500", "--heads", "8"], "multiple of heads"),
     (["--threads", "0"], "--threads = 0"),
+    (["--threads", "many"], "--threads = 'many'"),
+    (["--trl-engines", "hf,sglang"], "--trl-engines"),
 ])
 def test_bad_arguments_stop_with_the_fix(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -126,6 +137,9 @@ def test_assemble_pairs_breakdown_sweep_and_headline():
     assert report["cases"]["grpo/turnrl-vllm"]["train_tokens_per_s"] == 3000.0
     assert report["breakdown"]["grpo"]["overhead_frac"] == pytest.approx((2.0 - 1.6 - 0.1) / 2.0)
     assert report["sweep"]["turnrl_fit"]["slope"] == pytest.approx(0.6 / 12)
+    table = R.markdown(report)
+    assert "| grpo/turnrl-vllm | 2.00 |" in table and "| grpo | 2.00 | 6.00 | hf | 3.00x |" in table
+    assert "turnrl: step_s = 0.0500 s x (prompts x group)" in table
     line = R.headline(report)
     assert line["turnrl_step_s"] == 2.0 and line["trl_step_s"] == 6.0 and line["speedup"] == 3.0
     assert line["slope_s_per_sample"] == pytest.approx(0.05)
@@ -207,3 +221,10 @@ def test_quick_run_prints_both_step_times_last(tmp_path):
     for name in ("grpo/turnrl-vllm", "grpo/trl-hf"):
         case = report["cases"][name]
         assert case["gen_tokens"] > 0 and case["peak_rss_mib"] > 100, name
+
+
+def test_covered_counts_overlapping_spans_once():
+    from benchmarks.turnrl_side import covered
+    assert covered([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == 4.0
+    assert covered([(1.0, 2.0), (1.2, 1.5)]) == 1.0
+    assert covered([]) == 0.0
