@@ -81,6 +81,9 @@ def overhead(loop: Mapping[str, float], parts: Mapping[str, float]) -> dict[str,
     return {"step_s": step, "compute_s": compute, "env_s": env, "sync_s": sync, "overhead_s": rest,
             "compute_frac": compute / step, "env_frac": env / step, "sync_frac": sync / step,
             "overhead_frac": rest / step,
+            # each Ray actor's share of the step spent working (the rest it idles: the roles take turns)
+            "rollout_role_busy_frac": loop.get("rollout_s", float("nan")) / step,
+            "policy_role_busy_frac": (loop.get("train_s", float("nan")) + sync) / step,
             # the old-logprob forward recomputes what the update's forward gives when epochs =
             # mini_batches = 1; counted as compute above, listed here as avoidable
             "avoidable_old_logprobs_frac": parts.get("old_logprobs_s", 0.0) / step}
@@ -159,7 +162,7 @@ def markdown(report: Mapping) -> str:
     for name, c in report.get("cases", {}).items():
         if "step_s" not in c:
             continue
-        load = c.get("load_avg_before", [float("nan")])[0], c.get("load_avg_after", [float("nan")])[0]
+        load = (c.get("load_avg_before") or [float("nan")])[0], (c.get("load_avg_after") or [float("nan")])[0]
         lines.append(f"| {name} | {_fmt(c['step_s'])} | {_fmt(c.get('gen_tokens'), 0)} | "
                      f"{_fmt(c.get('gen_tokens_per_s_of_step'), 0)} | {_fmt(c.get('turns_mean', 1.0))} | "
                      f"{_fmt(c.get('peak_rss_mib'), 0)} | {_fmt(load[0], 1)}-{_fmt(load[1], 1)} |")
@@ -177,6 +180,8 @@ def markdown(report: Mapping) -> str:
         lines.append(f"| sync (loop) | {_fmt(b['sync_s'], 3)} | {_fmt(100 * b['sync_frac'], 1)}% |")
         lines.append(f"| framework overhead (loop - parts) | {_fmt(b['overhead_s'], 3)} | "
                      f"{_fmt(100 * b['overhead_frac'], 1)}% |")
+        lines.append(f"\nIdle per role: the rollout actor works {_fmt(100 * b['rollout_role_busy_frac'], 0)}% of the "
+                     f"step, the policy actor {_fmt(100 * b['policy_role_busy_frac'], 0)}% (they take turns).")
     sweep = report.get("sweep", {})
     for framework in ("turnrl", "trl"):
         fit = sweep.get(f"{framework}_fit")

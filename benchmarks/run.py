@@ -84,11 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads of each framework (turnrl: per role, they take turns). auto: all cores "
                    "when the machine is quiet (1-min load average below 1), else 1: two OpenMP threads on "
                    "busy shared cores stall each other (10-50x slower steps measured here)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run each framework pair this many times, alternating; medians pool all runs")
     p.add_argument("--only", default="", help="run only cases whose name contains one of these "
                    "comma-separated strings (e.g. trl-hf,parts/)")
     p.add_argument("--case-timeout", type=float, default=1200, help="seconds before a case is stopped")
     p.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "turnrl-bench"),
                    help="models (cached), logs and results.json")
+    p.add_argument("--models-dir", default=None, help="cache of built models (default: <work-dir>/models)")
     p.add_argument("--run-case", help=argparse.SUPPRESS)   # internal: run one case file in this process
     return p
 
@@ -116,7 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             else int(args.threads)
     except ValueError:
         parser.error(f"--threads = {args.threads!r}: give a number of threads or auto")
-    for name in ("prompts", "steps", "max_tokens", "max_total", "turns", "threads", "large_prompts"):
+    for name in ("prompts", "steps", "max_tokens", "max_total", "turns", "threads", "large_prompts", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} = {getattr(args, name)}: must be at least 1")
     if args.group < 2:
@@ -162,10 +165,15 @@ def plan(args: argparse.Namespace) -> list[dict]:
     cases: list[dict] = []
 
     def pair(suite: str, spec: dict, engines=(args.engine,)):
-        for engine in engines:
-            cases.append({**spec, "name": f"{suite}/turnrl-{engine}", "suite": suite, "kind": "loop", "engine": engine})
-        for engine in args.trl_engine_list:
-            cases.append({**spec, "name": f"{suite}/trl-{engine}", "suite": suite, "kind": "trl", "engine": engine})
+        # with --repeats the members alternate (A B A B): a drift in the machine's load hits both
+        for rep in range(args.repeats):
+            tag = f"#{rep + 1}" if rep else ""
+            for engine in engines:
+                cases.append({**spec, "name": f"{suite}/turnrl-{engine}{tag}", "suite": suite, "kind": "loop",
+                              "engine": engine})
+            for engine in args.trl_engine_list:
+                cases.append({**spec, "name": f"{suite}/trl-{engine}{tag}", "suite": suite, "kind": "trl",
+                              "engine": engine})
 
     engines = (args.engine, "hf" if args.engine == "vllm" else "vllm") if "engines" in args.suites else (args.engine,)
     if "grpo" in args.suites:
@@ -314,7 +322,7 @@ def run_case_here(spec_file: str) -> None:
         os.environ["OMP_NUM_THREADS"] = "1"       # building is not timed: keep off the shared cores
         import torch
         torch.set_num_threads(1)
-        case["model_dir"] = str(ensure_model(ModelSpec(**case["model"]), work / "models"))
+        case["model_dir"] = str(ensure_model(ModelSpec(**case["model"]), Path(case["models_dir"])))
         os.environ["OMP_NUM_THREADS"] = threads or str(case["threads"])
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     case["work_dir"] = str(work / "run" / case["name"].replace("/", "_"))
@@ -339,6 +347,19 @@ def run_case_here(spec_file: str) -> None:
     else:
         raise ValueError(f"unknown case kind {kind!r}")
     Path(case["result_path"]).write_text(json.dumps(result))
+
+
+def recorded_pipeline(root: Path = ROOT) -> dict:
+    """What this checkout's last embedded run recorded (metrics/*.json): the train stage's wall
+    time and per-step means. DVC does not record stage times; `--pipeline` measures them."""
+    out: dict = {}
+    train = root / "metrics" / "train.json"
+    if train.exists():
+        data = json.loads(train.read_text())
+        out = {k: data[k] for k in ("steps", "wall_s", "step_s_mean", "rollout_s_mean", "train_s_mean", "sync_s_mean",
+                                    "gen_tokens_per_s_mean") if k in data}
+        out["source"] = str(train.relative_to(root))
+    return out
 
 
 def run_pipeline(dest: Path) -> dict:
@@ -369,18 +390,33 @@ def assemble(args: argparse.Namespace, cases: list[dict], outcomes: dict[str, di
     """Medians per case, the framework pairs, the step breakdown, the sweep fit and the
     rollout points, from the raw per-step records."""
     out: dict = {"cases": {}, "pairs": {}, "breakdown": {}, "sweep": {}, "rollout": [], "errors": {}}
+    runs_of: dict[str, list[tuple[dict, dict]]] = {}     # a case's name without its repeat tag -> runs
     for case in cases:
-        name, got = case["name"], outcomes.get(case["name"], {})
-        if "error" in got:
-            out["errors"][name] = got["error"]
-            continue
-        summary = {k: got[k] for k in ("wall_s", "peak_rss_mib", "load_avg_before", "load_avg_after") if k in got}
-        if "steps" in got:
-            try:
-                summary.update(R.summarize(got["steps"], case["warmup"]))
-            except ValueError as exc:
-                out["errors"][name] = str(exc)
+        runs_of.setdefault(case["name"].split("#")[0], []).append((case, outcomes.get(case["name"], {})))
+    for name, runs in runs_of.items():
+        case = runs[0][0]
+        good = []
+        for run_case, got in runs:
+            if not got:                      # not run (e.g. a build failed before it)
                 continue
+            if "error" in got:
+                out["errors"][run_case["name"]] = got["error"]
+            elif "steps" in got:
+                try:
+                    good.append((got, R.measured(got["steps"], run_case["warmup"])))
+                except ValueError as exc:
+                    out["errors"][run_case["name"]] = str(exc)
+            else:
+                good.append((got, None))
+        if not good:
+            continue
+        got = good[0][0]
+        summary = {"wall_s": sum(g.get("wall_s", 0.0) for g, _ in good),
+                   "peak_rss_mib": max(g.get("peak_rss_mib", 0.0) for g, _ in good),
+                   "load_avg_before": good[0][0].get("load_avg_before"),
+                   "load_avg_after": good[-1][0].get("load_avg_after"), "runs": len(good)}
+        if good[0][1] is not None:
+            summary.update(R.summarize([s for _, kept in good for s in kept], warmup=0))
             summary["samples_per_step"] = case["prompts"] * case["group"]
             if summary.get("gen_tokens"):
                 summary["gen_tokens_per_s_of_step"] = summary["gen_tokens"] / summary["step_s"]
@@ -427,12 +463,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    cases = plan(args)
+    models = Path(args.models_dir).resolve() if args.models_dir else work / "models"
+    cases = [{**c, "models_dir": str(models)} for c in plan(args)]
     info = machine()
     say(f"{len(cases)} cases ({', '.join(args.suites)}); load average {info['load_avg_start']}; work dir {work}")
     outcomes: dict[str, dict] = {}
     for case in cases:
-        if case.get("model") and not (work / "models" / ModelSpec(**case["model"]).name / "config.json").exists():
+        if case.get("model") and not (models / ModelSpec(**case["model"]).name / "config.json").exists():
             # built in a process of its own, so no case's memory or time includes the build
             build = {**case, "name": f"build/{ModelSpec(**case['model']).name}", "kind": "build"}
             say(f"{build['name']} (not timed) ...")
@@ -449,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
                       if steps else "done")
             say(f"{case['name']}: {detail}; wall {got['wall_s']:.0f} s, peak {got['peak_rss_mib']:.0f} MiB, "
                 f"load {got['load_avg_after'][0]:.1f}")
-    report = {"machine": {**info, "load_avg_end": os.getloadavg()},
+    report = {"machine": {**info, "load_avg_end": os.getloadavg()}, "recorded_pipeline": recorded_pipeline(),
               "command": " ".join(["python", "benchmarks/run.py", *(argv if argv is not None else sys.argv[1:])]),
               "settings": {k: v for k, v in vars(args).items() if k not in ("run_case",)},
               **assemble(args, cases, outcomes), "raw": outcomes}

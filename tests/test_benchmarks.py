@@ -145,6 +145,20 @@ def test_assemble_pairs_breakdown_sweep_and_headline():
     assert line["slope_s_per_sample"] == pytest.approx(0.05)
 
 
+def test_repeats_alternate_the_frameworks_and_pool_their_steps():
+    args = parse_args(["--suites", "grpo", "--trl-engines", "hf", "--repeats", "2", "--warmup", "1"])
+    cases = plan(args)
+    assert [c["name"] for c in cases] == ["grpo/turnrl-vllm", "grpo/trl-hf", "grpo/turnrl-vllm#2", "grpo/trl-hf#2"]
+    outcomes = {"grpo/turnrl-vllm": {"steps": steps_of([9.0, 1.0, 1.0])},
+                "grpo/turnrl-vllm#2": {"steps": steps_of([9.0, 3.0, 3.0, 3.0])},
+                "grpo/trl-hf": {"steps": steps_of([9.0, 4.0])}, "grpo/trl-hf#2": {"error": "exit 1"}}
+    report = assemble(args, cases, outcomes)
+    assert report["cases"]["grpo/turnrl-vllm"]["step_s"] == 3.0      # median of 1, 1, 3, 3, 3
+    assert report["cases"]["grpo/turnrl-vllm"]["n_steps"] == 5 and report["cases"]["grpo/turnrl-vllm"]["runs"] == 2
+    assert report["pairs"]["grpo"]["speedup"] == pytest.approx(4.0 / 3.0)
+    assert list(report["errors"]) == ["grpo/trl-hf#2"]
+
+
 def test_a_failed_case_is_reported_not_dropped():
     args = parse_args(["--suites", "grpo"])
     report = assemble(args, plan(args), {"grpo/turnrl-vllm": {"error": "exit 1; see log"},
@@ -206,11 +220,11 @@ def test_scripted_turns_call_twice_then_answer():
 @pytest.mark.slow
 def test_quick_run_prints_both_step_times_last(tmp_path):
     """A tiny `--quick` (grpo pair only, 2 prompts x 2 samples x 8 tokens, one measured step):
-    the real Ray/DeepSpeed/vLLM loop and TRL's GRPOTrainer both run; ~2-3 min on 2 cores."""
+    the real Ray/DeepSpeed/vLLM loop and TRL's GRPOTrainer both run; ~2 min on 2 quiet cores, 4 when busy."""
     pytest.importorskip("trl", reason="the TRL peer needs the bench extra: pip install -e '.[bench]'")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--suites", "grpo", "--prompts", "2",
-         "--group", "2", "--max-tokens", "8", "--max-total", "8", "--steps", "1", "--warmup", "1",
+         "--group", "2", "--max-tokens", "8", "--max-total", "8", "--steps", "1", "--warmup", "1", "--trl-engines", "hf",
          "--threads", "1", "--work-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
