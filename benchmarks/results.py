@@ -128,6 +128,8 @@ def headline(results: Mapping) -> dict[str, float]:
             out[f"{prefix}turnrl_step_s"] = round(t, 3)
             out[f"{prefix}trl_step_s"] = round(p, 3)
             out[f"{prefix}speedup"] = round(ratio(p, t), 2)
+            if "cpu_s" in pair["turnrl"] and "cpu_s" in pair["trl"]:
+                out[f"{prefix}cpu_speedup"] = round(ratio(pair["trl"]["cpu_s"], pair["turnrl"]["cpu_s"]), 2)
         vllm = pairs.get(f"{name}_trl_vllm")   # TRL with vLLM colocated, beside its default
         if vllm:
             out[f"{prefix}trl_vllm_step_s"] = round(vllm["trl"]["step_s"], 3)
@@ -157,21 +159,24 @@ def _fmt(value, digits: int = 2) -> str:
 def markdown(report: Mapping) -> str:
     """Tables of a results.json report, for RESULTS.md: the cases, the pairs, the breakdown,
     the sweep fit and the rollout points."""
-    lines = ["| case | s/step (median) | gen tokens/step | tokens/s of step | turns | peak RSS MiB | load 1-min |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| case | s/step (median) | CPU s/step | gen tokens/step | tokens/s of step | turns | peak RSS MiB "
+             "| load 1-min |", "|---|---|---|---|---|---|---|---|"]
     for name, c in report.get("cases", {}).items():
         if "step_s" not in c:
             continue
         load = (c.get("load_avg_before") or [float("nan")])[0], (c.get("load_avg_after") or [float("nan")])[0]
-        lines.append(f"| {name} | {_fmt(c['step_s'])} | {_fmt(c.get('gen_tokens'), 0)} | "
+        lines.append(f"| {name} | {_fmt(c['step_s'])} | {_fmt(c.get('cpu_s'))} | {_fmt(c.get('gen_tokens'), 0)} | "
                      f"{_fmt(c.get('gen_tokens_per_s_of_step'), 0)} | {_fmt(c.get('turns_mean', 1.0))} | "
                      f"{_fmt(c.get('peak_rss_mib'), 0)} | {_fmt(load[0], 1)}-{_fmt(load[1], 1)} |")
     pairs = report.get("pairs", {})
     if pairs:
-        lines += ["", "| work | turnrl s/step | TRL s/step | TRL generation | turnrl speedup |", "|---|---|---|---|---|"]
+        lines += ["", "| work | turnrl s/step | TRL s/step | TRL generation | turnrl speedup (wall) | turnrl CPU s "
+                  "| TRL CPU s | speedup (CPU) |", "|---|---|---|---|---|---|---|---|"]
         for name, p in pairs.items():
-            lines.append(f"| {name.split('_trl_')[0]} | {_fmt(p['turnrl']['step_s'])} | {_fmt(p['trl']['step_s'])} | "
-                         f"{p.get('trl_engine', '-')} | {_fmt(p['speedup'])}x |")
+            t, q = p["turnrl"], p["trl"]
+            lines.append(f"| {name.split('_trl_')[0]} | {_fmt(t['step_s'])} | {_fmt(q['step_s'])} | "
+                         f"{p.get('trl_engine', '-')} | {_fmt(p['speedup'])}x | {_fmt(t.get('cpu_s'))} | "
+                         f"{_fmt(q.get('cpu_s'))} | {_fmt(ratio(q.get('cpu_s', float('nan')), t.get('cpu_s', float('nan'))))}x |")
     for name, b in report.get("breakdown", {}).items():
         lines += ["", f"Breakdown of a turnrl `{name}` step (loop {_fmt(b['step_s'])} s; parts measured in-process):",
                   "", "| part | s | share of the loop step |", "|---|---|---|"]

@@ -32,6 +32,7 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
     from trl.extras import profiling
 
     from benchmarks.models import train_rows
+    from benchmarks.turnrl_side import tree_cpu_seconds
     from turnrl.envs.code_tool import SYSTEM_PROMPT, CodeToolEnv, parse_action
     from turnrl.rewards.math import grade_math
 
@@ -102,16 +103,19 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_pretrained(case["model_dir"], dtype=torch.float32)
 
     marks: list[float] = []
+    cpu: list[float] = []
     logs: list[dict] = []
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args, st, control, **kw):
             if not marks:
                 marks.append(time.perf_counter())
+                cpu.append(tree_cpu_seconds())
             state["step"] = st.global_step + 1
 
         def on_step_end(self, args, st, control, **kw):
             marks.append(time.perf_counter())
+            cpu.append(tree_cpu_seconds())
 
         def on_log(self, args, st, control, logs=None, **kw):
             if logs and "loss" in logs:
@@ -131,6 +135,7 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
         steps.append({
             "step": index,
             "step_s": marks[index] - marks[index - 1],
+            "cpu_s": cpu[index] - cpu[index - 1],
             **{f"{k}_s": v for k, v in parts[index].items()},
             "gen_tokens": log.get("completions/mean_length", float("nan")) * group,
             "tool_calls_mean": log.get("tools/call_frequency", 0.0),

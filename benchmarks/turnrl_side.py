@@ -17,6 +17,22 @@ import time
 from typing import Any
 
 
+def tree_cpu_seconds(pid: int | None = None) -> float:
+    """CPU seconds (user + system, with reaped children such as sandbox runs) used so far by a
+    process and all its live descendants. Less sensitive than wall time to other work on the
+    machine: it counts the work a framework does, not the time it waits for a core."""
+    import psutil
+    root = psutil.Process(pid or os.getpid())
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+        except psutil.Error:
+            pass
+    return total
+
+
 def config(case: dict[str, Any]):
     """The turnrl Config of a benchmark case (same keys the harness gives TRL)."""
     from turnrl.config import parse_config
@@ -50,12 +66,15 @@ def run_loop(case: dict[str, Any]) -> dict[str, Any]:
              log_to_driver=False)
     steps: list[dict] = []
     marks = [time.perf_counter()]
+    cpu = [tree_cpu_seconds()]
 
     def on_step(step: int, metrics: dict, trajs) -> None:
         marks.append(time.perf_counter())
+        cpu.append(tree_cpu_seconds())
         steps.append({
             "step": step,
             "step_s": marks[-1] - marks[-2] if step > 1 else metrics["step_s"],
+            "cpu_s": cpu[-1] - cpu[-2],    # CPU seconds of this process and Ray's (all its descendants)
             "loop_step_s": metrics["step_s"],
             "rollout_s": metrics["rollout_s"], "advantage_s": metrics["advantage_s"],
             "train_s": metrics["train_s"], "sync_s": metrics["sync_s"],
@@ -154,6 +173,7 @@ def run_parts(case: dict[str, Any]) -> dict[str, Any]:
     for step in range(1, case["warmup"] + case["steps"] + 1):
         timers.clear()
         env_spans.clear()
+        cpu0 = tree_cpu_seconds()
         t0 = time.perf_counter()
         trajs = rollout.rollout(sampler.next(cfg.train.prompts_per_step), cfg.rollout.n)
         t1 = time.perf_counter()
@@ -172,6 +192,7 @@ def run_parts(case: dict[str, Any]) -> dict[str, Any]:
         t6 = time.perf_counter()
         rollout.load_weights(weights)
         t7 = time.perf_counter()
+        cpu1 = tree_cpu_seconds()
         plain_s = plain_update(batch)
         old_s, ref_s = t3 - t2, t4 - t3
         env_wall = covered(env_spans)
@@ -190,6 +211,7 @@ def run_parts(case: dict[str, Any]) -> dict[str, Any]:
             "plain_torch_update_s": plain_s,
             # the step as the loop runs it (train() holds its own old + reference forward)
             "step_s": (t1 - t0) + (t2 - t1) + (t5 - t4) + (t7 - t5),
+            "cpu_s": cpu1 - cpu0,   # includes the two extra forwards timed above
             "gen_tokens": float(sum(t.policy_tokens() for t in trajs)),
             "batch_tokens": float(batch["attention_mask"].sum()),
             "padded_tokens": float(batch["attention_mask"].numel()),

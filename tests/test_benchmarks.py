@@ -242,3 +242,11 @@ def test_covered_counts_overlapping_spans_once():
     assert covered([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == 4.0
     assert covered([(1.0, 2.0), (1.2, 1.5)]) == 1.0
     assert covered([]) == 0.0
+
+
+def test_tree_cpu_seconds_counts_this_process_and_reaped_children():
+    from benchmarks.turnrl_side import tree_cpu_seconds
+    start = tree_cpu_seconds()
+    subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"],
+                   check=True)
+    assert tree_cpu_seconds() - start >= 0.25
