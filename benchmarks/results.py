@@ -81,6 +81,9 @@ def overhead(loop: Mapping[str, float], parts: Mapping[str, float]) -> dict[str,
     return {"step_s": step, "compute_s": compute, "env_s": env, "sync_s": sync, "overhead_s": rest,
             "compute_frac": compute / step, "env_frac": env / step, "sync_frac": sync / step,
             "overhead_frac": rest / step,
+            # the issue's reading: everything that is not model compute or the environment
+            # (Ray calls, data movement including the weight push, glue, idle)
+            "non_compute_frac": (sync + rest) / step,
             # each Ray actor's share of the step spent working (the rest it idles: the roles take turns)
             "rollout_role_busy_frac": loop.get("rollout_s", float("nan")) / step,
             "policy_role_busy_frac": (loop.get("train_s", float("nan")) + sync) / step,
@@ -142,10 +145,19 @@ def headline(results: Mapping) -> dict[str, float]:
     if breakdown:
         out["overhead_frac"] = round(breakdown["overhead_frac"], 3)
         out["sync_frac"] = round(breakdown["sync_frac"], 4)
+        out["non_compute_frac"] = round(breakdown["non_compute_frac"], 3)
     fit = results.get("sweep", {}).get("turnrl_fit")
     if fit:
         out["slope_s_per_sample"] = round(fit["slope"], 4)
     return out
+
+
+def turns(case: Mapping) -> float:
+    """Mean turns per trajectory: turnrl records them; for TRL a trajectory is one turn plus
+    one per tool call."""
+    if "turns_mean" in case:
+        return case["turns_mean"]
+    return 1.0 + case.get("tool_calls_mean", 0.0)
 
 
 def _fmt(value, digits: int = 2) -> str:
@@ -166,7 +178,7 @@ def markdown(report: Mapping) -> str:
             continue
         load = (c.get("load_avg_before") or [float("nan")])[0], (c.get("load_avg_after") or [float("nan")])[0]
         lines.append(f"| {name} | {_fmt(c['step_s'])} | {_fmt(c.get('cpu_s'))} | {_fmt(c.get('gen_tokens'), 0)} | "
-                     f"{_fmt(c.get('gen_tokens_per_s_of_step'), 0)} | {_fmt(c.get('turns_mean', 1.0))} | "
+                     f"{_fmt(c.get('gen_tokens_per_s_of_step'), 0)} | {_fmt(turns(c))} | "
                      f"{_fmt(c.get('peak_rss_mib'), 0)} | {_fmt(load[0], 1)}-{_fmt(load[1], 1)} |")
     pairs = report.get("pairs", {})
     if pairs:
@@ -185,6 +197,8 @@ def markdown(report: Mapping) -> str:
         lines.append(f"| sync (loop) | {_fmt(b['sync_s'], 3)} | {_fmt(100 * b['sync_frac'], 1)}% |")
         lines.append(f"| framework overhead (loop - parts) | {_fmt(b['overhead_s'], 3)} | "
                      f"{_fmt(100 * b['overhead_frac'], 1)}% |")
+        lines.append(f"| not model compute (sync + overhead) | {_fmt(b['sync_s'] + b['overhead_s'], 3)} | "
+                     f"{_fmt(100 * b['non_compute_frac'], 1)}% |")
         lines.append(f"\nIdle per role: the rollout actor works {_fmt(100 * b['rollout_role_busy_frac'], 0)}% of the "
                      f"step, the policy actor {_fmt(100 * b['policy_role_busy_frac'], 0)}% (they take turns).")
     sweep = report.get("sweep", {})

@@ -275,7 +275,10 @@ def child_env(threads: int) -> dict[str, str]:
     env.update({"TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(threads),
                 "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                 "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "DO_NOT_TRACK": "1",
-                "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1"})
+                "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1",
+                # Ray starts its workers (turnrl's actors) at niceness +15 by default: on a machine
+                # other jobs share, they would lose the CPU to the TRL process beside them (nice +0)
+                "RAY_worker_niceness": "0"})
     return env
 
 
@@ -422,6 +425,8 @@ def assemble(args: argparse.Namespace, cases: list[dict], outcomes: dict[str, di
                 summary["gen_tokens_per_s_of_step"] = summary["gen_tokens"] / summary["step_s"]
             if summary.get("trained_tokens") and summary.get("train_s"):
                 summary["train_tokens_per_s"] = summary["trained_tokens"] / summary["train_s"]
+        if "niceness" in got:
+            summary["niceness"] = sorted({n for g, _ in good for n in g.get("niceness", [])})
         if "points" in got:
             out["rollout"].extend(got["points"])
         if "stages_s" in got:

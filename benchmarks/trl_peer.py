@@ -32,7 +32,7 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
     from trl.extras import profiling
 
     from benchmarks.models import train_rows
-    from benchmarks.turnrl_side import tree_cpu_seconds
+    from benchmarks.turnrl_side import tree_cpu_seconds, tree_niceness
     from turnrl.envs.code_tool import SYSTEM_PROMPT, CodeToolEnv, parse_action
     from turnrl.rewards.math import grade_math
 
@@ -139,6 +139,7 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
             **{f"{k}_s": v for k, v in parts[index].items()},
             "gen_tokens": log.get("completions/mean_length", float("nan")) * group,
             "tool_calls_mean": log.get("tools/call_frequency", 0.0),
+            "turns_mean": 1.0 + log.get("tools/call_frequency", 0.0),   # a tool call starts another turn
             "reward_mean": log.get("reward", float("nan")),
         })
-    return {"framework": "trl", "steps": steps}
+    return {"framework": "trl", "steps": steps, "niceness": tree_niceness()}

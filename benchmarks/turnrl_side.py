@@ -1,13 +1,15 @@
 """turnrl's side of the benchmark.
 
-- `run_loop`: the product path, `turnrl.training.loop.train` on a local Ray cluster (policy as a
-  DeepSpeed engine in one actor, the rollout engine in another, weights pushed after every
-  update). Per step: the loop's own timers (rollout, advantages, train, sync) and the wall time
-  between steps.
+- `run_loop`: the product path, `turnrl.training.loop.train` on a local Ray cluster of our own
+  (`turnrl.training.cluster.start_workers`: one trainer rank, a DeepSpeed engine, and one
+  rollout engine, colocated in one placement-group bundle; after every update the weights go
+  through Ray's object store in buckets). Per step: the loop's own timers (rollout,
+  advantages, train, sync) and the wall time between steps.
 - `run_parts`: the same work with the same two worker classes in one process, no Ray, each
   part timed on its own: generation, environment steps, token assembly, old and reference
-  logprobs, the update, weight gather and load. What the Ray loop spends beyond these parts is
-  framework overhead (Ray calls, moving batches and weights between processes, idle).
+  logprobs, the update, weight gather and load (named tensors handed over in memory). What
+  the Ray loop spends beyond these parts is framework overhead (Ray calls, moving batches and
+  weights between processes, idle).
 """
 from __future__ import annotations
 
@@ -31,6 +33,19 @@ def tree_cpu_seconds(pid: int | None = None) -> float:
         except psutil.Error:
             pass
     return total
+
+
+def tree_niceness(pid: int | None = None) -> list[int]:
+    """The niceness values found in a process tree (to check both frameworks ran at one priority)."""
+    import psutil
+    root = psutil.Process(pid or os.getpid())
+    values = set()
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            values.add(proc.nice())
+        except psutil.Error:
+            pass
+    return sorted(values)
 
 
 def config(case: dict[str, Any]):
@@ -65,6 +80,7 @@ def run_loop(case: dict[str, Any]) -> dict[str, Any]:
     ray.init(address="local", num_cpus=cfg.cluster.num_cpus, include_dashboard=False, _temp_dir=temp_dir,
              log_to_driver=False)
     steps: list[dict] = []
+    niceness: set[int] = set()
     marks = [time.perf_counter()]
     cpu = [tree_cpu_seconds()]
 
@@ -84,6 +100,7 @@ def run_loop(case: dict[str, Any]) -> dict[str, Any]:
             "turns_mean": metrics["turns_mean"], "tool_calls_mean": metrics["tool_calls_mean"],
             "reward_mean": metrics["reward_mean"], "logp_gap_max": metrics["logp_gap_max"],
         })
+        niceness.update(tree_niceness())
 
     try:
         started = time.perf_counter()
@@ -93,7 +110,7 @@ def run_loop(case: dict[str, Any]) -> dict[str, Any]:
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
-    return {"framework": "turnrl", "steps": steps, "train_wall_s": total}
+    return {"framework": "turnrl", "steps": steps, "train_wall_s": total, "niceness": sorted(niceness)}
 
 
 def run_parts(case: dict[str, Any]) -> dict[str, Any]:

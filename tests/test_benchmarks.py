@@ -136,6 +136,7 @@ def test_assemble_pairs_breakdown_sweep_and_headline():
     assert report["pairs"]["grpo"]["speedup"] == 3.0
     assert report["cases"]["grpo/turnrl-vllm"]["train_tokens_per_s"] == 3000.0
     assert report["breakdown"]["grpo"]["overhead_frac"] == pytest.approx((2.0 - 1.6 - 0.1) / 2.0)
+    assert report["breakdown"]["grpo"]["non_compute_frac"] == pytest.approx((2.0 - 1.6) / 2.0)
     assert report["sweep"]["turnrl_fit"]["slope"] == pytest.approx(0.6 / 12)
     table = R.markdown(report)
     assert "| grpo/turnrl-vllm | 2.00 |" in table and "| grpo | 2.00 | 6.00 | hf | 3.00x |" in table
@@ -206,6 +207,12 @@ def test_turnrl_frames_an_observation_as_trl_appends_a_tool_message(tool_tokeniz
     from turnrl.rollout.chat import ChatFormat
     frame = ChatFormat(tool_tokenizer).observation_text("<output>408</output>", "tool")
     assert frame == "<|im_end|>\n<|im_start|>tool\n<output>408</output><|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_turns_of_a_trl_case_count_its_tool_calls():
+    assert R.turns({"turns_mean": 2.5, "tool_calls_mean": 9.0}) == 2.5
+    assert R.turns({"tool_calls_mean": 1.9}) == pytest.approx(2.9)
+    assert R.turns({}) == 1.0
 
 
 def test_scripted_turns_call_twice_then_answer():
