@@ -367,18 +367,10 @@ def recorded_pipeline(root: Path = ROOT) -> dict:
 
 def run_pipeline(dest: Path) -> dict:
     """`dvc repro` of this checkout's files (as git sees them) in a fresh repo, stage by stage."""
+    from benchmarks.turn_credit import copy_project
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, check=True).stdout.decode().split("\0")
-    for rel in filter(None, listed):
-        if (ROOT / rel).is_file() and not rel.startswith(("metrics/", "plots/", "dvc.lock")):
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, dest / rel)
-    git = ["git", "-c", "user.name=bench", "-c", "user.email=bench@turnrl.invalid"]
-    subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
-    subprocess.run([*git, "add", "-A"], cwd=dest, check=True)
-    subprocess.run([*git, "commit", "-q", "-m", "bench copy"], cwd=dest, check=True)
+    copy_project(dest)   # stages whose outputs are missing run again; the copied metrics are rewritten
     env = {**os.environ, "DVC_NO_ANALYTICS": "1", "OMP_NUM_THREADS": "2"}
     stages = {}
     for stage in STAGES:
