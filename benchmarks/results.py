@@ -146,9 +146,11 @@ def headline(results: Mapping) -> dict[str, float]:
         out["overhead_frac"] = round(breakdown["overhead_frac"], 3)
         out["sync_frac"] = round(breakdown["sync_frac"], 4)
         out["non_compute_frac"] = round(breakdown["non_compute_frac"], 3)
-    fit = results.get("sweep", {}).get("turnrl_fit")
-    if fit:
-        out["slope_s_per_sample"] = round(fit["slope"], 4)
+    sweep = results.get("sweep", {})
+    if sweep.get("turnrl_fit"):
+        out["slope_s_per_sample"] = round(sweep["turnrl_fit"]["slope"], 4)
+    if sweep.get("turnrl_cpu_fit"):
+        out["slope_cpu_s_per_sample"] = round(sweep["turnrl_cpu_fit"]["slope"], 4)
     return out
 
 
@@ -202,11 +204,12 @@ def markdown(report: Mapping) -> str:
         lines.append(f"\nIdle per role: the rollout actor works {_fmt(100 * b['rollout_role_busy_frac'], 0)}% of the "
                      f"step, the policy actor {_fmt(100 * b['policy_role_busy_frac'], 0)}% (they take turns).")
     sweep = report.get("sweep", {})
-    for framework in ("turnrl", "trl"):
-        fit = sweep.get(f"{framework}_fit")
+    for name, tag, what in (("turnrl", "", "step_s"), ("trl", "", "step_s"),
+                            ("turnrl", "_cpu", "cpu_s"), ("trl", "_cpu", "cpu_s")):
+        fit = sweep.get(f"{name}{tag}_fit")
         if fit:
-            points = ", ".join(f"{x}: {_fmt(y)} s" for x, y in sweep[f"{framework}_points"])
-            lines += ["", f"{framework}: step_s = {fit['slope']:.4f} s x (prompts x group) + {fit['intercept']:.2f} s "
+            points = ", ".join(f"{x}: {_fmt(y)} s" for x, y in sweep[f"{name}{tag}_points"])
+            lines += ["", f"{name}: {what} = {fit['slope']:.4f} s x (prompts x group) + {fit['intercept']:.2f} s "
                           f"(r^2 {fit['r2']:.2f}; {points})"]
     if report.get("rollout"):
         lines += ["", "| engine | group | max turns | turns | gen tokens | rollout s | tokens/s |",

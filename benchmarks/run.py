@@ -440,12 +440,14 @@ def assemble(args: argparse.Namespace, cases: list[dict], outcomes: dict[str, di
             out["breakdown"][suite] = {**R.overhead(cs[loop_name], parts),
                                        "parts": {k: parts[k] for k in R.TURNRL_PARTS if k in parts}}
     for framework in ("turnrl", "trl"):
-        points = [(c["prompts"] * c["group"], cs[c["name"]]["step_s"]) for c in cases
-                  if c["suite"] == "sweep" and c["kind"] == ("loop" if framework == "turnrl" else "trl")
-                  and c["name"] in cs]
-        if len({x for x, _ in points}) >= 2:
-            out["sweep"][f"{framework}_points"] = points
-            out["sweep"][f"{framework}_fit"] = R.fit_line([x for x, _ in points], [y for _, y in points])
+        members = [c for c in cases if c["suite"] == "sweep" and c["name"] in cs
+                   and c["kind"] == ("loop" if framework == "turnrl" else "trl")]
+        # wall seconds, and CPU seconds (steadier when other jobs share the machine)
+        for key, tag in (("step_s", ""), ("cpu_s", "_cpu")):
+            points = [(c["prompts"] * c["group"], cs[c["name"]][key]) for c in members if key in cs[c["name"]]]
+            if len({x for x, _ in points}) >= 2:
+                out["sweep"][f"{framework}{tag}_points"] = points
+                out["sweep"][f"{framework}{tag}_fit"] = R.fit_line([x for x, _ in points], [y for _, y in points])
     return out
 
 

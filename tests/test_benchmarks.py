@@ -128,8 +128,8 @@ def test_assemble_pairs_breakdown_sweep_and_headline():
         "grpo/turnrl-vllm": run(2.0, sync_s=0.1, gen_tokens=3000.0, trained_tokens=3000.0, train_s=1.0),
         "grpo/trl-hf": run(6.0, gen_tokens=3000.0),
         "parts/grpo": run(1.5, generate_s=0.8, env_s=0.0, old_logprobs_s=0.2, ref_logprobs_s=0.2, update_s=0.4),
-        "sweep/turnrl-2x2": run(1.0), "sweep/trl-2x2": run(2.0),
-        "sweep/turnrl-4x4": run(1.6), "sweep/trl-4x4": run(4.4),
+        "sweep/turnrl-2x2": run(1.0, cpu_s=0.9), "sweep/trl-2x2": run(2.0),
+        "sweep/turnrl-4x4": run(1.6, cpu_s=1.14), "sweep/trl-4x4": run(4.4),
     }
     report = assemble(args, cases, outcomes)
     assert report["errors"] == {}
@@ -140,10 +140,13 @@ def test_assemble_pairs_breakdown_sweep_and_headline():
     assert report["sweep"]["turnrl_fit"]["slope"] == pytest.approx(0.6 / 12)
     table = R.markdown(report)
     assert "| grpo/turnrl-vllm | 2.00 |" in table and "| grpo | 2.00 | 6.00 | hf | 3.00x |" in table
+    assert report["sweep"]["turnrl_cpu_fit"]["slope"] == pytest.approx(0.24 / 12)
+    assert "trl_cpu_fit" not in report["sweep"]     # no CPU seconds recorded: no fit
     assert "turnrl: step_s = 0.0500 s x (prompts x group)" in table
+    assert "turnrl: cpu_s = 0.0200 s x (prompts x group)" in table
     line = R.headline(report)
     assert line["turnrl_step_s"] == 2.0 and line["trl_step_s"] == 6.0 and line["speedup"] == 3.0
-    assert line["slope_s_per_sample"] == pytest.approx(0.05)
+    assert line["slope_s_per_sample"] == pytest.approx(0.05) and line["slope_cpu_s_per_sample"] == pytest.approx(0.02)
 
 
 def test_repeats_alternate_the_frameworks_and_pool_their_steps():
