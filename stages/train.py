@@ -18,7 +18,8 @@ def checkpoints(cfg):
     if not _checkpoints:
         from turnrl.prepare import model_dir
         from turnrl.training.checkpoint import CheckpointStore, fingerprint
-        key = fingerprint(cfg, [Path(model_dir(INITIAL)), DATA / "train.parquet"])
+        high = cfg.env.math_refine.high_level_model   # feedback: model from its own folder
+        key = fingerprint(cfg, [Path(model_dir(INITIAL)), DATA / "train.parquet", *([Path(high)] if high else [])])
         store = CheckpointStore(cfg.train.checkpoint_dir, key, keep=cfg.train.keep_checkpoints)
         _checkpoints.update(store=store, resume=store.resumable(cfg.train.steps))
     return _checkpoints["store"], _checkpoints["resume"]

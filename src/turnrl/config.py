@@ -109,13 +109,17 @@ class SearchCfg(_Section):
 
 
 class MathRefineCfg(_Section):
-    feedback: Literal["self", "endpoint"] = Field("self", description=(
+    feedback: Literal["self", "endpoint", "model"] = Field("self", description=(
         "self: the policy also writes the feedback (shared weights, two role prompts); "
+        "model: a second trained model writes the feedback (same conversation as self); "
         "endpoint: a frozen model behind an OpenAI-compatible server"))
+    high_level_model: str = Field("", description=(
+        "feedback=model: the HF folder the feedback model starts from; empty: the solver's starting "
+        "folder (models/initial). Its tokenizer must be the solver's"))
     train_levels: Literal["both", "low", "high"] = Field("both", description=(
-        "which policy turns are trained with feedback=self: both levels, the solver (low) or the feedback (high)"))
+        "which level is trained with feedback=self or model: both, the solver (low) or the feedback (high)"))
     alternate: list[int] = Field(default_factory=list, description=(
-        "[high_steps, low_steps]: with feedback=self and train_levels=both, train only the feedback "
+        "[high_steps, low_steps]: with feedback=self or model and train_levels=both, train only the feedback "
         "level for high_steps steps, then only the solver for low_steps, and so on; [] trains both every step"))
     endpoint_url: str = Field("", description="e.g. http://127.0.0.1:8000/v1 (vllm serve)")
     endpoint_model: str = Field("", description="empty: the first model the endpoint lists")
@@ -128,6 +132,8 @@ class MathRefineCfg(_Section):
             raise ValueError("feedback: endpoint needs endpoint_url (e.g. http://127.0.0.1:8000/v1)")
         if self.feedback == "endpoint" and self.train_levels == "high":
             raise ValueError("train_levels: high needs feedback: self (an endpoint's model is frozen)")
+        if self.high_level_model and self.feedback != "model":
+            raise ValueError("high_level_model is the feedback model's folder: it needs feedback: model")
         if self.alternate and (len(self.alternate) != 2 or min(self.alternate) < 1):
             raise ValueError("alternate must be [] or two positive step counts [high_steps, low_steps]")
         return self
@@ -309,7 +315,7 @@ class Config(_Section):
                              f"set them to 0 for {alg.name}")
         if alg.mlmt_context_coef and (self.env.name != "math_refine" or self.env.math_refine.feedback == "endpoint"):
             raise ValueError("algorithm.mlmt_context_coef needs env.name: math_refine with a feedback turn in the "
-                             "conversation (env.math_refine.feedback: self); an endpoint's feedback is part of an "
+                             "conversation (env.math_refine.feedback: self or model); an endpoint's feedback is part of an "
                              "observation, so there is no feedback turn to remove")
         if self.rollout.max_tokens_total < self.rollout.max_tokens_per_turn:
             raise ValueError(

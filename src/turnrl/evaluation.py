@@ -140,7 +140,8 @@ class _Run:
         self.cfg, self.engine, self.out_dir = cfg, engine, out_dir
         self.fmt = ChatFormat(tokenizer, cfg.model.template_type)
         self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
-        self.context = getattr(engine, "max_model_len", 1 << 30)
+        solver = engine["low"] if isinstance(engine, dict) else engine   # {"low", "high"}: two models
+        self.context = getattr(solver, "max_model_len", 1 << 30)
         self.train_env = env_factory(cfg, data_dir)
 
     def protocol(self, name: str) -> tuple[Callable[[], envs.Env], Budgets, dict]:
@@ -199,7 +200,8 @@ def check_data(cfg: Config, data_dir: Path) -> dict:
 
 
 def evaluate(cfg: Config, engine, tokenizer, data_dir: Path, out_dir: Path) -> dict:
-    """Evaluate the task and every benchmark of `eval.benchmarks` on `engine`; write the
+    """Evaluate the task and every benchmark of `eval.benchmarks` on `engine` (or {"low": solver,
+    "high": feedback model}, see `load_levels`); write the
     per-problem generations to `out_dir/<block>.parquet`; return the metrics (block -> dict).
     `data_dir` is the preprocess stage's output (data/processed)."""
     from turnrl.preprocess import load_split
@@ -266,3 +268,18 @@ def load_engine(cfg: Config, model_folder: str | Path):
     engine = make_engine(cfg.rollout.engine, path, dtype=cfg.model.dtype, seed=cfg.seed,
                          kv_cache_gib=cfg.rollout.kv_cache_gib, max_model_len=context_length(path))
     return engine, AutoTokenizer.from_pretrained(path)
+
+
+def load_levels(cfg: Config, model_folder: str | Path, high_folder: str | Path | None = None):
+    """(engine, tokenizer) for `model_folder`, like `load_engine`; with math_refine's
+    `feedback: model`, (engines {"low": solver, "high": feedback model}, tokenizer), the
+    feedback model from `high_folder`, or when None from its starting folder
+    (`env.math_refine.high_level_model`, empty: the solver's)."""
+    from turnrl.prepare import model_dir
+    from turnrl.training.cluster import two_models
+    from turnrl.training.mlmt import high_level_folder
+    engine, tokenizer = load_engine(cfg, model_folder)
+    if not two_models(cfg):
+        return engine, tokenizer
+    high = high_level_folder(cfg, model_dir(model_folder)) if high_folder is None else high_folder
+    return {"low": engine, "high": load_engine(cfg, high)[0]}, tokenizer

@@ -12,6 +12,7 @@ import torch
 
 from turnrl import envs
 from turnrl.config import Config
+from turnrl.training.mlmt import level_mask
 
 
 def env_options(cfg: Config, data_dir: str | Path | None = None,
@@ -35,7 +36,7 @@ def env_options(cfg: Config, data_dir: str | Path | None = None,
                 "max_searches": s.max_searches}
     if e.name == "math_refine":
         m = e.math_refine
-        if m.feedback == "self":
+        if m.feedback in ("self", "model"):   # model: the same conversation, its feedback turn on a second engine
             return {"feedback": "self"}
         return {"feedback": "endpoint", "endpoint_url": m.endpoint_url, "endpoint_model": m.endpoint_model,
                 "api_key_env": m.api_key_env, "feedback_max_tokens": m.feedback_max_tokens}
@@ -63,11 +64,10 @@ def trained_level(cfg: Config, step: int) -> str:
 def trained_turns(cfg: Config, turn_ids: torch.Tensor, step: int = 1) -> torch.Tensor:
     """1.0 where a token's policy turn is trained at `step`, else 0.0 (shape of `turn_ids`).
 
-    Only `math_refine` with shared weights has turns the update may skip: turn 1 is the
-    high-level feedback, turns 0 and 2 the solver's (see `trained_level`)."""
-    ones = torch.ones_like(turn_ids, dtype=torch.float)
+    Only `math_refine` with a feedback turn (feedback self or model) has turns the update may
+    skip: turn 1 is the high-level feedback, turns 0 and 2 the solver's (see `trained_level`).
+    With `feedback: model` each model then trains on its own level's part of this mask."""
     level = trained_level(cfg, step)
-    if cfg.env.name != "math_refine" or cfg.env.math_refine.feedback != "self" or level == "both":
-        return ones
-    high = (turn_ids == 1).float()
-    return high if level == "high" else ones - high
+    if cfg.env.name != "math_refine" or cfg.env.math_refine.feedback == "endpoint" or level == "both":
+        return torch.ones_like(turn_ids, dtype=torch.float)
+    return level_mask(turn_ids, level)

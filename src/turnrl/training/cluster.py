@@ -11,6 +11,9 @@
     rollout engines  each rolls out a contiguous share of a step's prompts, its generator
                      seeded from (seed, step, engine)
     weights          after every update, from the trainer to every engine (`WeightSync`)
+    feedback: model  math_refine's feedback model is a second DeepSpeed group ("high" ranks, as
+                     many as the solver's) and a second engine inside every rollout actor; each
+                     model's weights go to its own engines
 
 Every call on the actors goes through `wait_all`: an actor that dies or raises stops the run
 with an `ActorFailure` naming its role and the cause.
@@ -44,6 +47,11 @@ def weight_sync_mode(cfg: Config) -> str:
     return "nccl" if separate_gpu_engines else "object_store"
 
 
+def two_models(cfg: Config) -> bool:
+    """A second trained model plays math_refine's feedback turns (`feedback: model`)."""
+    return cfg.env.name == "math_refine" and cfg.env.math_refine.feedback == "model"
+
+
 def check_cluster(cfg: Config) -> None:
     """Params that cannot work together, found before any actor starts."""
     c, alg = cfg.cluster, cfg.algorithm
@@ -57,6 +65,9 @@ def check_cluster(cfg: Config) -> None:
         if cfg.rollout.engine != "vllm" or c.engine_gpus <= 0 or c.trainer_gpus <= 0:
             raise ConfigError("cluster.weight_sync = nccl needs rollout.engine: vllm and GPUs for both roles "
                               "(cluster.trainer_gpus, cluster.engine_gpus > 0); use object_store on CPUs")
+        if two_models(cfg):
+            raise ConfigError("cluster.weight_sync = nccl sends one model's weights; with env.math_refine.feedback: "
+                              "model use cluster.weight_sync: object_store")
         if c.placement == "colocated":
             raise ConfigError("cluster.weight_sync = nccl cannot pair a trainer rank and an engine on one GPU "
                               "(NCCL refuses two ranks on one device): use placement: separate, or object_store")
@@ -65,7 +76,7 @@ def check_cluster(cfg: Config) -> None:
 @dataclass(frozen=True)
 class Slot:
     """One actor's place: its role, index within the role, bundle and resources."""
-    role: str      # policy | critic | engine
+    role: str      # policy | critic | high (the feedback model's trainer) | engine
     index: int
     bundle: int
     cpus: float
@@ -84,6 +95,8 @@ def plan_placement(cfg: Config) -> tuple[list[dict[str, float]], list[Slot]]:
     actors = [("policy", r, c.trainer_cpus, c.trainer_gpus) for r in range(c.trainer_ranks)]
     if cfg.algorithm.name == "ppo":
         actors += [("critic", r, c.trainer_cpus, c.trainer_gpus) for r in range(c.trainer_ranks)]
+    if two_models(cfg):
+        actors += [("high", r, c.trainer_cpus, c.trainer_gpus) for r in range(c.trainer_ranks)]
     actors += [("engine", e, c.engine_cpus, c.engine_gpus) for e in range(c.rollout_engines)]
     if c.placement == "separate":
         slots = [Slot(role, i, k, cpus, gpus) for k, (role, i, cpus, gpus) in enumerate(actors)]
@@ -227,10 +240,11 @@ class ObjectStoreSync:
     policy: TrainerGroup
     engines: RolloutGroup
     bucket_mb: int
+    level: str = "low"   # which engine of each rollout actor: the solver's, or the feedback model's (high)
 
     def push(self) -> None:
         buckets = self.policy.results("weight_buckets", self.bucket_mb)[0]
-        self.engines.call("load_weight_buckets", buckets)
+        self.engines.call("load_weight_buckets", buckets, self.level)
 
 
 @dataclass
@@ -256,7 +270,9 @@ class Workers:
     policy: TrainerGroup
     rollout: RolloutGroup
     critic: TrainerGroup | None = None     # PPO only
+    high: TrainerGroup | None = None       # math_refine feedback: model, the feedback model's ranks
     sync: WeightSync | None = None
+    high_sync: WeightSync | None = None
     offload_engines: bool = False          # colocated on GPUs: engines sleep while the trainer trains
     locations: dict[str, dict] = field(default_factory=dict)
     placement_group: Any = None
@@ -273,9 +289,10 @@ class Workers:
             self.placement_group = None
 
 
-def start_workers(cfg: Config, model_dir: str, data_dir: str) -> Workers:
+def start_workers(cfg: Config, model_dir: str, data_dir: str, high_model_dir: str | None = None) -> Workers:
     """Place and start every actor, join the trainer ranks into their DeepSpeed groups, and
-    set up the weight sync. Logs where each actor runs."""
+    set up the weight sync. Logs where each actor runs. `high_model_dir`: the feedback model's
+    starting folder with `feedback: model`."""
     import ray
     c = cfg.cluster
     bundles, slots = plan_placement(cfg)
@@ -290,13 +307,13 @@ def start_workers(cfg: Config, model_dir: str, data_dir: str) -> Workers:
             "*_gpus, raise cluster.num_cpus, or add nodes") from None
 
     try:
-        return _start(cfg, model_dir, data_dir, pg, slots)
+        return _start(cfg, model_dir, data_dir, pg, slots, high_model_dir)
     except BaseException:
         ray.util.remove_placement_group(pg)   # and with it every actor started so far
         raise
 
 
-def _start(cfg: Config, model_dir: str, data_dir: str, pg, slots: list[Slot]) -> Workers:
+def _start(cfg: Config, model_dir: str, data_dir: str, pg, slots: list[Slot], high_model_dir: str | None) -> Workers:
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -319,13 +336,14 @@ def _start(cfg: Config, model_dir: str, data_dir: str, pg, slots: list[Slot]) ->
 
     trainer_env = {} if c.trainer_gpus else {"DS_ACCELERATOR": "cpu"}
     groups = {}
-    for role, cls in (("policy", PolicyWorker), ("critic", CriticWorker)):
+    for role, cls, folder in (("policy", PolicyWorker, model_dir), ("critic", CriticWorker, model_dir),
+                              ("high", PolicyWorker, high_model_dir)):
         members = [s for s in slots if s.role == role]
         if not members:
             continue
         host, port = rendezvous(members[0])
         handles = [ray.remote(cls).options(**options(s, trainer_env)).remote(
-            model_dir, cfg.model_dump(), rank=s.index, world_size=len(members), master_addr=host, master_port=port)
+            folder, cfg.model_dump(), rank=s.index, world_size=len(members), master_addr=host, master_port=port)
             for s in members]
         groups[role] = TrainerGroup([s.name for s in members], handles)
 
@@ -341,12 +359,13 @@ def _start(cfg: Config, model_dir: str, data_dir: str, pg, slots: list[Slot]) ->
     engine_slots = [s for s in slots if s.role == "engine"]
     engines = RolloutGroup([s.name for s in engine_slots], [
         ray.remote(RolloutWorker).options(**options(s, engine_env)).remote(
-            model_dir, cfg.model_dump(), data_dir, engine_options) for s in engine_slots], seed=cfg.seed)
+            model_dir, cfg.model_dump(), data_dir, engine_options, high_model_dir if "high" in groups else None)
+        for s in engine_slots], seed=cfg.seed)
 
     everyone = [*groups.values(), engines]
     names = [name for g in everyone for name in g.names]
     places = wait_all([(name, h.where.remote()) for g in everyone for name, h in zip(g.names, g.handles)])[0]
-    workers = Workers(groups["policy"], engines, groups.get("critic"), offload_engines=offload,
+    workers = Workers(groups["policy"], engines, groups.get("critic"), groups.get("high"), offload_engines=offload,
                       locations=dict(zip(names, places)), placement_group=pg)
     for name, loc in workers.locations.items():
         log.info("%s: node %s (%s), pid %s%s, turnrl from %s", name, loc["node"], loc["node_id"][:8], loc["pid"],
@@ -358,6 +377,8 @@ def _start(cfg: Config, model_dir: str, data_dir: str, pg, slots: list[Slot]) ->
         workers.sync = NcclSync(workers.policy, engines, rendezvous(next(s for s in slots if s.role == "policy")))
     else:
         workers.sync = ObjectStoreSync(workers.policy, engines, c.bucket_mb)
+        if workers.high is not None:
+            workers.high_sync = ObjectStoreSync(workers.high, engines, c.bucket_mb, level="high")
     return workers
 
 

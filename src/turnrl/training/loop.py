@@ -7,6 +7,12 @@
         weights      = trainer -> every engine (named tensors, no engine restart)
         checkpoint   = every train.checkpoint_every steps and at the end (see checkpoint.py)
 
+math_refine with `feedback: model`: a second model (its own trainer ranks, and an engine in
+every rollout actor) plays the feedback turns. The advantages are computed once; each model
+trains on its level's turns (`level_mask`), a level frozen this step is not called at all
+(an all-zero loss mask would still move Adam's moments), and each pushes to its own engines.
+The feedback model is saved to `out_dir/high_level` and checkpointed as `high_level`.
+
 A run given a checkpoint to resume from loads it first and continues at the next step.
 """
 from __future__ import annotations
@@ -23,12 +29,12 @@ from tqdm.auto import tqdm
 from turnrl.algos import (compute_advantages, contiguous_group_ids, first_obs_position, gae, outcome_token_rewards,
                           per_turn_mean_std)
 from turnrl.config import Config
-from turnrl.envs.configured import trained_turns
+from turnrl.envs.configured import trained_level, trained_turns
 from turnrl.evaluation import tool_rates
 from turnrl.rollout.loop import Trajectory
 from turnrl.training.checkpoint import CheckpointStore, Resume, write_state
-from turnrl.training.cluster import TrainerGroup, Workers, check_cluster, start_ray, start_workers
-from turnrl.training.mlmt import mlmt_extras, mlmt_turn_ids
+from turnrl.training.cluster import TrainerGroup, Workers, check_cluster, start_ray, start_workers, two_models
+from turnrl.training.mlmt import high_level_folder, level_mask, mlmt_extras, mlmt_turn_ids
 
 log = logging.getLogger(__name__)
 
@@ -174,28 +180,32 @@ def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], ou
     # Actors run elsewhere (other nodes, other working directories): absolute local paths.
     model_dir, data_dir, out_dir = (str(Path(p).resolve()) if Path(p).exists() or p == out_dir else p
                                     for p in (model_dir, data_dir, out_dir))
+    high_dir = str(Path(high_level_folder(cfg, model_dir)).resolve()) if two_models(cfg) else None
     start_ray(cfg)
     t0 = time.perf_counter()
-    workers = start_workers(cfg, model_dir, data_dir)
+    workers = start_workers(cfg, model_dir, data_dir, high_dir)
     log.info("workers ready in %.1fs", time.perf_counter() - t0)
     if info is not None:
         info.update(trainer_ranks=cfg.cluster.trainer_ranks, rollout_engines=cfg.cluster.rollout_engines,
                     nodes=workers.nodes, placement=cfg.cluster.placement, actors=workers.locations)
     try:
-        return _train(cfg, workers, model_dir, train_rows, out_dir, on_step, checkpoints, resume, mlflow_run_id)
+        return _train(cfg, workers, model_dir, train_rows, out_dir, on_step, checkpoints, resume, mlflow_run_id,
+                      high_dir)
     finally:
         workers.shutdown()
 
 
 def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict], out_dir: str,
-           on_step, checkpoints: CheckpointStore | None, resume: Resume | None, mlflow_run_id: str | None) -> list[dict]:
+           on_step, checkpoints: CheckpointStore | None, resume: Resume | None, mlflow_run_id: str | None,
+           high_dir: str | None = None) -> list[dict]:
     sampler = PromptSampler(train_rows, cfg.seed)
     history: list[dict] = []
     first = 1
     if resume is not None:
         log.info("resuming from step %d (%s)", resume.step, resume.path)
         load_checkpoint(workers, resume.path)
-        workers.sync.push()
+        for sync in _syncs(workers):
+            sync.push()
         sampler.position = resume.state["position"]
         history = list(resume.state["history"])
         first = resume.step + 1
@@ -219,8 +229,9 @@ def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict]
         batch = collate(trajs, pad_id)
         extra, mlmt_stats = {}, {}
         if cfg.algorithm.name == "mlmt":   # KL terms, context-utilization reward (on every policy token)
+            high = (workers.high.logprobs, workers.high.reference_logprobs) if workers.high is not None else None
             extra, mlmt_stats = mlmt_extras(cfg, trajs, batch, workers.policy.logprobs,
-                                            workers.policy.reference_logprobs, eos_id)
+                                            workers.policy.reference_logprobs, eos_id, high)
         batch["loss_mask"] *= trained_turns(cfg, batch["turn_ids"], step)   # e.g. a frozen feedback level
         critic_stats = {}
         if workers.critic is not None:   # PPO: GAE on the critic's values, then fit the critic
@@ -231,14 +242,15 @@ def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict]
         else:
             batch["advantages"] = advantages_for(cfg, trajs, batch, **extra)
         t_adv = time.perf_counter()
-        train_stats, trainer_busy = workers.policy.train(batch, step)
+        train_stats, trainer_busy, pushes = train_levels(cfg, workers, batch, step)
         if workers.critic is not None:
             critic_stats, _ = workers.critic.train(batch, step)
         t_train = time.perf_counter()
 
         if workers.offload_engines:
             workers.rollout.call("wake_up")
-        workers.sync.push()
+        for sync in pushes:
+            sync.push()
         t_sync = time.perf_counter()
 
         generated = sum(t.policy_tokens() for t in trajs)
@@ -271,7 +283,36 @@ def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict]
                 "position": sampler.position, "history": history, "mlflow_run_id": mlflow_run_id})
     bar.close()
     workers.policy.call("save", out_dir, model_dir)
+    if workers.high is not None:
+        workers.high.call("save", str(Path(out_dir) / HIGH_LEVEL), high_dir)
     return history
+
+
+HIGH_LEVEL = "high_level"   # the feedback model's folder in the final model, and its checkpoint entry
+
+
+def train_levels(cfg: Config, workers: Workers, batch: dict[str, torch.Tensor], step: int
+                 ) -> tuple[dict[str, float], list[float], list]:
+    """The policy update of a step: (stats, each trainer rank's busy seconds, the weight syncs
+    to push). One model: `workers.policy` on the whole batch. Two (`feedback: model`): each
+    model trained at this step (`trained_level`) on its level's turns, the feedback model's
+    stats under "high_"; `logp_gap_max` is the larger of the two."""
+    if workers.high is None:
+        stats, busy = workers.policy.train(batch, step)
+        return stats, busy, [workers.sync]
+    level = trained_level(cfg, step)
+    stats, busy, pushes = {}, [], []
+    for name, group, sync, prefix in (("low", workers.policy, workers.sync, ""),
+                                      ("high", workers.high, workers.high_sync, "high_")):
+        if level not in ("both", name):
+            continue   # frozen this step: not called, its optimizer state stays as it is
+        part = {**batch, "loss_mask": batch["loss_mask"] * level_mask(batch["turn_ids"], name)}
+        part_stats, part_busy = group.train(part, step)
+        stats.update({prefix + k: v for k, v in part_stats.items()})
+        busy += part_busy
+        pushes.append(sync)
+    stats["logp_gap_max"] = max(v for k, v in stats.items() if k.endswith("logp_gap_max"))
+    return stats, busy, pushes
 
 
 def save_checkpoint(workers: Workers, store: CheckpointStore, step: int, state: dict) -> None:
@@ -290,4 +331,9 @@ def load_checkpoint(workers: Workers, folder: Path) -> None:
 
 
 def _trainer_roles(workers: Workers) -> list[tuple[str, TrainerGroup]]:
-    return [("policy", workers.policy)] + ([("critic", workers.critic)] if workers.critic is not None else [])
+    return [("policy", workers.policy)] + ([("critic", workers.critic)] if workers.critic is not None else []) + (
+        [(HIGH_LEVEL, workers.high)] if workers.high is not None else [])
+
+
+def _syncs(workers: Workers) -> list:
+    return [workers.sync] + ([workers.high_sync] if workers.high_sync is not None else [])

@@ -7,10 +7,16 @@ before the advantages:
   (`mlmt_context_coef` λ, `mlmt_context_cap` τ): how much the feedback c raised the solver's
   log-likelihood of its refinement y. "Without c" is `without_feedback`.
 
-Both use the solver's current weights (no grad), called through the trainer ranks.
+Both use the solver's current weights (no grad), called through the trainer ranks; with a
+second model for the feedback (`env.math_refine.feedback: model`) the feedback turn's KL is
+that model's own, to its own reference.
+
+`feedback: model` also needs `high_level_folder` (where the second model starts) and
+`level_mask` (which tokens each model trains).
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -28,6 +34,33 @@ def mlmt_turn_ids(cfg: Config, turn_ids: torch.Tensor) -> torch.Tensor:
     if cfg.env.name == "math_refine" and cfg.env.math_refine.feedback == "endpoint":
         return torch.where(turn_ids == 1, 2, turn_ids)
     return turn_ids
+
+
+def high_level_folder(cfg: Config, solver_dir: str | Path) -> str:
+    """The feedback model's starting folder with `feedback: model`: `high_level_model`, or the
+    solver's own starting folder when empty. Raises ValueError if its tokenizer is not the
+    solver's (the two models continue each other's token ids in one conversation)."""
+    from transformers import AutoTokenizer
+
+    from turnrl.prepare import model_dir
+    chosen = cfg.env.math_refine.high_level_model
+    folder = model_dir(chosen) if chosen else str(solver_dir)
+    if chosen:
+        solver, high = AutoTokenizer.from_pretrained(str(solver_dir)), AutoTokenizer.from_pretrained(folder)
+        if solver.get_vocab() != high.get_vocab() or solver.chat_template != high.chat_template:
+            raise ValueError(
+                f"env.math_refine.high_level_model = {chosen!r}: its tokenizer (vocabulary or chat template) is not "
+                f"the solver's ({solver_dir}); both models write into one token sequence, so they need the same "
+                "tokenizer. Use a model of the same family, or leave high_level_model empty (the solver's start)")
+    return folder
+
+
+def level_mask(turn_ids: torch.Tensor, level: str) -> torch.Tensor:
+    """1.0 on the tokens of `level`'s policy turns in a math_refine conversation (feedback self
+    or model: turn 1 is the feedback, "high"; turns 0 and 2 the solver's, "low"), else 0.0;
+    the shape of `turn_ids` [B, L] (-1 outside the response counts as low: the loss mask is 0 there)."""
+    high = (turn_ids == 1).float()
+    return high if level == "high" else 1.0 - high
 
 
 def without_feedback(response_ids: Sequence[int], loss_mask: Sequence[int], turn_ids: Sequence[int],
@@ -94,13 +127,15 @@ def refinement_logprobs(trajs: Sequence, batch: dict[str, torch.Tensor], logp: t
 
 
 def mlmt_extras(cfg: Config, trajs: Sequence, batch: dict[str, torch.Tensor], logprobs: Logprobs,
-                reference_logprobs: Logprobs, eos_id: int | None) -> tuple[dict, dict[str, float]]:
+                reference_logprobs: Logprobs, eos_id: int | None,
+                high: tuple[Logprobs, Logprobs] | None = None) -> tuple[dict, dict[str, float]]:
     """(extra inputs of `algos.mlmt`: turn_kl, betas, refine_bonus; per-step metrics).
 
     `batch` is the collated rollout batch with every policy token in loss_mask (before a
     frozen level is masked out); `logprobs` / `reference_logprobs` score a batch under the
-    solver's current weights / the frozen reference. Nothing is computed when the betas and λ
-    are all 0."""
+    solver's current weights / the frozen reference; `high`, with a second feedback model, is
+    the same pair for that model, which then gives the feedback turn's KL. Nothing is computed
+    when the betas and λ are all 0."""
     alg = cfg.algorithm
     if not (any(alg.mlmt_betas) or alg.mlmt_context_coef):
         return {}, {}
@@ -108,7 +143,11 @@ def mlmt_extras(cfg: Config, trajs: Sequence, batch: dict[str, torch.Tensor], lo
     metrics: dict[str, float] = {}
     logp = logprobs(batch)
     if any(alg.mlmt_betas):
-        turn_kl = per_turn_sum(logp - reference_logprobs(batch), batch["loss_mask"],
+        log_ratio = logp - reference_logprobs(batch)
+        if high is not None:   # the feedback turn's tokens: the feedback model against its own start
+            high_logprobs, high_reference = high
+            log_ratio = torch.where(batch["turn_ids"] == 1, high_logprobs(batch) - high_reference(batch), log_ratio)
+        turn_kl = per_turn_sum(log_ratio, batch["loss_mask"],
                                mlmt_turn_ids(cfg, batch["turn_ids"]), MLMT_TURNS)
         inputs.update(turn_kl=turn_kl, betas=tuple(alg.mlmt_betas))
         metrics.update({f"mlmt_turn{k + 1}_kl_mean": float(turn_kl[:, k].mean()) for k in range(MLMT_TURNS)})

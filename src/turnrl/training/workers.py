@@ -5,6 +5,9 @@
 - `CriticWorker`: one rank of PPO's critic, a DeepSpeed group of its own.
 - `RolloutWorker`: a rollout engine (vLLM, or transformers) plus the environments. Runs the
   multi-turn loop for its share of a step's prompts and takes new weights without restarting.
+  With a second model for math_refine's feedback (`feedback: model`) it holds that model's
+  engine too: the loop batches each level's turns on its own engine in this process, with no
+  round trip to another actor per turn.
 
 Every trainer rank gets the whole rollout batch and trains on its share of each mini-batch
 (`rank_rows`), its loss weighted by the share's part of the mini-batch's normalizer
@@ -417,18 +420,22 @@ class CriticWorker(_TrainerRank):
 
 # --------------------------------------------------------------------------- rollouts
 class RolloutWorker:
-    def __init__(self, model_dir: str, cfg: dict[str, Any], data_dir: str, engine_options: dict | None = None):
+    def __init__(self, model_dir: str, cfg: dict[str, Any], data_dir: str, engine_options: dict | None = None,
+                 high_model_dir: str | None = None):
         """`engine_options` go to the engine (vLLM: e.g. gpu_memory_utilization,
-        enable_sleep_mode, weight_transfer_config on GPUs)."""
+        enable_sleep_mode, weight_transfer_config on GPUs). `high_model_dir`: a second engine,
+        from that folder, plays the high-level (feedback) turns."""
         from transformers import AutoTokenizer
 
         from turnrl.rollout.chat import ChatFormat
         from turnrl.rollout.engines import context_length, make_engine
         self.cfg = Config.model_validate(cfg)
         r = self.cfg.rollout
-        self.engine = make_engine(r.engine, model_dir, dtype=self.cfg.model.dtype, seed=self.cfg.seed,
-                                  kv_cache_gib=r.kv_cache_gib, max_model_len=context_length(model_dir),
-                                  **(engine_options or {}))
+        self.engines = {level: make_engine(r.engine, folder, dtype=self.cfg.model.dtype, seed=self.cfg.seed,
+                                           kv_cache_gib=r.kv_cache_gib, max_model_len=context_length(folder),
+                                           **(engine_options or {}))
+                        for level, folder in (("low", model_dir), ("high", high_model_dir)) if folder}
+        self.engine = self.engines["low"]
         self.fmt = ChatFormat(AutoTokenizer.from_pretrained(model_dir), self.cfg.model.template_type)
         from turnrl.envs.configured import env_factory
         self.make_env = env_factory(self.cfg, data_dir)   # built once: a search index is loaded here
@@ -447,7 +454,7 @@ class RolloutWorker:
             torch.manual_seed(generator_seed)
             random.seed(generator_seed)
         r = self.cfg.rollout
-        return run_rollouts(self.engine, examples, self.make_env, self.fmt,
+        return run_rollouts(self.engines if len(self.engines) > 1 else self.engine, examples, self.make_env, self.fmt,
                             Budgets(r.max_turns, r.max_tokens_per_turn, r.max_tokens_total),
                             n=n, temperature=r.temperature if temperature is None else temperature,
                             top_p=r.top_p, seed=seed, env_workers=self.cfg.env.workers)
@@ -459,15 +466,15 @@ class RolloutWorker:
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         self.engine.load_weights(weights.items())
 
-    def load_weight_buckets(self, buckets: list) -> None:
+    def load_weight_buckets(self, buckets: list, level: str = "low") -> None:
         """New weights as object-store refs, one per bucket of named tensors: streamed into
-        the engine bucket by bucket (one fetched at a time)."""
+        `level`'s engine bucket by bucket (one fetched at a time)."""
         import ray
 
         def tensors():
             for ref in buckets:
                 yield from ray.get(ref).items()
-        self.engine.load_weights(tensors())
+        self.engines[level].load_weights(tensors())
 
     # vLLM's weight-transfer control plane (NCCL on GPUs): RayVLLMWeightSyncClient calls these.
     def init_weight_transfer_engine(self, request) -> None:
@@ -488,7 +495,9 @@ class RolloutWorker:
 
     # Colocated on a GPU: free the device for the trainer while it trains.
     def sleep(self) -> None:
-        self.engine.llm.sleep(level=1)
+        for engine in self.engines.values():
+            engine.llm.sleep(level=1)
 
     def wake_up(self) -> None:
-        self.engine.llm.wake_up()
+        for engine in self.engines.values():
+            engine.llm.wake_up()

@@ -1,0 +1,148 @@
+"""math_refine with a second trained model for the feedback (`env.math_refine.feedback: model`):
+config, placement, per-level masks and KL, and (slow) the real stack training one level only."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from turnrl.config import Config, ConfigError, parse_config
+from turnrl.envs.configured import env_options, trained_turns
+from turnrl.training.cluster import check_cluster, plan_placement
+from turnrl.training.loop import HIGH_LEVEL, train_levels
+from turnrl.training.mlmt import high_level_folder, level_mask, mlmt_extras
+
+
+def _cfg(**math_refine) -> Config:
+    return Config.model_validate({"env": {"name": "math_refine", "math_refine": {"feedback": "model", **math_refine}}})
+
+
+# ----------------------------------------------------------------------------- config and plan
+def test_feedback_model_keys_are_validated():
+    assert _cfg().env.math_refine.high_level_model == ""
+    with pytest.raises(ConfigError, match="high_level_model.*needs feedback: model"):
+        parse_config({"env": {"name": "math_refine", "math_refine": {"high_level_model": "other/"}}})
+    # the context reward needs a feedback turn in the conversation: a second model's is one
+    Config.model_validate({"env": {"name": "math_refine", "math_refine": {"feedback": "model"}},
+                           "algorithm": {"name": "mlmt", "mlmt_context_coef": 0.1}})
+    # the environment keeps the shared-weights conversation: attempt, feedback turn, refinement
+    assert env_options(_cfg()) == {"feedback": "self"}
+
+
+def test_the_feedback_model_gets_as_many_trainer_ranks_as_the_solver():
+    cfg = _cfg().model_copy(deep=True)
+    cfg.cluster.trainer_ranks, cfg.cluster.rollout_engines = 2, 2
+    _, slots = plan_placement(cfg)
+    names = sorted(s.name for s in slots)
+    assert names == ["high rank 0", "high rank 1", "policy rank 0", "policy rank 1",
+                     "rollout engine 0", "rollout engine 1"]   # each engine actor also holds the feedback model's
+    assert {s.name for s in slots if s.bundle == 0} == {"high rank 0", "policy rank 0", "rollout engine 0"}
+    nccl = cfg.model_copy(deep=True)
+    nccl.cluster.weight_sync, nccl.cluster.engine_gpus, nccl.cluster.trainer_gpus = "nccl", 1, 1
+    nccl.cluster.placement = "separate"
+    with pytest.raises(ConfigError, match="feedback: model use cluster.weight_sync: object_store"):
+        check_cluster(nccl)
+
+
+def test_the_feedback_model_needs_the_solvers_tokenizer(tiny_model_dir, tmp_path):
+    from turnrl.tiny import build_tokenizer
+    assert high_level_folder(_cfg(), tiny_model_dir) == str(tiny_model_dir)   # empty: the solver's start
+    same = _cfg(high_level_model=str(tiny_model_dir))
+    assert high_level_folder(same, tiny_model_dir) == str(tiny_model_dir)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text((Path(tiny_model_dir) / "config.json").read_text())
+    build_tokenizer(["completely different text 0123456789"] * 4, 300).save_pretrained(other)
+    with pytest.raises(ValueError, match="tokenizer .* is not the solver's"):
+        high_level_folder(_cfg(high_level_model=str(other)), tiny_model_dir)
+
+
+# ----------------------------------------------------------------------------- masks and KL
+def test_each_level_trains_its_own_turns_and_a_frozen_level_is_not_called():
+    turn_ids = torch.tensor([[-1, 0, 0, 1, 1, 2, -1]])
+    loss_mask = torch.tensor([[0., 1, 0, 1, 0, 1, 0]])   # 0s: prompt, observations, padding
+    assert level_mask(turn_ids, "high").tolist() == [[0, 0, 0, 1, 1, 0, 0]]
+    assert (level_mask(turn_ids, "low") * loss_mask).tolist() == [[0, 1, 0, 0, 0, 1, 0]]
+    # with feedback: model the step's mask drops a frozen level, as with shared weights
+    alternate = _cfg(alternate=[1, 2])
+    assert trained_turns(alternate, turn_ids, step=1).tolist() == level_mask(turn_ids, "high").tolist()
+    assert trained_turns(alternate, turn_ids, step=2).tolist() == level_mask(turn_ids, "low").tolist()
+
+    class Group:   # records what the loop hands a trainer group (stands in for the Ray actors)
+        def __init__(self, gap):
+            self.masks, self.gap = [], gap
+
+        def train(self, batch, step):
+            self.masks.append(batch["loss_mask"].tolist())
+            return {"logp_gap_max": self.gap, "loss": 1.0}, [0.5]
+
+    class Workers:
+        def __init__(self):
+            self.policy, self.high, self.sync, self.high_sync = Group(1e-5), Group(2e-5), "low sync", "high sync"
+
+    batch = {"turn_ids": turn_ids, "loss_mask": loss_mask}
+    w = Workers()
+    stats, busy, pushes = train_levels(_cfg(train_levels="high"), w, batch, step=1)
+    assert w.policy.masks == [] and w.high.masks == [[[0, 0, 0, 1, 0, 0, 0]]]   # the solver is not called
+    assert pushes == ["high sync"] and stats == {"high_logp_gap_max": 2e-5, "high_loss": 1.0, "logp_gap_max": 2e-5}
+    w = Workers()
+    stats, busy, pushes = train_levels(_cfg(), w, batch, step=1)
+    assert w.policy.masks == [[[0, 1, 0, 0, 0, 1, 0]]] and w.high.masks == [[[0, 0, 0, 1, 0, 0, 0]]]
+    assert pushes == ["low sync", "high sync"] and busy == [0.5, 0.5] and stats["logp_gap_max"] == 2e-5
+
+
+def test_the_feedback_turns_kl_is_the_feedback_models_own():
+    """Turn KL_k = Σ over turn k's policy tokens of (logp − logp_ref): turns 0 and 2 from the
+    solver's pair, turn 1 from the feedback model's pair."""
+    cfg = Config.model_validate({"env": {"name": "math_refine", "math_refine": {"feedback": "model"}},
+                                 "algorithm": {"name": "mlmt", "mlmt_betas": [0.1, 0.2, 0.3]}})
+    batch = {"turn_ids": torch.tensor([[-1, 0, 0, 1, 1, 2]]), "loss_mask": torch.tensor([[0., 1, 0, 1, 1, 1]])}
+    const = lambda value: (lambda b: torch.full(b["turn_ids"].shape, value))   # noqa: E731
+    extra, stats = mlmt_extras(cfg, [], batch, const(-1.0), const(-1.5), None, high=(const(-2.0), const(-4.0)))
+    # solver: -1 - (-1.5) = 0.5 per token: turn 0 one token -> 0.5, turn 2 one token -> 0.5
+    # feedback model: -2 - (-4) = 2 per token, two tokens -> 4
+    assert extra["turn_kl"].tolist() == [[0.5, 4.0, 0.5]]
+    assert stats["mlmt_turn2_kl_mean"] == 4.0
+
+
+# ----------------------------------------------------------------------------- the real stack
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_a_second_model_trains_the_feedback_level_while_the_solver_stays(tiny_model_dir, tmp_path):
+    """Two steps on Ray + DeepSpeed + vLLM with feedback: model and train_levels: high (an
+    entropy bonus moves the trained model: the untrained tiny model earns no reward). The
+    solver's final weights are byte-equal to its start, the feedback model's are not; at step 2
+    the feedback model's engine samples with its trainer's new weights (the push reached it)."""
+    import ray
+
+    from turnrl.preprocess import load_split, preprocess
+    from turnrl.training.checkpoint import CheckpointStore
+    from turnrl.training.loop import train
+    cfg = Config.model_validate({
+        "env": {"name": "math_refine", "math_refine": {"feedback": "model", "train_levels": "high"}},
+        "algorithm": {"name": "grpo", "entropy_coef": 0.1},
+        "data": {"train_examples": 16, "heldout_examples": 8}, "eval": {"benchmarks": []},
+        "train": {"steps": 2, "prompts_per_step": 2, "lr": 1e-2},
+        "rollout": {"n": 2, "max_tokens_per_turn": 12}})
+    preprocess(cfg, tmp_path / "data")
+    store = CheckpointStore(tmp_path / "checkpoints", "two-models", keep=1)
+    try:
+        history = train(cfg, str(tiny_model_dir), str(tmp_path / "data"), load_split(tmp_path / "data", "train"),
+                        str(tmp_path / "final"), checkpoints=store)
+    finally:
+        ray.shutdown()
+    first, second = history
+    assert "loss" not in first and "high_loss" in first          # only the feedback model trained
+    assert abs(first["high_kl_ref"]) < 1e-6 and second["high_kl_ref"] > 0   # ... and moved
+    assert second["high_logp_gap_max"] < 1e-3                    # its engine got the new weights
+    start = _weights(Path(tiny_model_dir))
+    solver, high = _weights(tmp_path / "final"), _weights(tmp_path / "final" / HIGH_LEVEL)
+    assert all(torch.equal(solver[k], v) for k, v in start.items())
+    assert any(not torch.equal(high[k], v) for k, v in start.items())
+    (step, folder), = store.complete()
+    assert step == 2 and (folder / "policy").is_dir() and (folder / HIGH_LEVEL).is_dir()
