@@ -107,6 +107,25 @@ def test_the_feedback_turns_kl_is_the_feedback_models_own():
     assert stats["mlmt_turn2_kl_mean"] == 4.0
 
 
+def test_the_evaluation_plays_the_feedback_turns_on_the_second_model(tmp_path, tiny_model_dir, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from conftest import ScriptedEngine
+    from turnrl.evaluation import evaluate
+    from turnrl.preprocess import preprocess
+    monkeypatch.delenv("TURNRL_DATA_DIR", raising=False)
+    cfg = Config.model_validate({"env": {"name": "math_refine", "math_refine": {"feedback": "model"}},
+                                 "data": {"train_examples": 8, "heldout_examples": 4},
+                                 "eval": {"benchmarks": [], "temperature": 0.0},
+                                 "rollout": {"max_tokens_total": 2000}})   # the tiny tokenizer spends many tokens on the requests
+    preprocess(cfg, tmp_path / "data")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    low = ScriptedEngine(tokenizer, ["<answer>-1</answer>", "<answer>-2</answer>"])
+    high = ScriptedEngine(tokenizer, ["<feedback>check it</feedback>"])
+    task = evaluate(cfg, {"low": low, "high": high}, tokenizer, tmp_path / "data", tmp_path / "eval")["task"]
+    assert len(low.calls) == 2 and len(high.calls) == 1 and task["n"] == 4 and task["mean_turns"] == 3.0
+
+
 # ----------------------------------------------------------------------------- the real stack
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "model.safetensors"))

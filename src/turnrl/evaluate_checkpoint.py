@@ -5,7 +5,8 @@
 
 PATH is a Hugging Face model folder (config.json, weights, tokenizer), e.g. a published model
 fetched with `huggingface-cli download Qwen/Qwen2.5-Math-1.5B --local-dir ckpt/qwen-math`, or
-a pipeline model out (models/final). The evaluation is `turnrl.evaluation.evaluate` with the
+a pipeline model out (models/final; with `env.math_refine.feedback: model` its high_level/
+folder plays the feedback turns). The evaluation is `turnrl.evaluation.evaluate` with the
 params of `--params` and the overrides of `-S` (same syntax as `dvc exp run -S`), on the
 preprocessed data of the pipeline (run `dvc repro preprocess` first). It writes
 `DIR/metrics.json` (the shape of metrics/eval.json), `DIR/<block>.parquet` (the per-problem
@@ -47,11 +48,12 @@ def evaluate_checkpoint(cfg: Config, model: str | Path, out: str | Path,
                         data_dir: str | Path = "data/processed") -> dict:
     """Evaluate checkpoint folder `model`; write `out/metrics.json`, `out/run.json` and the
     generations; return the metrics."""
-    from turnrl.evaluation import evaluate, load_engine
+    from turnrl.evaluation import evaluate, load_levels
     from turnrl.stage import write_json
     model, out, data_dir = Path(model), Path(out), Path(data_dir)
     check_inputs(cfg, model, data_dir)
-    engine, tokenizer = load_engine(cfg, model)
+    high = model / "high_level"   # math_refine feedback: model: a trained feedback model saved beside the solver
+    engine, tokenizer = load_levels(cfg, model, high if high.is_dir() else None)
     metrics = evaluate(cfg, engine, tokenizer, data_dir, out)
     write_json(out / "metrics.json", metrics)
     write_json(out / "run.json", {"checkpoint": str(model.resolve()), "data": str(data_dir.resolve()),
