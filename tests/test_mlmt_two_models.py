@@ -131,12 +131,38 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "model.safetensors"))
 
 
+def quick_solver(model_dir: Path, out: Path) -> Path:
+    """A copy of the untrained tiny model that ends every turn at once with the end-of-turn
+    token, so that every trajectory reaches the feedback turn (the untrained model rambles past
+    any per-turn budget). Its last layer writes one large constant into the residual stream (a
+    value bias: attention weights sum to 1, so it comes out whatever the input) and the eos
+    row of the output layer points along the normed constant."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    last = model.model.layers[-1]
+    with torch.no_grad():
+        last.mlp.down_proj.weight.zero_()
+        last.self_attn.v_proj.weight.zero_()
+        last.self_attn.v_proj.bias.copy_(10 * torch.randn(last.self_attn.v_proj.bias.shape,
+                                                          generator=torch.Generator().manual_seed(0)))
+        ids = torch.tensor([tokenizer("Compute 1 + 2.", add_special_tokens=False)["input_ids"]])
+        normed = model(ids, output_hidden_states=True).hidden_states[-1][0, -1]
+        model.lm_head.weight[tokenizer.eos_token_id] = 50 * normed / normed.norm()
+        assert int(model(ids).logits[0, -1].argmax()) == tokenizer.eos_token_id
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 @pytest.mark.slow
 def test_a_second_model_trains_the_feedback_level_while_the_solver_stays(tiny_model_dir, tmp_path):
     """Two steps on Ray + DeepSpeed + vLLM with feedback: model and train_levels: high (an
     entropy bonus moves the trained model: the untrained tiny model earns no reward). The
-    solver's final weights are byte-equal to its start, the feedback model's are not; at step 2
-    the feedback model's engine samples with its trainer's new weights (the push reached it)."""
+    solver (`quick_solver`) and the feedback model (the untrained tiny model) start apart.
+    The solver's final weights are byte-equal to its start, the feedback model's are not; at
+    step 2 the feedback model's engine samples with its trainer's new weights (the push
+    reached it, and only it: the solver's engine holds its own weights, or the gap would show)."""
     import ray
 
     from turnrl.preprocess import load_split, preprocess
@@ -147,21 +173,25 @@ def test_a_second_model_trains_the_feedback_level_while_the_solver_stays(tiny_mo
         "algorithm": {"name": "grpo", "entropy_coef": 0.1},
         "data": {"train_examples": 16, "heldout_examples": 8}, "eval": {"benchmarks": []},
         "train": {"steps": 2, "prompts_per_step": 2, "lr": 1e-2},
-        "rollout": {"n": 2, "max_tokens_per_turn": 12}})
+        # the tiny tokenizer spends ~1 token per character on the English requests: room for all three turns
+        "rollout": {"n": 2, "max_tokens_per_turn": 12, "max_tokens_total": 600}})
     preprocess(cfg, tmp_path / "data")
+    solver = quick_solver(tiny_model_dir, tmp_path / "solver")
+    cfg.env.math_refine.high_level_model = str(tiny_model_dir)
     store = CheckpointStore(tmp_path / "checkpoints", "two-models", keep=1)
     try:
-        history = train(cfg, str(tiny_model_dir), str(tmp_path / "data"), load_split(tmp_path / "data", "train"),
+        history = train(cfg, str(solver), str(tmp_path / "data"), load_split(tmp_path / "data", "train"),
                         str(tmp_path / "final"), checkpoints=store)
     finally:
         ray.shutdown()
     first, second = history
+    assert first["turns_mean"] >= 2 and second["turns_mean"] >= 2, history   # every trajectory has a feedback turn
     assert "loss" not in first and "high_loss" in first          # only the feedback model trained
-    assert abs(first["high_kl_ref"]) < 1e-6 and second["high_kl_ref"] > 0   # ... and moved
+    assert abs(first["high_kl_ref"]) < 1e-6 and second["high_kl_ref"] > 0, history   # ... and moved
     assert second["high_logp_gap_max"] < 1e-3                    # its engine got the new weights
-    start = _weights(Path(tiny_model_dir))
-    solver, high = _weights(tmp_path / "final"), _weights(tmp_path / "final" / HIGH_LEVEL)
-    assert all(torch.equal(solver[k], v) for k, v in start.items())
-    assert any(not torch.equal(high[k], v) for k, v in start.items())
+    solver_start, high_start = _weights(solver), _weights(Path(tiny_model_dir))
+    solver_end, high_end = _weights(tmp_path / "final"), _weights(tmp_path / "final" / HIGH_LEVEL)
+    assert all(torch.equal(solver_end[k], v) for k, v in solver_start.items())
+    assert any(not torch.equal(high_end[k], v) for k, v in high_start.items())
     (step, folder), = store.complete()
     assert step == 2 and (folder / "policy").is_dir() and (folder / HIGH_LEVEL).is_dir()
