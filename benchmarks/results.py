@@ -86,10 +86,7 @@ def overhead(loop: Mapping[str, float], parts: Mapping[str, float]) -> dict[str,
             "non_compute_frac": (sync + rest) / step,
             # each Ray actor's share of the step spent working (the rest it idles: the roles take turns)
             "rollout_role_busy_frac": loop.get("rollout_s", float("nan")) / step,
-            "policy_role_busy_frac": (loop.get("train_s", float("nan")) + sync) / step,
-            # the old-logprob forward recomputes what the update's forward gives when epochs =
-            # mini_batches = 1; counted as compute above, listed here as avoidable
-            "avoidable_old_logprobs_frac": parts.get("old_logprobs_s", 0.0) / step}
+            "policy_role_busy_frac": (loop.get("train_s", float("nan")) + sync) / step}
 
 
 def parse_grid(text: str) -> list[tuple[int, int]]:
@@ -124,7 +121,7 @@ def headline(results: Mapping) -> dict[str, float]:
     the ratios against the targets (2x single-turn GRPO, 3x 3-turn tool use)."""
     out: dict[str, float] = {}
     pairs = results.get("pairs", {})
-    for name, prefix in (("grpo", ""), ("tool", "tool_")):
+    for name, prefix in (("grpo", ""), ("tool", "tool_"), ("grpo_overlap", "overlap_"), ("tool_overlap", "tool_overlap_")):
         pair = pairs.get(name)
         if pair:
             t, p = pair["turnrl"]["step_s"], pair["trl"]["step_s"]
@@ -133,7 +130,7 @@ def headline(results: Mapping) -> dict[str, float]:
             out[f"{prefix}speedup"] = round(ratio(p, t), 2)
             if "cpu_s" in pair["turnrl"] and "cpu_s" in pair["trl"]:
                 out[f"{prefix}cpu_speedup"] = round(ratio(pair["trl"]["cpu_s"], pair["turnrl"]["cpu_s"]), 2)
-        vllm = pairs.get(f"{name}_trl_vllm")   # TRL with vLLM colocated, beside its default
+        vllm = pairs.get(f"{name}_trl_vllm") if "overlap" not in name else None   # TRL with vLLM colocated
         if vllm:
             out[f"{prefix}trl_vllm_step_s"] = round(vllm["trl"]["step_s"], 3)
             out[f"{prefix}speedup_vs_trl_vllm"] = round(ratio(vllm["trl"]["step_s"], vllm["turnrl"]["step_s"]), 2)

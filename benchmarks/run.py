@@ -171,6 +171,9 @@ def plan(args: argparse.Namespace) -> list[dict]:
             for engine in engines:
                 cases.append({**spec, "name": f"{suite}/turnrl-{engine}{tag}", "suite": suite, "kind": "loop",
                               "engine": engine})
+            if suite in ("grpo", "tool"):   # train.overlap_rollout: the next rollout during the update
+                cases.append({**spec, "name": f"{suite}/turnrl-{args.engine}-overlap{tag}", "suite": suite,
+                              "kind": "loop", "engine": args.engine, "overlap": True})
             for engine in args.trl_engine_list:
                 cases.append({**spec, "name": f"{suite}/trl-{engine}{tag}", "suite": suite, "kind": "trl",
                               "engine": engine})
@@ -270,7 +273,10 @@ class PeakMemory:
 
 
 def child_env(threads: int) -> dict[str, str]:
-    env = dict(os.environ)
+    # a case starts its own process groups: none inherited from the caller (e.g. a test
+    # process whose own DeepSpeed group still listens on MASTER_PORT)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.update({"TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(threads),
                 "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
@@ -426,13 +432,15 @@ def assemble(args: argparse.Namespace, cases: list[dict], outcomes: dict[str, di
         out["cases"][name] = summary
     cs = out["cases"]
     for suite in ("grpo", "tool", "large"):
-        t = cs.get(f"{suite}/turnrl-{args.engine}")
-        for engine in args.trl_engine_list:
-            p = cs.get(f"{suite}/trl-{engine}")
-            if t and p:
-                key = suite if engine == args.trl_engine_list[0] else f"{suite}_trl_{engine}"
-                out["pairs"][key] = {"turnrl": t, "trl": p, "trl_engine": engine,
-                                     "speedup": R.ratio(p["step_s"], t["step_s"])}
+        for variant in ("", "-overlap"):
+            t = cs.get(f"{suite}/turnrl-{args.engine}{variant}")
+            for engine in args.trl_engine_list:
+                p = cs.get(f"{suite}/trl-{engine}")
+                if t and p:
+                    key = suite + ("" if engine == args.trl_engine_list[0] else f"_trl_{engine}") + \
+                        variant.replace("-", "_")
+                    out["pairs"][key] = {"turnrl": t, "trl": p, "trl_engine": engine,
+                                         "speedup": R.ratio(p["step_s"], t["step_s"])}
     for suite, loop_name in (("grpo", f"grpo/turnrl-{args.engine}"), ("tool", f"tool/turnrl-{args.engine}"),
                              ("large", f"large/turnrl-{args.engine}")):
         parts = cs.get(f"parts/{suite}")

@@ -60,8 +60,10 @@ def config(case: dict[str, Any]):
         "rollout": {"engine": case["engine"], "n": case["group"], "max_turns": case["turns"],
                     "max_tokens_per_turn": case["max_tokens"],
                     "max_tokens_total": max(case["max_total"], case["max_tokens"])},
-        "train": {"steps": case["warmup"] + case["steps"], "prompts_per_step": case["prompts"], "lr": case["lr"]},
+        "train": {"steps": case["warmup"] + case["steps"], "prompts_per_step": case["prompts"], "lr": case["lr"],
+                  "overlap_rollout": case.get("overlap", False)},
         # the loop gives each role (they take turns) this many threads: the same as TRL's process
+        # (with overlap both roles work at once and share them: one thread each from two)
         "cluster": {"num_cpus": case["threads"]},
     }, source="benchmark case")
 
@@ -186,6 +188,7 @@ def run_parts(case: dict[str, Any]) -> dict[str, Any]:
         return time.perf_counter() - start
 
     sampler = PromptSampler(train_rows(seed=case["seed"]), cfg.seed)
+    on_policy = cfg.algorithm.epochs == 1 and cfg.algorithm.mini_batches == 1
     steps = []
     for step in range(1, case["warmup"] + case["steps"] + 1):
         timers.clear()
@@ -197,13 +200,14 @@ def run_parts(case: dict[str, Any]) -> dict[str, Any]:
         batch = collate(trajs, 0)
         batch["advantages"] = advantages_for(cfg, trajs, batch)
         t2 = time.perf_counter()
-        policy.logprobs(batch)
+        if not on_policy:   # train() scores the old policy first (one epoch of one mini-batch: it does not)
+            policy.logprobs(batch)
         t3 = time.perf_counter()
         with torch.no_grad():
             token_logprobs(policy.reference(input_ids=batch["input_ids"],
                                             attention_mask=batch["attention_mask"]).logits, batch["input_ids"])
         t4 = time.perf_counter()
-        policy.train(batch)          # old logprobs + reference logprobs + the update
+        policy.train(batch)          # (old logprobs +) reference logprobs + the update
         t5 = time.perf_counter()
         weights = policy.named_weights()
         t6 = time.perf_counter()
@@ -222,13 +226,13 @@ def run_parts(case: dict[str, Any]) -> dict[str, Any]:
             "advantage_s": t2 - t1,
             "old_logprobs_s": old_s,
             "ref_logprobs_s": ref_s,
-            "update_s": max(0.0, (t5 - t4) - old_s - ref_s),
+            "update_s": max(0.0, (t5 - t4) - old_s - ref_s),   # what train() spends beyond its two forwards
             "weights_gather_s": t6 - t5,
             "weights_load_s": t7 - t6,
             "plain_torch_update_s": plain_s,
             # the step as the loop runs it (train() holds its own old + reference forward)
             "step_s": (t1 - t0) + (t2 - t1) + (t5 - t4) + (t7 - t5),
-            "cpu_s": cpu1 - cpu0,   # includes the two extra forwards timed above
+            "cpu_s": cpu1 - cpu0,   # includes the extra forwards timed above (reference; old if not on-policy)
             "gen_tokens": float(sum(t.policy_tokens() for t in trajs)),
             "batch_tokens": float(batch["attention_mask"].sum()),
             "padded_tokens": float(batch["attention_mask"].numel()),

@@ -27,8 +27,9 @@ def test_quick_runs_the_headline_pairs_and_parts():
     assert args.suites == ["grpo", "tool", "parts"]
     assert (args.steps, args.warmup) == (4, 1)
     names = [c["name"] for c in plan(args)]
-    assert names == ["grpo/turnrl-vllm", "grpo/trl-hf", "grpo/trl-vllm", "tool/turnrl-vllm", "tool/trl-hf",
-                     "tool/trl-vllm", "parts/grpo"]
+    assert names == ["grpo/turnrl-vllm", "grpo/turnrl-vllm-overlap", "grpo/trl-hf", "grpo/trl-vllm",
+                     "tool/turnrl-vllm", "tool/turnrl-vllm-overlap", "tool/trl-hf", "tool/trl-vllm", "parts/grpo"]
+    assert [c.get("overlap", False) for c in plan(args)] == [False, True, False, False, False, True, False, False, False]
     assert [c["name"] for c in plan(parse_args(["--quick", "--only", "trl-vllm,parts"]))] == \
         ["grpo/trl-vllm", "tool/trl-vllm", "parts/grpo"]
 
@@ -106,7 +107,7 @@ def test_overhead_splits_a_loop_step():
     out = R.overhead(loop, parts)
     assert out["compute_s"] == 7.0 and out["overhead_s"] == pytest.approx(1.5)
     assert out["compute_frac"] + out["env_frac"] + out["sync_frac"] + out["overhead_frac"] == pytest.approx(1.0)
-    assert out["avoidable_old_logprobs_frac"] == pytest.approx(0.1)
+    assert out["non_compute_frac"] == pytest.approx(0.2)
 
 
 def test_ratio_and_median_ignore_missing_values():
@@ -126,6 +127,7 @@ def test_assemble_pairs_breakdown_sweep_and_headline():
                                                                      for k in (2, 3, 4)]}
     outcomes = {
         "grpo/turnrl-vllm": run(2.0, sync_s=0.1, gen_tokens=3000.0, trained_tokens=3000.0, train_s=1.0),
+        "grpo/turnrl-vllm-overlap": run(1.5, gen_tokens=3000.0),
         "grpo/trl-hf": run(6.0, gen_tokens=3000.0),
         "parts/grpo": run(1.5, generate_s=0.8, env_s=0.0, old_logprobs_s=0.2, ref_logprobs_s=0.2, update_s=0.4),
         "sweep/turnrl-2x2": run(1.0, cpu_s=0.9), "sweep/trl-2x2": run(2.0),
@@ -146,13 +148,15 @@ def test_assemble_pairs_breakdown_sweep_and_headline():
     assert "turnrl: cpu_s = 0.0200 s x (prompts x group)" in table
     line = R.headline(report)
     assert line["turnrl_step_s"] == 2.0 and line["trl_step_s"] == 6.0 and line["speedup"] == 3.0
+    assert line["overlap_turnrl_step_s"] == 1.5 and line["overlap_speedup"] == 4.0
     assert line["slope_s_per_sample"] == pytest.approx(0.05) and line["slope_cpu_s_per_sample"] == pytest.approx(0.02)
 
 
 def test_repeats_alternate_the_frameworks_and_pool_their_steps():
     args = parse_args(["--suites", "grpo", "--trl-engines", "hf", "--repeats", "2", "--warmup", "1"])
     cases = plan(args)
-    assert [c["name"] for c in cases] == ["grpo/turnrl-vllm", "grpo/trl-hf", "grpo/turnrl-vllm#2", "grpo/trl-hf#2"]
+    assert [c["name"] for c in cases] == ["grpo/turnrl-vllm", "grpo/turnrl-vllm-overlap", "grpo/trl-hf",
+                                          "grpo/turnrl-vllm#2", "grpo/turnrl-vllm-overlap#2", "grpo/trl-hf#2"]
     outcomes = {"grpo/turnrl-vllm": {"steps": steps_of([9.0, 1.0, 1.0])},
                 "grpo/turnrl-vllm#2": {"steps": steps_of([9.0, 3.0, 3.0, 3.0])},
                 "grpo/trl-hf": {"steps": steps_of([9.0, 4.0])}, "grpo/trl-hf#2": {"error": "exit 1"}}
@@ -242,8 +246,9 @@ def test_quick_run_prints_both_step_times_last(tmp_path):
     assert line["turnrl_step_s"] > 0 and line["trl_step_s"] > 0
     # the line rounds the speedup to 2 decimals and the step times to 3
     assert line["speedup"] == pytest.approx(line["trl_step_s"] / line["turnrl_step_s"], abs=0.01)
+    assert line["overlap_turnrl_step_s"] > 0    # train.overlap_rollout ran too
     report = json.loads((tmp_path / "results.json").read_text())
-    for name in ("grpo/turnrl-vllm", "grpo/trl-hf"):
+    for name in ("grpo/turnrl-vllm", "grpo/turnrl-vllm-overlap", "grpo/trl-hf"):
         case = report["cases"][name]
         assert case["gen_tokens"] > 0 and case["peak_rss_mib"] > 100, name
 

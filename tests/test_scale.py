@@ -66,6 +66,11 @@ def test_cluster_params_that_cannot_work_fail_before_anything_starts():
     cfg = Config.model_validate({"cluster": {"trainer_ranks": 2, "rollout_engines": 1, "num_cpus": 4}})
     slot = plan_placement(cfg)[1][0]
     assert threads_per_actor(cfg, slot) == 2
+    overlap = Config.model_validate({"cluster": {"num_cpus": 4}, "train": {"overlap_rollout": True}})
+    assert threads_per_actor(overlap, plan_placement(overlap)[1][0]) == 2    # trainer and engine busy at once
+    with pytest.raises(ConfigError, match="overlap_rollout"):
+        check_cluster(Config.model_validate({"train": {"overlap_rollout": True},
+                                             "cluster": {"trainer_gpus": 1, "engine_gpus": 1}}))
 
 
 # --------------------------------------------------------------------------- on a real local Ray

@@ -202,6 +202,10 @@ class TrainCfg(_Section):
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     zero_stage: Literal[0, 1, 2, 3] = 2
+    overlap_rollout: bool = Field(False, description=(
+        "generate the next step's rollouts while this step trains: a step costs about the longer of the two "
+        "instead of their sum, and the update is one step off-policy (its batch was sampled by the weights "
+        "before the previous update; the importance ratio is taken to the engine's sampling logprobs)"))
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warmup over N optimizer steps; 0: none")
     samples_logged_every: int = Field(10, gt=0, description="log a table of sample trajectories every N steps")
     checkpoint_every: int = Field(10, ge=0, description=(
@@ -279,7 +283,7 @@ class ClusterCfg(_Section):
     engine_gpus: float = Field(0.0, ge=0, description="GPUs per rollout engine")
     threads_per_actor: int = Field(0, ge=0, description=(
         "OMP threads of each actor; 0: num_cpus // max(trainer_ranks, rollout_engines) on a local Ray "
-        "(roles take turns), else the actor's CPUs rounded (at least 1)"))
+        "(roles take turns; their sum with train.overlap_rollout), else the actor's CPUs rounded (at least 1)"))
     weight_sync: Literal["auto", "object_store", "nccl"] = Field("auto", description=(
         "how weights reach the engines after an update: object_store (buckets through Ray's object store, "
         "shared memory on one node), nccl (vLLM's NCCL broadcast, GPUs in separate placement); "

@@ -71,6 +71,10 @@ def check_cluster(cfg: Config) -> None:
         if c.placement == "colocated":
             raise ConfigError("cluster.weight_sync = nccl cannot pair a trainer rank and an engine on one GPU "
                               "(NCCL refuses two ranks on one device): use placement: separate, or object_store")
+    if cfg.train.overlap_rollout and c.placement == "colocated" and c.engine_gpus > 0:
+        raise ConfigError("train.overlap_rollout: the engines generate while the trainer trains, so they cannot share "
+                          "its GPUs (colocated engines sleep during the update); use cluster.placement: separate, "
+                          "or overlap_rollout: false")
 
 
 @dataclass(frozen=True)
@@ -118,8 +122,10 @@ def threads_per_actor(cfg: Config, slot: Slot) -> int:
     c = cfg.cluster
     if c.threads_per_actor:
         return c.threads_per_actor
-    if not c.address:   # one machine: the actors busy at once are the ranks, or the engines
-        return max(1, c.num_cpus // max(c.trainer_ranks, c.rollout_engines))
+    if not c.address:   # one machine: the actors busy at once are the ranks, or the engines (both with overlap)
+        busy = c.trainer_ranks + c.rollout_engines if cfg.train.overlap_rollout else max(c.trainer_ranks,
+                                                                                          c.rollout_engines)
+        return max(1, c.num_cpus // busy)
     return max(1, round(slot.cpus))
 
 
@@ -218,19 +224,29 @@ class RolloutGroup(ActorGroup):
 
     def rollout(self, examples: list[dict], n: int, step: int) -> tuple[list, list[float]]:
         """Each engine rolls out a contiguous share of `examples` (whole groups of n), seeded
-        from (seed, step, engine); the trajectories come back in the examples' order."""
+        from (seed, step, engine); the trajectories come back in the examples' order, with
+        the seconds each engine spent on its share."""
+        return self.collect(self.submit(examples, n, step))
+
+    def submit(self, examples: list[dict], n: int, step: int) -> list[tuple[str, Any]]:
+        """`rollout` started, not waited for: give the result to `collect`."""
         count = len(self.handles)
         shares = [examples[e * len(examples) // count:(e + 1) * len(examples) // count] for e in range(count)]
-        calls = [(name, h.rollout.remote(share, n, generator_seed=step_seed(self.seed, step, e)))
-                 for e, (name, h, share) in enumerate(zip(self.names, self.handles, shares)) if share]
-        results, seconds = wait_all(calls)
-        return [t for part in results for t in part], seconds
+        return [(name, h.timed_rollout.remote(share, n, generator_seed=step_seed(self.seed, step, e)))
+                for e, (name, h, share) in enumerate(zip(self.names, self.handles, shares)) if share]
+
+    @staticmethod
+    def collect(calls: list[tuple[str, Any]]) -> tuple[list, list[float]]:
+        results = wait_all(calls)[0]
+        return [t for trajs, _ in results for t in trajs], [seconds for _, seconds in results]
 
 
 # --------------------------------------------------------------------------- weights
 class WeightSync(Protocol):
-    """After an update: every engine gets the trainer's weights."""
-    def push(self) -> None: ...
+    """After an update: every engine gets the trainer's weights. With wait=False the engines'
+    part may still be running on return (it queues behind an engine's rollout in flight): the
+    calls to wait for are returned."""
+    def push(self, wait: bool = True) -> list[tuple[str, Any]]: ...
 
 
 @dataclass
@@ -242,9 +258,14 @@ class ObjectStoreSync:
     bucket_mb: int
     level: str = "low"   # which engine of each rollout actor: the solver's, or the feedback model's (high)
 
-    def push(self) -> None:
+    def push(self, wait: bool = True) -> list[tuple[str, Any]]:
         buckets = self.policy.results("weight_buckets", self.bucket_mb)[0]
-        self.engines.call("load_weight_buckets", buckets, self.level)
+        calls = [(name, h.load_weight_buckets.remote(buckets, self.level))
+                 for name, h in zip(self.engines.names, self.engines.handles)]
+        if wait:
+            wait_all(calls)
+            return []
+        return calls
 
 
 @dataclass
@@ -260,8 +281,9 @@ class NcclSync:
         host, port = self.address
         self.policy.call("init_weight_transfer", host, port, 1 + len(self.engines.handles), self.engines.handles)
 
-    def push(self) -> None:
-        self.policy.call("send_weights")
+    def push(self, wait: bool = True) -> list[tuple[str, Any]]:
+        self.policy.call("send_weights")   # the engines take part in the broadcast: done on return
+        return []
 
 
 # --------------------------------------------------------------------------- start

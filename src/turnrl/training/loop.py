@@ -7,6 +7,11 @@
         weights      = trainer -> every engine (named tensors, no engine restart)
         checkpoint   = every train.checkpoint_every steps and at the end (see checkpoint.py)
 
+With `train.overlap_rollout` the engines roll out step s+1 while the trainer updates on step s
+(Ray runs an actor's calls in the order they were made, so the weights pushed after update s
+load once that rollout is done): each batch is one update old, and the update takes its
+importance ratio to the engine's sampling logprobs.
+
 math_refine with `feedback: model`: a second model (its own trainer ranks, and an engine in
 every rollout actor) plays the feedback turns. The advantages are computed once; each model
 trains on its level's turns (`level_mask`), a level frozen this step is not called at all
@@ -33,7 +38,8 @@ from turnrl.envs.configured import trained_level, trained_turns
 from turnrl.evaluation import tool_rates
 from turnrl.rollout.loop import Trajectory
 from turnrl.training.checkpoint import CheckpointStore, Resume, write_state
-from turnrl.training.cluster import TrainerGroup, Workers, check_cluster, start_ray, start_workers, two_models
+from turnrl.training.cluster import (TrainerGroup, Workers, check_cluster, start_ray, start_workers, two_models,
+                                     wait_all)
 from turnrl.training.mlmt import high_level_folder, level_mask, mlmt_extras, mlmt_turn_ids
 
 log = logging.getLogger(__name__)
@@ -217,21 +223,31 @@ def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict]
     if cfg.algorithm.mlmt_context_coef:   # closes a message in the conversation without feedback
         from transformers import AutoTokenizer
         eos_id = AutoTokenizer.from_pretrained(model_dir).eos_token_id
+    overlap = cfg.train.overlap_rollout
+    next_rollout: list = []   # overlap: this step's rollout, started during the last step's update
+    loading: list = []        # overlap: the last weight pushes, which the engines run after that rollout
     bar = tqdm(range(first, cfg.train.steps + 1), desc="train", unit="step")
     for step in bar:
         t_start = time.perf_counter()
-        examples = sampler.next(cfg.train.prompts_per_step)
-        trajs, engine_busy = workers.rollout.rollout(examples, cfg.rollout.n, step)
+        if not next_rollout:
+            next_rollout = workers.rollout.submit(sampler.next(cfg.train.prompts_per_step), cfg.rollout.n, step)
+        trajs, engine_busy = workers.rollout.collect(next_rollout)
+        wait_all(loading)
+        next_rollout, loading = [], []
+        if overlap and step < cfg.train.steps:   # sampled during this step's update, by the weights before it
+            next_rollout = workers.rollout.submit(sampler.next(cfg.train.prompts_per_step), cfg.rollout.n, step + 1)
         if workers.offload_engines:       # colocated on GPUs: give the device to the trainer
             workers.rollout.call("sleep")
         t_rollout = time.perf_counter()
 
         batch = collate(trajs, pad_id)
-        extra, mlmt_stats = {}, {}
+        extra, mlmt_stats, scored = {}, {}, {"low": {}, "high": {}}
         if cfg.algorithm.name == "mlmt":   # KL terms, context-utilization reward (on every policy token)
-            high = (workers.high.logprobs, workers.high.reference_logprobs) if workers.high is not None else None
-            extra, mlmt_stats = mlmt_extras(cfg, trajs, batch, workers.policy.logprobs,
-                                            workers.policy.reference_logprobs, eos_id, high)
+            keep = _keeping(batch, scored)   # the batch's scores, so the update does not compute them again
+            high = (keep(workers.high.logprobs, "high", "old_logprobs"),
+                    keep(workers.high.reference_logprobs, "high", "ref_logprobs")) if workers.high is not None else None
+            extra, mlmt_stats = mlmt_extras(cfg, trajs, batch, keep(workers.policy.logprobs, "low", "old_logprobs"),
+                                            keep(workers.policy.reference_logprobs, "low", "ref_logprobs"), eos_id, high)
         batch["loss_mask"] *= trained_turns(cfg, batch["turn_ids"], step)   # e.g. a frozen feedback level
         critic_stats = {}
         if workers.critic is not None:   # PPO: GAE on the critic's values, then fit the critic
@@ -242,15 +258,15 @@ def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict]
         else:
             batch["advantages"] = advantages_for(cfg, trajs, batch, **extra)
         t_adv = time.perf_counter()
-        train_stats, trainer_busy, pushes = train_levels(cfg, workers, batch, step)
+        train_stats, trainer_busy, pushes = train_levels(cfg, workers, batch, step, scored)
         if workers.critic is not None:
             critic_stats, _ = workers.critic.train(batch, step)
         t_train = time.perf_counter()
 
         if workers.offload_engines:
             workers.rollout.call("wake_up")
-        for sync in pushes:
-            sync.push()
+        for sync in pushes:   # with overlap, the engines load after the rollout in flight
+            loading += sync.push(wait=not overlap)
         t_sync = time.perf_counter()
 
         generated = sum(t.policy_tokens() for t in trajs)
@@ -279,9 +295,12 @@ def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict]
             on_step(step, metrics, trajs)
         every = cfg.train.checkpoint_every
         if checkpoints is not None and (step == cfg.train.steps or (every and step % every == 0)):
+            # A rollout in flight is not part of the checkpoint: a resumed run samples those prompts again.
+            ahead = cfg.train.prompts_per_step if overlap and step < cfg.train.steps else 0
             save_checkpoint(workers, checkpoints, step, {
-                "position": sampler.position, "history": history, "mlflow_run_id": mlflow_run_id})
+                "position": sampler.position - ahead, "history": history, "mlflow_run_id": mlflow_run_id})
     bar.close()
+    wait_all(loading)
     workers.policy.call("save", out_dir, model_dir)
     if workers.high is not None:
         workers.high.call("save", str(Path(out_dir) / HIGH_LEVEL), high_dir)
@@ -291,14 +310,29 @@ def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict]
 HIGH_LEVEL = "high_level"   # the feedback model's folder in the final model, and its checkpoint entry
 
 
-def train_levels(cfg: Config, workers: Workers, batch: dict[str, torch.Tensor], step: int
-                 ) -> tuple[dict[str, float], list[float], list]:
+def _keeping(batch: dict[str, torch.Tensor], scored: dict[str, dict]) -> Callable:
+    """keep(score, level, key): `score` (batch -> token logprobs) that also files its result
+    for `batch` itself (not for other batches it scores) under scored[level][key]."""
+    def keep(score: Callable, level: str, key: str) -> Callable:
+        def scoring(b: dict[str, torch.Tensor]) -> torch.Tensor:
+            out = score(b)
+            if b is batch:
+                scored[level][key] = out
+            return out
+        return scoring
+    return keep
+
+
+def train_levels(cfg: Config, workers: Workers, batch: dict[str, torch.Tensor], step: int,
+                 scored: dict[str, dict] | None = None) -> tuple[dict[str, float], list[float], list]:
     """The policy update of a step: (stats, each trainer rank's busy seconds, the weight syncs
     to push). One model: `workers.policy` on the whole batch. Two (`feedback: model`): each
     model trained at this step (`trained_level`) on its level's turns, the feedback model's
-    stats under "high_"; `logp_gap_max` is the larger of the two."""
+    stats under "high_"; `logp_gap_max` is the larger of the two. `scored[level]`: the batch's
+    old / reference logprobs under that level's model, if already computed."""
+    scored = scored or {}
     if workers.high is None:
-        stats, busy = workers.policy.train(batch, step)
+        stats, busy = workers.policy.train({**batch, **scored.get("low", {})}, step)
         return stats, busy, [workers.sync]
     level = trained_level(cfg, step)
     stats, busy, pushes = {}, [], []
@@ -306,7 +340,7 @@ def train_levels(cfg: Config, workers: Workers, batch: dict[str, torch.Tensor], 
                                       ("high", workers.high, workers.high_sync, "high_")):
         if level not in ("both", name):
             continue   # frozen this step: not called, its optimizer state stays as it is
-        part = {**batch, "loss_mask": batch["loss_mask"] * level_mask(batch["turn_ids"], name)}
+        part = {**batch, **scored.get(name, {}), "loss_mask": batch["loss_mask"] * level_mask(batch["turn_ids"], name)}
         part_stats, part_busy = group.train(part, step)
         stats.update({prefix + k: v for k, v in part_stats.items()})
         busy += part_busy

@@ -1,0 +1,137 @@
+"""The policy update's forward passes (in this process, world size 1, real DeepSpeed): with
+one epoch of one mini-batch it does not score the batch a second time for the old logprobs,
+and logprobs handed in (MLMT computes them first) replace its own; either way the update and
+its stats are the ones of the plain path."""
+import socket
+
+import pytest
+import torch
+
+from turnrl.config import Config
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _batch(rows: int = 6, length: int = 16) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 200, (rows, length), generator=g)
+    mask = torch.zeros(rows, length)
+    for r in range(rows):
+        mask[r, 6:6 + 2 + r] = 1
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": mask,
+            "turn_ids": torch.zeros(rows, length, dtype=torch.long),
+            "advantages": torch.randn(rows, 1, generator=g).expand(rows, length) * mask}
+
+
+def test_packed_weights_come_back_bit_identical_whatever_the_dtype_and_shape():
+    from turnrl.training.workers import ALIGN, pack_tensors, unpack_tensors
+    g = torch.Generator().manual_seed(0)
+    named = [("embed.weight", torch.randn(7, 5, generator=g)),
+             ("norm.weight", torch.randn(3, generator=g).to(torch.bfloat16)),   # 6 bytes: the next one is realigned
+             ("scale", torch.randn((), generator=g, dtype=torch.float64)),
+             ("empty", torch.zeros(0, 4)),
+             ("lm_head.weight", torch.randn(5, 7, generator=g).t())]            # not contiguous
+    array, index = pack_tensors(named)
+    assert array.dtype.name == "uint8" and all(start % ALIGN == 0 for *_, start, _ in index)
+    array.setflags(write=False)   # as the object store hands it over
+    back = list(unpack_tensors((array, index)))
+    assert [name for name, _ in back] == [name for name, _ in named]
+    for (_, want), (_, got) in zip(named, back):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+
+
+class Counting:
+    """Counts calls of a worker's no-grad scoring methods."""
+
+    def __init__(self, worker):
+        self.calls = {"old": 0, "ref": 0}
+        for name, key in (("_logprobs", "old"), ("_reference_logprobs", "ref")):
+            inner = getattr(worker, name)
+
+            def counted(batch, inner=inner, key=key):
+                self.calls[key] += 1
+                return inner(batch)
+            setattr(worker, name, counted)
+
+
+def _weights(worker) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in worker.named_weights().items()}
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_model_dir):
+    """Two policies from the same start, each trained for two steps on the same batches: one
+    takes the on-policy shortcut, the other is handed the old and reference logprobs of the
+    whole batch (what a separate forward returns: the path of several epochs or mini-batches)."""
+    from turnrl.training.workers import PolicyWorker, combine_rank_stats
+    cfg = Config.model_validate({"train": {"lr": 1e-2}, "algorithm": {"kl_coef": 0.05, "entropy_coef": 0.01}})
+    out = {}
+    for name in ("shortcut", "handed_in"):
+        worker = PolicyWorker(str(tiny_model_dir), cfg.model_dump(), master_port=_port())
+        counting = Counting(worker)
+        stats = []
+        for step in (1, 2):
+            batch = _batch()
+            batch["engine_logprobs"] = worker.logprobs(batch) + 0.01 * batch["loss_mask"]   # a small known gap
+            if name == "handed_in":
+                batch["old_logprobs"] = worker.logprobs(batch)
+                batch["ref_logprobs"] = worker.reference_logprobs(batch)
+            counting.calls = {"old": 0, "ref": 0}
+            stats.append(combine_rank_stats([worker.train(batch, step)]))
+        out[name] = {"stats": stats, "calls": counting.calls, "weights": _weights(worker)}
+    return out
+
+
+@pytest.mark.slow
+def test_on_policy_update_runs_no_separate_old_logprob_forward(workers):
+    assert workers["shortcut"]["calls"] == {"old": 0, "ref": 1}
+    assert workers["handed_in"]["calls"] == {"old": 0, "ref": 0}   # both handed in: nothing scored twice
+
+
+@pytest.mark.slow
+def test_shortcut_and_handed_in_logprobs_give_the_same_update_and_stats(workers, tiny_model_dir):
+    from safetensors.torch import load_file
+    a, b = workers["shortcut"], workers["handed_in"]
+    initial = load_file(tiny_model_dir / "model.safetensors")
+    assert max(float((a["weights"][k] - initial[k]).abs().max()) for k in initial) > 1e-3   # it trained
+    for k in a["weights"]:
+        assert torch.allclose(a["weights"][k], b["weights"][k], atol=1e-6, rtol=0), k
+    for sa, sb in zip(a["stats"], b["stats"]):
+        for key in ("loss", "entropy", "kl_ref", "logp_gap_max", "grad_norm", "clip_fraction"):
+            assert sa[key] == pytest.approx(sb[key], rel=1e-5, abs=1e-7), key
+        assert sa["logp_gap_max"] == pytest.approx(0.01, abs=1e-5)    # the gap put into engine_logprobs
+    assert abs(a["stats"][0]["kl_ref"]) < 1e-7 < a["stats"][1]["kl_ref"]
+
+
+@pytest.mark.slow
+def test_several_epochs_still_score_the_old_policy_once_before_the_update(tiny_model_dir):
+    from turnrl.training.workers import PolicyWorker, combine_rank_stats
+    cfg = Config.model_validate({"algorithm": {"epochs": 2}})
+    worker = PolicyWorker(str(tiny_model_dir), cfg.model_dump(), master_port=_port())
+    counting = Counting(worker)
+    batch = _batch()
+    batch["engine_logprobs"] = worker.logprobs(batch)
+    counting.calls = {"old": 0, "ref": 0}
+    stats = combine_rank_stats([worker.train(batch, 1)])
+    assert counting.calls == {"old": 1, "ref": 1}
+    assert stats["logp_gap_max"] < 1e-5 and stats["ratio_max"] > 1.0   # the second epoch is off-policy
+
+
+@pytest.mark.slow
+def test_overlapped_rollouts_train_on_batches_one_update_old(tiny_model_dir, tmp_path):
+    """train.overlap_rollout through the real loop (Ray, DeepSpeed, vLLM): step 1's batch
+    comes from the weights the trainer holds; step 2's was sampled during update 1, by the
+    starting weights, so the trainer's logprobs have moved away from the engine's; the run
+    ends with the configured steps and a saved model."""
+    from conftest import train_two_steps
+    # the untrained model earns no reward (zero advantages): the entropy bonus moves the weights
+    history = train_two_steps(tiny_model_dir, tmp_path, {"name": "code_tool"}, {"name": "grpo", "entropy_coef": 0.5},
+                              train={"overlap_rollout": True, "lr": 2e-2})
+    assert history[0]["logp_gap_max"] < 1e-4
+    assert history[1]["logp_gap_max"] > 1e-2
+    assert all(h["trained_tokens"] > 0 for h in history)
+    assert (tmp_path / "final" / "model.safetensors").exists()
