@@ -130,7 +130,7 @@ def headline(results: Mapping) -> dict[str, float]:
             out[f"{prefix}speedup"] = round(ratio(p, t), 2)
             if "cpu_s" in pair["turnrl"] and "cpu_s" in pair["trl"]:
                 out[f"{prefix}cpu_speedup"] = round(ratio(pair["trl"]["cpu_s"], pair["turnrl"]["cpu_s"]), 2)
-        vllm = pairs.get(f"{name}_trl_vllm") if "overlap" not in name else None   # TRL with vLLM colocated
+        vllm = pairs.get(f"{name}_trl_vllm")   # TRL with vLLM colocated, beside its default
         if vllm:
             out[f"{prefix}trl_vllm_step_s"] = round(vllm["trl"]["step_s"], 3)
             out[f"{prefix}speedup_vs_trl_vllm"] = round(ratio(vllm["trl"]["step_s"], vllm["turnrl"]["step_s"]), 2)

@@ -437,8 +437,8 @@ def assemble(args: argparse.Namespace, cases: list[dict], outcomes: dict[str, di
             for engine in args.trl_engine_list:
                 p = cs.get(f"{suite}/trl-{engine}")
                 if t and p:
-                    key = suite + ("" if engine == args.trl_engine_list[0] else f"_trl_{engine}") + \
-                        variant.replace("-", "_")
+                    key = suite + variant.replace("-", "_") + \
+                        ("" if engine == args.trl_engine_list[0] else f"_trl_{engine}")
                     out["pairs"][key] = {"turnrl": t, "trl": p, "trl_engine": engine,
                                          "speedup": R.ratio(p["step_s"], t["step_s"])}
     for suite, loop_name in (("grpo", f"grpo/turnrl-{args.engine}"), ("tool", f"tool/turnrl-{args.engine}"),

@@ -141,7 +141,9 @@ class MathRefineCfg(_Section):
 
 class EnvCfg(_Section):
     name: Literal["code_tool", "search", "math_refine", "intervention"] = "code_tool"
-    workers: int = Field(2, gt=0, description="threads stepping environments (sandbox runs, searches, endpoint calls)")
+    workers: int = Field(4, gt=0, description=(
+        "threads stepping environments (sandbox runs, searches, endpoint calls): mostly process start-up and "
+        "waiting, so more than the cores help (128 sandbox runs on 2 cores: 2.46 s with 2 threads, 2.04 s with 4)"))
     code_tool: CodeToolCfg = CodeToolCfg()
     search: SearchCfg = SearchCfg()
     math_refine: MathRefineCfg = MathRefineCfg()
