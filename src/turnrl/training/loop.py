@@ -286,7 +286,8 @@ def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict]
             # share of the step each role's actors wait (for the other role, or the slowest of their own)
             "engine_idle_frac": 1 - sum(engine_busy) / len(workers.rollout.handles) / step_s,
             "trainer_idle_frac": 1 - sum(trainer_busy) / len(trainer_busy) / step_s,
-            "gen_tokens_per_s": generated / max(1e-9, t_rollout - t_start),
+            # over the engines' own busy time: with overlap_rollout the wait for them (rollout_s) is not it
+            "gen_tokens_per_s": generated / max(1e-9, max(engine_busy)),
             "step": step,
         }
         history.append(metrics)
