@@ -1,4 +1,6 @@
 """The multi-turn rollout loop: token in, token out; environment tokens masked; budgets."""
+import time
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -99,7 +101,8 @@ def check_token_in_token_out(t, fmt):
     policy = [ids for m, ids in segments if m == 1]
     observations = [ids for m, ids in segments if m == 0]
     assert [fmt.tokenizer.decode(ids, skip_special_tokens=False) for ids in policy] == t.turn_texts[:len(policy)]
-    assert observations == [fmt.observation_ids(o, "tool") for o in t.observations]
+    assert observations == [fmt.observation_ids(o, "tool", after_eos=fmt.ends_turn(turn))
+                            for o, turn in zip(t.observations, policy)]
     assert all(lp <= 0 for lp, m in zip(t.engine_logprobs, t.loss_mask) if m) 
     assert all(lp == 0 for lp, m in zip(t.engine_logprobs, t.loss_mask) if not m)
 
@@ -156,3 +159,178 @@ def test_two_models_each_play_their_level_of_one_conversation(fmt):
     shared = ScriptedEngine(tok, ["<answer>57</answer>", "<feedback>ok</feedback>", "<answer>123</answer>"])
     run_rollouts(shared, [example], lambda: envs.make("math_refine"), fmt, Budgets(3, 32, 400))
     assert len(shared.calls) == 3
+
+
+# --------------------------------------------------------------------------- continuous batching across turns
+class SteppingEngine:
+    """A stand-in for an engine driven step by step (the code around it is what is tested):
+    request `key` takes `steps[key]` engine steps and answers `text`; every add and finish
+    is logged with the engine step it happened at."""
+
+    def __init__(self, tokenizer, text: str, steps: dict[int, int]):
+        self.tokenizer, self.text, self.steps, self.log = tokenizer, text, steps, []
+
+    def stepper(self, *, stop, temperature, top_p):
+        engine = self
+
+        class Stepper:
+            def __init__(self):
+                self.running, self.now = {}, 0
+
+            def add(self, key, prompt, max_tokens, seed):
+                engine.log.append(("add", key, self.now))
+                self.running[key] = self.now + engine.steps.get(key, 1)
+
+            def step(self):
+                self.now += 1
+                done = [k for k, end in self.running.items() if end <= self.now]
+                ids = engine.tokenizer(engine.text, add_special_tokens=False)["input_ids"]
+                for k in done:
+                    del self.running[k]
+                    engine.log.append(("done", k, self.now))
+                return [(k, Sample(ids, [-0.5] * len(ids), "stop")) for k in done]
+
+            def busy(self):
+                return bool(self.running)
+
+            def abort(self):
+                self.running.clear()
+
+        return Stepper()
+
+
+class SlowCodeTool:
+    """code_tool whose answers come back after a random delay (a slow sandbox or network)."""
+
+    def __init__(self, rng):
+        self.env, self.rng = envs.make("code_tool"), rng
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+    def step(self, text):
+        time.sleep(self.rng.uniform(0, 0.03))
+        return self.env.step(text)
+
+
+def test_a_turn_starts_while_other_trajectories_still_decode(fmt):
+    """Trajectory 0's turn takes 1 engine step, trajectory 1's 6: with a lag of 2, trajectory
+    0's second turn joins the batch at step 3, before trajectory 1's first turn is done."""
+    engine = SteppingEngine(fmt.tokenizer, "<code>print(1)</code>", steps={0: 1, 1: 6})
+    trajs = run_rollouts(engine, [EXAMPLE], lambda: envs.make("code_tool"), fmt, Budgets(2, 32, 500), n=2,
+                         observation_lag=2)
+    adds_of_0 = [step for event, key, step in engine.log if event == "add" and key == 0]
+    first_done_of_1 = next(step for event, key, step in engine.log if event == "done" and key == 1)
+    assert adds_of_0 == [0, 3] and first_done_of_1 == 6
+    assert [t.finish for t in trajs] == ["max_turns", "max_turns"]
+    assert all(t.num_turns == 2 and len(t.observations) == 1 for t in trajs)
+    check_token_in_token_out(trajs[0], fmt)
+
+
+def test_the_schedule_does_not_depend_on_how_long_the_environment_takes(fmt):
+    """Answers that come back late are waited for at their due step: the engine sees the same
+    adds at the same steps whatever the environment's timing."""
+    import random
+    logs = []
+    for run in range(3):
+        rng = random.Random(run)
+        engine = SteppingEngine(fmt.tokenizer, "<code>print(2)</code>", steps={k: 1 + k % 3 for k in range(6)})
+        run_rollouts(engine, [EXAMPLE], lambda: SlowCodeTool(rng), fmt, Budgets(3, 32, 500), n=6,
+                     observation_lag=1, env_workers=3)
+        logs.append(engine.log)
+    assert logs[0] == logs[1] == logs[2]
+    assert sum(1 for event, *_ in logs[0] if event == "add") == 6 * 3      # three turns each
+
+
+def test_a_failing_environment_drops_the_engines_unfinished_requests(fmt):
+    class Broken:
+        def __init__(self):
+            self.env = envs.make("code_tool")
+
+        def __getattr__(self, name):
+            return getattr(self.env, name)
+
+        def step(self, text):
+            raise RuntimeError("sandbox gone")
+
+    engine = SteppingEngine(fmt.tokenizer, "<code>print(3)</code>", steps={0: 1, 1: 9})
+    steppers = []
+    original = engine.stepper
+    engine.stepper = lambda **kw: steppers.append(original(**kw)) or steppers[-1]
+    with pytest.raises(RuntimeError, match="sandbox gone"):
+        run_rollouts(engine, [EXAMPLE], Broken, fmt, Budgets(2, 32, 500), n=2, observation_lag=0)
+    assert not steppers[0].busy()        # trajectory 1's request did not stay in the engine
+
+
+class GoOn:
+    """Every turn ends at a digit and is answered "go on" until the third: turns of different
+    lengths, so on a real engine trajectories reach each turn at different steps."""
+    system_prompt, stop, observation_role = "Count.", tuple("0123456789"), "tool"
+
+    def reset(self, example):
+        self.turns = 0
+        return example["prompt"]
+
+    def step(self, text):
+        from turnrl.envs.base import StepResult
+        self.turns += 1
+        done = self.turns == 3
+        return StepResult(None if done else "go on", 0.0, done, {"reason": "answer"} if done else {})
+
+
+@pytest.mark.slow
+def test_vllm_rollouts_batch_across_turns_and_repeat_for_the_same_seed(tiny_model_dir, fmt):
+    """The real vLLM engine stepped by the loop: turns of different lengths join and leave the
+    running batch; the same torch seed gives the same trajectories, token for token."""
+    import torch
+    from turnrl.rollout.engines import VLLMEngine
+    engine = VLLMEngine(str(tiny_model_dir), max_model_len=512, seed=0)
+    examples = [{"prompt": f"Compute {a} + {a}.", "answer": str(2 * a)} for a in range(4)]
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        runs.append(run_rollouts(engine, examples, GoOn, fmt, Budgets(3, 64, 400), n=4, observation_lag=2))
+    first, second = runs
+    assert [t.response_ids for t in first] == [t.response_ids for t in second]
+    assert [t.engine_logprobs for t in first] == [t.engine_logprobs for t in second]
+    went_on = [t for t in first if t.num_turns > 1]       # the rest ran out of tokens in turn 1
+    assert len(went_on) >= 4 and all(t.observations[0] == "go on" for t in went_on)
+    assert all(t.num_turns == 3 for t in first if t.finish == "answer")
+    assert len({len(t.turn_texts[0]) for t in went_on}) > 1        # turns of different lengths
+    for t in first:
+        check_token_in_token_out(t, fmt)
+
+
+@pytest.mark.slow
+def test_the_vllm_stepper_stops_where_vllm_itself_stops(tiny_model_dir):
+    """Stop strings checked by the stepper on each step's tokens give the same tokens, logprobs
+    and finish reasons as vLLM's own stop handling (greedy, so sampling noise plays no part)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from turnrl.rollout.engines import VLLMEngine
+    engine = VLLMEngine(str(tiny_model_dir), max_model_len=512, seed=0)
+    prompts = [[1] + list(range(10 + k, 40 + 3 * k)) for k in range(12)]
+    limits = [6, 40] * 6
+
+    def vllm_generate(stop):
+        return engine.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            [SamplingParams(temperature=0.0, max_tokens=m, stop=stop, include_stop_str_in_output=True, logprobs=0)
+             for m in limits], use_tqdm=False)
+
+    # stop strings that occur mid-output: a few characters of what greedy decoding writes
+    texts = [out.outputs[0].text for out in vllm_generate([])]
+    short = sorted({t[4:6] for t in texts if len(t) > 8})[:3]
+    longer = sorted({t[10:16] for t in texts if len(t) > 20})[:2]
+    for stop in (short, longer + ["</code>"], []):
+        ours = engine.generate(prompts, max_tokens=limits, stop=stop, temperature=0.0, top_p=1.0,
+                               seeds=[None] * len(prompts))
+        theirs = vllm_generate(stop)
+        for sample, out in zip(ours, theirs):
+            c = out.outputs[0]
+            assert sample.token_ids == list(c.token_ids), stop
+            assert sample.finish == ("length" if c.finish_reason == "length" else "stop"), stop
+            assert sample.logprobs == pytest.approx([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+                                                    abs=1e-5)
+        if stop:
+            assert {s.finish for s in ours} == {"stop", "length"}, stop     # both kinds of ending seen

@@ -194,6 +194,12 @@ class RolloutCfg(_Section):
     max_tokens_per_turn: int = Field(48, gt=0)
     max_tokens_total: int = Field(160, gt=0, description="policy + environment tokens after the prompt")
     kv_cache_gib: float = Field(1.0, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU")
+    observation_lag: int = Field(0, ge=0, description=(
+        "engine steps between the end of a trajectory's turn and its environment's answer joining the "
+        "batch; meanwhile the engine decodes the other trajectories and the environment runs (a tool, a "
+        "search). Counted in steps, not seconds, so rollouts repeat exactly; an answer not back in time "
+        "is waited for. 0: wait at once (best where tools and engine share the CPU cores; with the "
+        "engine on a GPU a few steps let decoding go on while tools run)"))
 
 
 # --------------------------------------------------------------------------- train

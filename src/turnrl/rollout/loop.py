@@ -1,18 +1,26 @@
-"""The multi-turn rollout loop: all live trajectories generate together each turn.
+"""The multi-turn rollout loop: every trajectory advances on its own.
 
-    for each turn:
-        the engine continues every live trajectory by one policy turn (one batched call; with
-            two models in one conversation, one call per model)
-        each environment reads its turn and answers (tool result, feedback, ...) or ends it
-        observation tokens are appended with loss mask 0; ended trajectories drop out
+    every trajectory's first turn goes to the engine
+    each engine step: the trajectories whose turn finished go to their environment (a thread
+        pool: tool runs, searches, feedback) while the engine goes on with the others
+    `observation_lag` engine steps later the environment's answer rejoins the batch as the
+        next turn's context (observation tokens with loss mask 0), or the trajectory ends
+
+So a tool call does not stop the batch: on vLLM the engine keeps decoding the other
+trajectories while it runs (continuous batching across turns). The schedule counts engine
+steps, never wall time, so a rollout repeats itself exactly for the same engine seed, weights
+and prompts (an answer not back when it is due is waited for). An engine that only generates
+a whole batch (transformers, test fakes) gets each turn of all live trajectories in one call,
+as in a turn-by-turn loop.
 
 Token in, token out: the ids the engine sampled go into the trajectory unchanged, with the
 engine's logprob for each; observations are tokenized once (see `ChatFormat`).
 """
 from __future__ import annotations
 
+import heapq
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol, Sequence
 
@@ -34,6 +42,39 @@ class Engine(Protocol):
     def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: Sequence[int],
                  stop: Sequence[str], temperature: float, top_p: float,
                  seeds: Sequence[int]) -> list[Sample]: ...
+
+
+class Stepper(Protocol):
+    """An engine driven one step at a time (an engine's optional `stepper(stop=, temperature=,
+    top_p=)` returns one; `BatchStepper` makes one of any `Engine`)."""
+    def add(self, key: int, prompt: Sequence[int], max_tokens: int, seed: int | None) -> None: ...
+    def step(self) -> list[tuple[int, Sample]]: ...   # the requests that finished in this step
+    def busy(self) -> bool: ...
+    def abort(self) -> None: ...                      # drop every unfinished request
+
+
+class BatchStepper:
+    """A whole-batch `generate` as a stepper: one step generates everything added since the
+    last, so all trajectories whose turns are due together share one call."""
+
+    def __init__(self, engine: Engine, *, stop: Sequence[str], temperature: float, top_p: float):
+        self.engine, self.options = engine, dict(stop=stop, temperature=temperature, top_p=top_p)
+        self.queue: list[tuple[int, Sequence[int], int, int | None]] = []
+
+    def add(self, key: int, prompt: Sequence[int], max_tokens: int, seed: int | None) -> None:
+        self.queue.append((key, prompt, max_tokens, seed))
+
+    def step(self) -> list[tuple[int, Sample]]:
+        batch, self.queue = self.queue, []
+        samples = self.engine.generate([p for _, p, _, _ in batch], max_tokens=[m for _, _, m, _ in batch],
+                                       seeds=[s for *_, s in batch], **self.options)
+        return [(key, sample) for (key, *_), sample in zip(batch, samples)]
+
+    def busy(self) -> bool:
+        return bool(self.queue)
+
+    def abort(self) -> None:
+        self.queue = []
 
 
 @dataclass
@@ -111,17 +152,19 @@ def level_of(env: Env, turn: int) -> str:
 def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict], make_env: Callable[[], Env],
                  fmt: ChatFormat, budgets: Budgets, *, n: int = 1, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int | None = None, env_workers: int = 2,
-                 progress: bool = False, desc: str = "rollout") -> list[Trajectory]:
+                 observation_lag: int = 0, progress: bool = False, desc: str = "rollout") -> list[Trajectory]:
     """Roll out `n` trajectories per example; trajectory i belongs to group i // n.
 
     `engine` is one engine for every turn, or one per level ({"low": solver, "high": feedback
     model}) when two models share a conversation: each turn goes to the engine of its level
-    (`level_of`), all live trajectories of a level in one batched call.
+    (`level_of`).
 
-    With a `seed`, every (trajectory, turn) samples with its own derived seed, so a rerun
-    gives the same trajectories whatever the batching; without one the engine's own
-    generator is used (faster on vLLM)."""
-    engines = engine if isinstance(engine, Mapping) else None
+    `observation_lag`: engine steps between the end of a turn and its environment answer
+    rejoining the batch (the environment runs meanwhile; 0: wait for it at once).
+
+    With a `seed`, every (trajectory, turn) samples with its own derived seed where the engine
+    takes one (transformers), so a rerun gives the same trajectories whatever the batching;
+    without one the engine's own generator is used (faster on vLLM)."""
     envs: list[Env] = []
     trajs: list[Trajectory] = []
     for example in examples:
@@ -130,66 +173,82 @@ def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict]
             first = env.reset(example)
             envs.append(env)
             trajs.append(Trajectory(example=example, prompt_ids=fmt.prompt_ids(env.system_prompt, first)))
+    if not trajs:
+        return trajs
 
-    stop = tuple(envs[0].stop) if envs else ()
-    live = list(range(len(trajs)))
+    options = dict(stop=tuple(envs[0].stop), temperature=temperature, top_p=top_p)
+    by_level = engine if isinstance(engine, Mapping) else {"low": engine}
+    steppers: dict[int, Stepper] = {}      # one per distinct engine, whatever levels it plays
+    for e in by_level.values():
+        if id(e) not in steppers:
+            steppers[id(e)] = e.stepper(**options) if hasattr(e, "stepper") else BatchStepper(e, **options)
+    turn_of = [0] * len(trajs)
     bar = tqdm(total=len(trajs), desc=desc, unit="traj", disable=not progress, leave=False)
+
+    def start_turn(i: int) -> None:
+        t, turn = trajs[i], turn_of[i]
+        room = min(budgets.max_tokens_per_turn, budgets.max_tokens_total - len(t.response_ids),
+                   budgets.max_context - len(t.prompt_ids) - len(t.response_ids))
+        if room <= 0:                      # e.g. a prompt longer than the context
+            t.finish = "token_budget"
+            bar.update()
+            return
+        level = level_of(envs[i], turn) if isinstance(engine, Mapping) else "low"
+        steppers[id(by_level[level])].add(i, t.prompt_ids + t.response_ids, room,
+                                          None if seed is None else _seed(seed, i, turn))
+
+    def end_turn(i: int, sample: Sample, result: StepResult) -> None:
+        """The environment's answer to trajectory i's turn: end it, or start its next turn."""
+        t, turn = trajs[i], turn_of[i]
+        if t.record(result):
+            bar.update()
+            return
+        if turn == budgets.max_turns - 1:
+            t.finish = "max_turns"
+            bar.update()
+            return
+        obs_ids = fmt.observation_ids(result.observation or "", envs[i].observation_role,
+                                      after_eos=fmt.ends_turn(sample.token_ids))
+        if len(t.response_ids) + len(obs_ids) >= budgets.max_tokens_total:
+            t.finish = "token_budget"
+            bar.update()
+            return
+        t.add_observation(turn, obs_ids, result.observation or "")
+        turn_of[i] += 1
+        start_turn(i)
+
+    # answers on their way: (engine step they are due at, trajectory, its last sample, the env's work)
+    waiting: list[tuple[int, int, Sample, Future]] = []
+    step = 0
     with ThreadPoolExecutor(max_workers=env_workers) as pool:
-        for turn in range(budgets.max_turns):
-            if not live:
-                break
-            room = {i: min(budgets.max_tokens_per_turn, budgets.max_tokens_total - len(trajs[i].response_ids),
-                           budgets.max_context - len(trajs[i].prompt_ids) - len(trajs[i].response_ids))
-                    for i in live}
-            full = [i for i in live if room[i] <= 0]   # e.g. a prompt longer than the context
-            for i in full:
-                trajs[i].finish = "token_budget"
-            bar.update(len(full))
-            live = [i for i in live if room[i] > 0]
-            if not live:
-                break
-            by_engine: dict[str, list[int]] = {}
-            for k, i in enumerate(live):
-                by_engine.setdefault(level_of(envs[i], turn) if engines is not None else "", []).append(k)
-            samples: list[Sample] = [None] * len(live)  # type: ignore[list-item]
-            for level, ks in by_engine.items():
-                outs = (engines[level] if engines is not None else engine).generate(
-                    [trajs[live[k]].prompt_ids + trajs[live[k]].response_ids for k in ks],
-                    max_tokens=[room[live[k]] for k in ks], stop=stop, temperature=temperature, top_p=top_p,
-                    seeds=[None if seed is None else _seed(seed, live[k], turn) for k in ks])
-                for k, out in zip(ks, outs):
-                    samples[k] = out
-            texts = [fmt.tokenizer.decode(s.token_ids, skip_special_tokens=False) for s in samples]
-            for i, sample, text in zip(live, samples, texts):
-                trajs[i].add_turn(turn, sample.token_ids, sample.logprobs, text)
-
-            # A turn cut by the token limit has no complete action: it ends the trajectory.
-            stepping = [k for k, s in enumerate(samples) if s.finish != "length"]
-            results = dict(zip(stepping, pool.map(lambda k: envs[live[k]].step(texts[k]), stepping)))
-
-            still_live = []
-            for k, i in enumerate(live):
-                t = trajs[i]
-                result = results.get(k)
-                if result is None:
-                    t.turn_rewards.append(0.0)
-                    t.finish = "truncated"
+        try:
+            for i in range(len(trajs)):
+                start_turn(i)
+            while True:
+                while waiting and waiting[0][0] <= step:     # due answers, in a fixed order
+                    _, i, sample, work = heapq.heappop(waiting)
+                    end_turn(i, sample, work.result())
+                busy = [s for s in steppers.values() if s.busy()]
+                if not busy:
+                    if not waiting:
+                        break
+                    step = waiting[0][0]                      # nothing to decode: the next answer
                     continue
-                if t.record(result):
-                    continue
-                if turn == budgets.max_turns - 1:
-                    t.finish = "max_turns"
-                    continue
-                obs_ids = fmt.observation_ids(result.observation or "", envs[i].observation_role,
-                                              after_eos=fmt.ends_turn(samples[k].token_ids))
-                if len(t.response_ids) + len(obs_ids) >= budgets.max_tokens_total:
-                    t.finish = "token_budget"
-                    continue
-                t.add_observation(turn, obs_ids, result.observation or "")
-                still_live.append(i)
-            bar.update(len(live) - len(still_live))
-            live = still_live
-    bar.close()
+                step += 1
+                for stepper in busy:
+                    for i, sample in stepper.step():
+                        text = fmt.tokenizer.decode(sample.token_ids, skip_special_tokens=False)
+                        trajs[i].add_turn(turn_of[i], sample.token_ids, sample.logprobs, text)
+                        if sample.finish == "length":   # cut by the token limit: no complete action
+                            trajs[i].turn_rewards.append(0.0)
+                            trajs[i].finish = "truncated"
+                            bar.update()
+                            continue
+                        heapq.heappush(waiting, (step + observation_lag, i, sample, pool.submit(envs[i].step, text)))
+        finally:
+            for stepper in steppers.values():
+                stepper.abort()
+            bar.close()
     return trajs
 
 

@@ -525,7 +525,8 @@ class RolloutWorker:
         return run_rollouts(self.engines if len(self.engines) > 1 else self.engine, examples, self.make_env, self.fmt,
                             Budgets(r.max_turns, r.max_tokens_per_turn, r.max_tokens_total),
                             n=n, temperature=r.temperature if temperature is None else temperature,
-                            top_p=r.top_p, seed=seed, env_workers=self.cfg.env.workers)
+                            top_p=r.top_p, seed=seed, env_workers=self.cfg.env.workers,
+                            observation_lag=r.observation_lag)
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token t | tokens < t) of each sequence under the engine's weights (entry 0 is 0)."""
