@@ -170,7 +170,8 @@ class _Run:
         if name == "task" and e.greedy and e.temperature > 0:
             greedy = run_rollouts(self.engine, problems, make_env, self.fmt, budgets, temperature=0.0,
                                   seed=self.cfg.seed, env_workers=self.cfg.env.workers, progress=True,
-                                  observation_lag=self.cfg.rollout.observation_lag, desc=f"eval {name} (greedy)")
+                                  observation_lag=self.cfg.rollout.observation_lag,
+                                  desc=f"eval {name} (greedy)")
             g = summarize(greedy)
             block.update({"accuracy_greedy": g["accuracy"], "mean_response_tokens_greedy": g["mean_response_tokens"],
                           "tokens_per_correct_greedy": g["tokens_per_correct"]})
