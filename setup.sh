@@ -19,7 +19,9 @@ PYTHON=${PYTHON:-python3}
 
 export DVC_NO_ANALYTICS=1 DS_ACCELERATOR=cpu
 # Check the stack imports, and build DeepSpeed's CPU communication op once (~1 min of gcc,
-# cached in ~/.cache/torch_extensions) so the first training run does not pay for it.
+# cached in ~/.cache/torch_extensions) so the first training run does not pay for it. Built with
+# the activated environment's PATH: a build by another ninja (e.g. the system's) is rebuilt.
+export PATH="$PWD/.venv/bin:$PATH"
 .venv/bin/python - <<'PY'
 import transformers, vllm, ray, mlflow, prefect, dvc  # noqa: F401
 from transformers import Qwen2ForCausalLM  # noqa: F401  (fails if a CUDA torchvision is present)

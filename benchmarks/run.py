@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads of each framework (turnrl: per role, they take turns). auto: all cores "
                    "when the machine is quiet (1-min load average below 1), else 1: two OpenMP threads on "
                    "busy shared cores stall each other (10-50x slower steps measured here)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run turnrl's grpo and tool cases with train.overlap_rollout (--no-overlap: skip)")
     p.add_argument("--repeats", type=int, default=1,
                    help="run each framework pair this many times, alternating; medians pool all runs")
     p.add_argument("--only", default="", help="run only cases whose name contains one of these "
@@ -171,7 +173,7 @@ def plan(args: argparse.Namespace) -> list[dict]:
             for engine in engines:
                 cases.append({**spec, "name": f"{suite}/turnrl-{engine}{tag}", "suite": suite, "kind": "loop",
                               "engine": engine})
-            if suite in ("grpo", "tool"):   # train.overlap_rollout: the next rollout during the update
+            if args.overlap and suite in ("grpo", "tool"):   # train.overlap_rollout: the next rollout during the update
                 cases.append({**spec, "name": f"{suite}/turnrl-{args.engine}-overlap{tag}", "suite": suite,
                               "kind": "loop", "engine": args.engine, "overlap": True})
             for engine in args.trl_engine_list:

@@ -7,6 +7,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Tests never download: with network a "data set unreachable" test would fetch it, and without
+# network the hub attempt would wait for its timeouts (~20 s per test) before failing.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 
 @pytest.fixture(scope="session")
 def data_dir() -> Path:

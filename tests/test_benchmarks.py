@@ -32,6 +32,7 @@ def test_quick_runs_the_headline_pairs_and_parts():
     assert [c.get("overlap", False) for c in plan(args)] == [False, True, False, False, False, True, False, False, False]
     assert [c["name"] for c in plan(parse_args(["--quick", "--only", "trl-vllm,parts"]))] == \
         ["grpo/trl-vllm", "tool/trl-vllm", "parts/grpo"]
+    assert "overlap" not in " ".join(c["name"] for c in plan(parse_args(["--quick", "--no-overlap"])))
 
 
 def test_threads_follow_the_load_unless_given():
@@ -233,22 +234,23 @@ def test_scripted_turns_call_twice_then_answer():
 # --------------------------------------------------------------------------- end to end (slow)
 @pytest.mark.slow
 def test_quick_run_prints_both_step_times_last(tmp_path):
-    """A tiny `--quick` (grpo pair only, 2 prompts x 2 samples x 8 tokens, one measured step):
-    the real Ray/DeepSpeed/vLLM loop and TRL's GRPOTrainer both run; ~2 min on 2 quiet cores, 4 when busy."""
+    """A tiny `--quick` (grpo pair only, 2 prompts x 2 samples x 8 tokens, one measured step, no
+    overlap case): the real Ray/DeepSpeed/vLLM loop and TRL's GRPOTrainer both run; ~2 min."""
     pytest.importorskip("trl", reason="the TRL peer needs the bench extra: pip install -e '.[bench]'")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--suites", "grpo", "--prompts", "2",
          "--group", "2", "--max-tokens", "8", "--max-total", "8", "--steps", "1", "--warmup", "1", "--trl-engines", "hf",
-         "--threads", "1", "--work-dir", str(tmp_path)],
+         "--no-overlap", "--threads", "1", "--work-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = json.loads(proc.stdout.strip().splitlines()[-1])
     assert line["turnrl_step_s"] > 0 and line["trl_step_s"] > 0
     # the line rounds the speedup to 2 decimals and the step times to 3
     assert line["speedup"] == pytest.approx(line["trl_step_s"] / line["turnrl_step_s"], abs=0.01)
-    assert line["overlap_turnrl_step_s"] > 0    # train.overlap_rollout ran too
+    assert "overlap_turnrl_step_s" not in line
     report = json.loads((tmp_path / "results.json").read_text())
-    for name in ("grpo/turnrl-vllm", "grpo/turnrl-vllm-overlap", "grpo/trl-hf"):
+    assert set(report["cases"]) == {"grpo/turnrl-vllm", "grpo/trl-hf"}
+    for name in ("grpo/turnrl-vllm", "grpo/trl-hf"):
         case = report["cases"][name]
         assert case["gen_tokens"] > 0 and case["peak_rss_mib"] > 100, name
 

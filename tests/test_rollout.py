@@ -1,4 +1,5 @@
 """The multi-turn rollout loop: token in, token out; environment tokens masked; budgets."""
+import sys
 import time
 
 import pytest
@@ -262,23 +263,6 @@ def test_a_failing_environment_drops_the_engines_unfinished_requests(fmt):
     assert not steppers[0].busy()        # trajectory 1's request did not stay in the engine
 
 
-def ran_in_a_fresh_interpreter(test_name: str) -> bool:
-    """Run one test in its own pytest process (and say whether it was). vLLM's engine start scans
-    every loaded module, and a module another test of the whole run loads breaks that scan
-    ("'_lib_fn_wrapper' object has no attribute 'get'"); the training loop never meets this,
-    its engines start in Ray actors."""
-    import os
-    import subprocess
-    import sys
-    if os.environ.get("TURNRL_TEST_ISOLATED"):
-        return False
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "slow",
-                           f"{__file__}::{test_name}"], env={**os.environ, "TURNRL_TEST_ISOLATED": "1"},
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]
-    return True
-
-
 class GoOn:
     """Every turn ends at a digit and is answered "go on" until the third: turns of different
     lengths, so on a real engine trajectories reach each turn at different steps."""
@@ -298,11 +282,13 @@ class GoOn:
 @pytest.mark.slow
 def test_vllm_rollouts_batch_across_turns_and_repeat_for_the_same_seed(tiny_model_dir, fmt):
     """The real vLLM engine stepped by the loop: turns of different lengths join and leave the
-    running batch; the same torch seed gives the same trajectories, token for token."""
-    if ran_in_a_fresh_interpreter("test_vllm_rollouts_batch_across_turns_and_repeat_for_the_same_seed"):
-        return
+    running batch; the same torch seed gives the same trajectories, token for token. The engine
+    starts after the search environment's index library (bm25s, which loads numba) was
+    imported, which broke vLLM's engine start before `_answer_dict_for_llvmlite`."""
     import torch
+    import turnrl.envs.search  # noqa: F401
     from turnrl.rollout.engines import VLLMEngine
+    assert "llvmlite.binding.ffi" in sys.modules
     engine = VLLMEngine(str(tiny_model_dir), max_model_len=512, seed=0)
     examples = [{"prompt": f"Compute {a} + {a}.", "answer": str(2 * a)} for a in range(4)]
     runs = []
@@ -324,8 +310,6 @@ def test_vllm_rollouts_batch_across_turns_and_repeat_for_the_same_seed(tiny_mode
 def test_the_vllm_stepper_stops_where_vllm_itself_stops(tiny_model_dir):
     """Stop strings checked by the stepper on each step's tokens give the same tokens, logprobs
     and finish reasons as vLLM's own stop handling (greedy, so sampling noise plays no part)."""
-    if ran_in_a_fresh_interpreter("test_the_vllm_stepper_stops_where_vllm_itself_stops"):
-        return
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from turnrl.rollout.engines import VLLMEngine

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 from typing import Iterable, Sequence
 
 import torch
@@ -26,6 +27,19 @@ def cpu_env_defaults(kv_cache_gib: float = 1.0) -> dict[str, str]:
     }
 
 
+def _answer_dict_for_llvmlite() -> None:
+    """Let vLLM start in a process that imported numba (bm25s, the search environment's index,
+    does). At engine start vLLM 0.32 rebinds its kernels by reading `vars(x)` of every module
+    attribute x (vllm.triton_utils.dispatcher); llvmlite's `binding.ffi.lib` answers any
+    attribute it does not know, `__dict__` too, with a C-function wrapper, and the start fails
+    with "'_lib_fn_wrapper' object has no attribute 'get'". Its table of known names gets an
+    empty `__dict__`, which is what the scan expects of an object with no attributes."""
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    table = getattr(getattr(ffi, "lib", None), "_fntab", None)
+    if isinstance(table, dict):
+        table.setdefault("__dict__", {})
+
+
 class VLLMEngine:
     def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0,
                  max_model_len: int = 2048, kv_cache_gib: float = 1.0, enforce_eager: bool = True,
@@ -34,6 +48,7 @@ class VLLMEngine:
         for key, value in cpu_env_defaults(kv_cache_gib).items():
             os.environ.setdefault(key, value)
         from vllm import LLM
+        _answer_dict_for_llvmlite()
         # Async scheduling prepares step n+1 while step n runs: 12% less time per decode step on
         # the tiny model on CPU (64 x 48 tokens: 0.55 -> 0.49 s).
         options = {"enable_prefix_caching": True, "async_scheduling": True, **llm_options}

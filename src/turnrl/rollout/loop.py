@@ -177,7 +177,8 @@ def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict]
         return trajs
 
     options = dict(stop=tuple(envs[0].stop), temperature=temperature, top_p=top_p)
-    by_level = engine if isinstance(engine, Mapping) else {"low": engine}
+    two_levels = isinstance(engine, Mapping)
+    by_level = engine if two_levels else {"low": engine}
     steppers: dict[int, Stepper] = {}      # one per distinct engine, whatever levels it plays
     for e in by_level.values():
         if id(e) not in steppers:
@@ -193,7 +194,7 @@ def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict]
             t.finish = "token_budget"
             bar.update()
             return
-        level = level_of(envs[i], turn) if isinstance(engine, Mapping) else "low"
+        level = level_of(envs[i], turn) if two_levels else "low"
         steppers[id(by_level[level])].add(i, t.prompt_ids + t.response_ids, room,
                                           None if seed is None else _seed(seed, i, turn))
 
