@@ -69,11 +69,20 @@ def shares(parts: Mapping[str, float], total: float) -> dict[str, float]:
 def overhead(loop: Mapping[str, float], parts: Mapping[str, float]) -> dict[str, float]:
     """Where a Ray-loop step goes, from the loop's medians and the in-process parts' medians.
 
+    outside_work: the loop's own measure (with the loop's `outside_work_s`): the step's wall
+    time in neither actor's work call (rollout, update). It does not compare two processes
+    run minutes apart, so the machine's drift between them (10-20% here) does not enter it.
+
     compute: model compute (generation, old and reference logprobs, update) measured in-process;
     environment: env steps (sandbox runs); sync: the loop's weight push; overhead: the rest of
     the loop's wall time per step (Ray calls and object transfers, token assembly, batching,
     idle between steps). Fractions of the loop's wall time per step."""
     step = loop["step_s"]
+    direct = {}
+    if "outside_work_s" in loop:
+        # measured in the loop itself: no comparison across processes, so no machine drift in it
+        direct = {"outside_work_s": loop["outside_work_s"], "outside_work_frac": loop["outside_work_s"] / step,
+                  "engine_busy_s": loop["engine_busy_s"], "trainer_busy_s": loop["trainer_busy_s"]}
     compute = sum(parts.get(k, 0.0) for k in MODEL_COMPUTE)
     env = parts.get("env_s", 0.0)
     sync = loop.get("sync_s", 0.0)
@@ -86,7 +95,7 @@ def overhead(loop: Mapping[str, float], parts: Mapping[str, float]) -> dict[str,
             "non_compute_frac": (sync + rest) / step,
             # each Ray actor's share of the step spent working (the rest it idles: the roles take turns)
             "rollout_role_busy_frac": loop.get("rollout_s", float("nan")) / step,
-            "policy_role_busy_frac": (loop.get("train_s", float("nan")) + sync) / step}
+            "policy_role_busy_frac": (loop.get("train_s", float("nan")) + sync) / step, **direct}
 
 
 def parse_grid(text: str) -> list[tuple[int, int]]:
@@ -138,6 +147,9 @@ def headline(results: Mapping) -> dict[str, float]:
         out["speedup_target"] = 2.0
     if "tool" in pairs:
         out["tool_speedup_target"] = 3.0
+    loop = pairs.get("grpo", {}).get("turnrl", {})
+    if "outside_work_s" in loop:     # framework overhead as the loop itself measures it
+        out["outside_work_frac"] = round(loop["outside_work_s"] / loop["step_s"], 3)
     breakdown = results.get("breakdown", {}).get("grpo")
     if breakdown:
         out["overhead_frac"] = round(breakdown["overhead_frac"], 3)
@@ -198,6 +210,9 @@ def markdown(report: Mapping) -> str:
                      f"{_fmt(100 * b['overhead_frac'], 1)}% |")
         lines.append(f"| not model compute (sync + overhead) | {_fmt(b['sync_s'] + b['overhead_s'], 3)} | "
                      f"{_fmt(100 * b['non_compute_frac'], 1)}% |")
+        if "outside_work_s" in b:
+            lines.append(f"| outside both actors' work calls (measured in the loop) | {_fmt(b['outside_work_s'], 3)} | "
+                         f"{_fmt(100 * b['outside_work_frac'], 1)}% |")
         lines.append(f"\nIdle per role: the rollout actor works {_fmt(100 * b['rollout_role_busy_frac'], 0)}% of the "
                      f"step, the policy actor {_fmt(100 * b['policy_role_busy_frac'], 0)}% (they take turns).")
     sweep = report.get("sweep", {})

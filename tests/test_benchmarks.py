@@ -109,6 +109,9 @@ def test_overhead_splits_a_loop_step():
     assert out["compute_s"] == 7.0 and out["overhead_s"] == pytest.approx(1.5)
     assert out["compute_frac"] + out["env_frac"] + out["sync_frac"] + out["overhead_frac"] == pytest.approx(1.0)
     assert out["non_compute_frac"] == pytest.approx(0.2)
+    assert "outside_work_frac" not in out
+    timed = R.overhead({**loop, "engine_busy_s": 4.0, "trainer_busy_s": 5.4, "outside_work_s": 0.6}, parts)
+    assert timed["outside_work_frac"] == pytest.approx(0.06) and timed["overhead_s"] == out["overhead_s"]
 
 
 def test_ratio_and_median_ignore_missing_values():
@@ -127,7 +130,8 @@ def test_assemble_pairs_breakdown_sweep_and_headline():
                 "steps": [{"step": 1, "step_s": 99.0, **extra}] + [{"step": k, "step_s": step_s, **extra}
                                                                      for k in (2, 3, 4)]}
     outcomes = {
-        "grpo/turnrl-vllm": run(2.0, sync_s=0.1, gen_tokens=3000.0, trained_tokens=3000.0, train_s=1.0),
+        "grpo/turnrl-vllm": run(2.0, sync_s=0.1, gen_tokens=3000.0, trained_tokens=3000.0, train_s=1.0,
+                                engine_busy_s=0.9, trainer_busy_s=1.0, outside_work_s=0.1),
         "grpo/turnrl-vllm-overlap": run(1.5, gen_tokens=3000.0),
         "grpo/trl-hf": run(6.0, gen_tokens=3000.0),
         "parts/grpo": run(1.5, generate_s=0.8, env_s=0.0, old_logprobs_s=0.2, ref_logprobs_s=0.2, update_s=0.4),
@@ -150,6 +154,8 @@ def test_assemble_pairs_breakdown_sweep_and_headline():
     line = R.headline(report)
     assert line["turnrl_step_s"] == 2.0 and line["trl_step_s"] == 6.0 and line["speedup"] == 3.0
     assert line["overlap_turnrl_step_s"] == 1.5 and line["overlap_speedup"] == 4.0
+    assert line["outside_work_frac"] == 0.05 and report["breakdown"]["grpo"]["outside_work_frac"] == 0.05
+    assert "| outside both actors' work calls (measured in the loop) | 0.100 | 5.0% |" in table
     assert line["slope_s_per_sample"] == pytest.approx(0.05) and line["slope_cpu_s_per_sample"] == pytest.approx(0.02)
 
 
