@@ -263,6 +263,23 @@ def test_a_failing_environment_drops_the_engines_unfinished_requests(fmt):
     assert not steppers[0].busy()        # trajectory 1's request did not stay in the engine
 
 
+def ran_in_a_fresh_interpreter(test_name: str) -> bool:
+    """Run one test in its own pytest process (and say whether it was). An in-process vLLM
+    engine sets up torch.distributed and tears it down again when it goes: a DeepSpeed engine
+    that an earlier test built in this process (test_critic) keeps groups that then no longer
+    exist, and the next one built here (test_update) fails with "Group ... is not registered".
+    The product never shares a process between the two: engines and trainers are Ray actors."""
+    import os
+    import subprocess
+    if os.environ.get("TURNRL_TEST_ISOLATED"):
+        return False
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "slow",
+                           f"{__file__}::{test_name}"], env={**os.environ, "TURNRL_TEST_ISOLATED": "1"},
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]
+    return True
+
+
 class GoOn:
     """Every turn ends at a digit and is answered "go on" until the third: turns of different
     lengths, so on a real engine trajectories reach each turn at different steps."""
@@ -285,6 +302,8 @@ def test_vllm_rollouts_batch_across_turns_and_repeat_for_the_same_seed(tiny_mode
     running batch; the same torch seed gives the same trajectories, token for token. The engine
     starts after the search environment's index library (bm25s, which loads numba) was
     imported, which broke vLLM's engine start before `_answer_dict_for_llvmlite`."""
+    if ran_in_a_fresh_interpreter("test_vllm_rollouts_batch_across_turns_and_repeat_for_the_same_seed"):
+        return
     import torch
     import turnrl.envs.search  # noqa: F401
     from turnrl.rollout.engines import VLLMEngine
@@ -310,6 +329,8 @@ def test_vllm_rollouts_batch_across_turns_and_repeat_for_the_same_seed(tiny_mode
 def test_the_vllm_stepper_stops_where_vllm_itself_stops(tiny_model_dir):
     """Stop strings checked by the stepper on each step's tokens give the same tokens, logprobs
     and finish reasons as vLLM's own stop handling (greedy, so sampling noise plays no part)."""
+    if ran_in_a_fresh_interpreter("test_the_vllm_stepper_stops_where_vllm_itself_stops"):
+        return
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from turnrl.rollout.engines import VLLMEngine

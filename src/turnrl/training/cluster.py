@@ -198,9 +198,10 @@ class TrainerGroup(ActorGroup):
     object-store copy) and trains on its share."""
 
     def train(self, batch: dict, step: int) -> tuple[dict[str, float], list[float]]:
+        """(stats combined over the ranks, each rank's seconds in its update)."""
         import ray
-        stats, seconds = self.call("train", ray.put(batch), step)
-        return combine_rank_stats(stats), seconds
+        timed = self.results("timed_train", ray.put(batch), step)
+        return combine_rank_stats([stats for stats, _ in timed]), [seconds for _, seconds in timed]
 
     def values(self, batch: dict):
         import ray
