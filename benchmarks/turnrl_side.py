@@ -93,13 +93,14 @@ def run_loop(case: dict[str, Any]) -> dict[str, Any]:
         # seconds the actors spent inside their work calls (timed in the actors themselves)
         engine_busy = (1 - metrics["engine_idle_frac"]) * metrics["step_s"]
         trainer_busy = (1 - metrics["trainer_idle_frac"]) * metrics["step_s"]
+        # the step's wall time in neither role's work call: Ray calls, moving batches and
+        # weights, the driver's glue, idle. Only when the roles take turns: with overlap their
+        # work calls run at once and the difference means nothing.
+        outside = {} if case.get("overlap") else {"outside_work_s": step_s - engine_busy - trainer_busy}
         steps.append({
             "step": step,
             "step_s": step_s,
-            "engine_busy_s": engine_busy, "trainer_busy_s": trainer_busy,
-            # the step's wall time in neither role's work call: Ray calls, moving batches and
-            # weights, the driver's glue, idle (without overlap the roles take turns)
-            "outside_work_s": step_s - engine_busy - trainer_busy,
+            "engine_busy_s": engine_busy, "trainer_busy_s": trainer_busy, **outside,
             "cpu_s": cpu[-1] - cpu[-2],    # CPU seconds of this process and Ray's (all its descendants)
             "loop_step_s": metrics["step_s"],
             "rollout_s": metrics["rollout_s"], "advantage_s": metrics["advantage_s"],
