@@ -76,10 +76,24 @@ class ScriptedEngine:
 
 
 def print_past_capture(request, text: str) -> None:
-    """Print `text` even under pytest's output capture (a suite's summary table or fuzz counts)."""
+    """Print `text` even under pytest's output capture (a suite's summary table or fuzz counts).
+    In an xdist worker, whose output nobody sees, it goes to the controller, which prints it
+    when the worker finishes (`pytest_testnodedown` below)."""
+    worker_output = getattr(request.config, "workeroutput", None)
+    if worker_output is not None:
+        worker_output.setdefault("turnrl_summaries", []).append(text)
+        return
     capture = request.config.pluginmanager.get_plugin("capturemanager")
     with capture.global_and_fixture_disabled():
         print(text)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """xdist's controller: print the summaries a finished worker collected."""
+    reporter = node.config.pluginmanager.get_plugin("terminalreporter")
+    for text in getattr(node, "workeroutput", {}).get("turnrl_summaries", []):
+        reporter.write_line(text)
 
 
 def train_two_steps(model_dir, tmp_path, env: dict, algorithm: dict, **sections) -> list[dict]:

@@ -273,7 +273,7 @@ def ran_in_a_fresh_interpreter(test_name: str) -> bool:
     import subprocess
     if os.environ.get("TURNRL_TEST_ISOLATED"):
         return False
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "slow",
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-m", "slow",
                            f"{__file__}::{test_name}"], env={**os.environ, "TURNRL_TEST_ISOLATED": "1"},
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]
