@@ -1,6 +1,5 @@
 """PPO's critic: a value head on the policy's network in its own DeepSpeed engine (in this
 process, world size 1), fitted to returns with the clipped value loss."""
-import socket
 
 import pytest
 import torch
@@ -11,9 +10,8 @@ from conftest import train_two_steps
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from turnrl.training.cluster import rendezvous_port
+    return rendezvous_port()
 
 
 @pytest.mark.slow

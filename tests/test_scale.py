@@ -207,3 +207,17 @@ def test_the_gpu_preset_asks_for_eight_gpus_and_nccl():
     bundles, slots = plan_placement(cfg)
     assert sum(b.get("GPU", 0) for b in bundles) == 8 and weight_sync_mode(cfg) == "nccl"
     assert cfg.train.zero_stage == 3 and cfg.rollout.engine == "vllm"
+
+
+def test_rendezvous_port_is_free_and_outside_the_kernels_ephemeral_range():
+    """Ports from the ephemeral range can be handed to another process between choosing one and
+    rank 0 binding it (EADDRINUSE in CI); Ray's worker ports end at 19999."""
+    from pathlib import Path
+
+    from turnrl.training.cluster import rendezvous_port
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {rendezvous_port() for _ in range(20)}
+    assert all(20000 <= p < low for p in ports) and len(ports) > 1
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("", port))

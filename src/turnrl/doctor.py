@@ -108,9 +108,8 @@ def check_deepspeed(cfg: Config) -> Check:
     try:
         import torch
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        from turnrl.training.cluster import rendezvous_port
+        port = rendezvous_port()
         os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": str(port)})
         import deepspeed

@@ -407,9 +407,27 @@ def _start(cfg: Config, model_dir: str, data_dir: str, pg, slots: list[Slot], hi
 
 def _free_port_here() -> tuple[str, int]:
     """(this node's IP, a free port on it): where a process group can meet."""
-    import socket
-
     import ray
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return ray.util.get_node_ip_address(), s.getsockname()[1]
+    return ray.util.get_node_ip_address(), rendezvous_port()
+
+
+def rendezvous_port() -> int:
+    """A free TCP port between Ray's worker ports (10002-19999) and the kernel's ephemeral range.
+    Rank 0 binds it seconds after it is chosen; a port from the ephemeral range (what binding
+    port 0 gives) can be handed to another process's connection meanwhile. Seen in CI with two
+    runs on one machine: EADDRINUSE in DeepSpeed's init."""
+    import random
+    import socket
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    for _ in range(200):
+        port = random.randint(20000, ephemeral_low - 1) if ephemeral_low > 20000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free TCP port in 20000-{ephemeral_low - 1} for the trainer ranks to meet on")
