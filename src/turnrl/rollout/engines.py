@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+from functools import partial
 from typing import Iterable, Sequence
 
 import torch
@@ -101,7 +102,12 @@ class VLLMStepper:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
         self.engine = llm_engine
-        self.tokenizer = llm_engine.get_tokenizer()
+        tokenizer = llm_engine.get_tokenizer()
+        # The Rust tokenizer decodes all tails in one call; transformers' batch_decode loops in
+        # Python (48 steps of 64 tails: 0.020 against 0.042 s).
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.decode_tails = (partial(backend.decode_batch, skip_special_tokens=False) if backend is not None
+                             else partial(tokenizer.batch_decode, skip_special_tokens=False))
         self.stop = [s for s in stop if s]
         # a stop string of n characters spans at most 4n byte-level tokens (+1 on each side)
         self.window = max((4 * len(s) + 2 for s in self.stop), default=0)
@@ -135,8 +141,7 @@ class VLLMStepper:
             if new and self.stop:
                 grown.append(out.request_id)
         if grown:
-            tails = self.tokenizer.batch_decode([self.running[r][1][-self.window:] for r in grown],
-                                                skip_special_tokens=False)
+            tails = self.decode_tails([self.running[r][1][-self.window:] for r in grown])
             hit = [r for r, tail in zip(grown, tails) if any(s in tail for s in self.stop)]
             unfinished = [r for r in hit if r not in finished]
             if unfinished:
