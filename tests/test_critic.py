@@ -1,24 +1,19 @@
 """PPO's critic: a value head on the policy's network in its own DeepSpeed engine (in this
 process, world size 1), fitted to returns with the clipped value loss."""
-
 import pytest
 import torch
 
 from turnrl.config import Config
+from turnrl.training.cluster import rendezvous_port
 
 from conftest import train_two_steps
-
-
-def _port() -> int:
-    from turnrl.training.cluster import rendezvous_port
-    return rendezvous_port()
 
 
 @pytest.mark.slow
 def test_critic_values_are_token_aligned_and_fit_the_returns(tiny_model_dir):
     from turnrl.training.workers import CriticWorker, combine_rank_stats
     cfg = Config.model_validate({"algorithm": {"name": "ppo", "critic_lr": 1e-2, "value_clip": None}})
-    critic = CriticWorker(str(tiny_model_dir), cfg.model_dump(), master_port=_port())
+    critic = CriticWorker(str(tiny_model_dir), cfg.model_dump(), master_port=rendezvous_port())
     ids = torch.randint(5, 200, (4, 12))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
              "loss_mask": torch.zeros(4, 12)}

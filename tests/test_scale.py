@@ -3,6 +3,7 @@ Ray (slow): two ZeRO-3 ranks update exactly like one rank on the same global bat
 engine holds the trainer's weights after a push, and a dead actor is named."""
 from __future__ import annotations
 
+import random
 import socket
 
 import pytest
@@ -221,3 +222,8 @@ def test_rendezvous_port_is_free_and_outside_the_kernels_ephemeral_range():
     for port in ports:
         with socket.socket() as s:
             s.bind(("", port))
+    # runs that seeded Python's generator alike (the rollout worker seeds it) still pick apart
+    random.seed(0)
+    first = [rendezvous_port() for _ in range(5)]
+    random.seed(0)
+    assert [rendezvous_port() for _ in range(5)] != first

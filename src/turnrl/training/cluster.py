@@ -418,12 +418,13 @@ def rendezvous_port() -> int:
     runs on one machine: EADDRINUSE in DeepSpeed's init."""
     import random
     import socket
+    pick = random.SystemRandom()   # not the global generator: runs seeded alike would pick alike
     try:
         ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         ephemeral_low = 32768
     for _ in range(200):
-        port = random.randint(20000, ephemeral_low - 1) if ephemeral_low > 20000 else 0
+        port = pick.randint(20000, ephemeral_low - 1) if ephemeral_low > 20000 else 0
         with socket.socket() as s:
             try:
                 s.bind(("", port))
