@@ -4,6 +4,8 @@ Resumable: checkpoints go to `train.checkpoint_dir` (outside DVC's outs, so DVC 
 across reruns); a rerun after a crash continues from the newest one that fits these params
 (see turnrl.training.checkpoint) and continues its MLflow run.
 """
+import json
+import sys
 import time
 from pathlib import Path
 
@@ -38,6 +40,8 @@ def main(cfg):
     from turnrl import plots, tracking
     from turnrl.prepare import model_dir
     from turnrl.preprocess import load_split
+    from turnrl.training import health
+    from turnrl.training.health import UnhealthyTraining
     from turnrl.training.loop import sample_table, train
     from transformers import AutoTokenizer
 
@@ -56,8 +60,16 @@ def main(cfg):
         mlflow.set_tag("turnrl.resumed_from_step", resume.step)
     shutil.rmtree(FINAL, ignore_errors=True)
     where = {}   # ranks, engines, nodes: filled once the actors are up
-    history = train(cfg, source, str(DATA), load_split(DATA, "train"), str(FINAL), on_step=on_step,
-                    checkpoints=store, resume=resume, mlflow_run_id=mlflow.active_run().info.run_id, info=where)
+    try:
+        history = train(cfg, source, str(DATA), load_split(DATA, "train"), str(FINAL), on_step=on_step,
+                        checkpoints=store, resume=resume, mlflow_run_id=mlflow.active_run().info.run_id, info=where)
+    except UnhealthyTraining as exc:   # train.on_unhealthy: stop; the curves so far still land
+        plots.write_csv(exc.history, Path("plots/train.csv"))
+        mlflow.set_tag("turnrl.health", json.dumps(health.summarize(exc.history)["flags"])[:5000])
+        print(f"turnrl train: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+    health_summary = health.summarize(history)
+    mlflow.set_tag("turnrl.health", json.dumps(health_summary["flags"])[:5000] if health_summary["flags"] else "ok")
 
     plots.write_csv(history, Path("plots/train.csv"))
     plots.render_png(history, Path("plots/train_curves.png"),
@@ -85,6 +97,7 @@ def main(cfg):
         "trainer_idle_frac_mean": mean("trainer_idle_frac"),
         "gen_tokens_per_s_mean": mean("gen_tokens_per_s"),
         "wall_s": time.perf_counter() - start,
+        "health": health_summary,   # the checks that failed, from which step, for how many steps
     }
     write_json("metrics/train.json", summary)
     mlflow.log_dict(where, "actors.json")

@@ -195,3 +195,37 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(tiny_model_dir, t
     assert runs[0].info.status == "FINISHED" and runs[0].data.tags["turnrl.resumed_from_step"] == str(resumed_at)
     # (a step the killed run logged after its last checkpoint is logged again, with the same value)
     assert {m.step for m in client.get_metric_history(killed_run, "reward_mean")} == {1, 2, 3, 4, 5}
+
+
+@pytest.mark.slow
+def test_an_unhealthy_run_stops_with_its_checkpoint_and_resumes_with_warn(tiny_model_dir, tmp_path):
+    """An untrained model earns no reward: every group is all-zero, so `no_signal` fails at
+    step 3 (no_signal_steps 3). With on_unhealthy: stop the stage exits 1 naming the check,
+    keeps a checkpoint of that step and the curves so far; rerun with warn, it resumes there."""
+    import mlflow
+    import pandas as pd
+
+    root = _project(tmp_path / "unhealthy", tiny_model_dir)
+    params = {**PARAMS, "train": {**PARAMS["train"], "on_unhealthy": "stop", "health": {"no_signal_steps": 3}}}
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    code, out = _run_train_stage(root)
+    assert code == 1, out[-3000:]
+    assert "training stopped at step 3 (train.on_unhealthy: stop): no_signal: every group's rewards were " \
+           "identical for the last 3 steps" in out
+    assert "Traceback" not in out
+    assert json.loads((root / "checkpoints/step_000003/state.json").read_text())["step"] == 3
+    curve = pd.read_csv(root / "plots/train.csv")
+    assert list(curve["step"]) == [1, 2, 3] and list(curve["health_no_signal"]) == [0, 0, 1]
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    run, = client.search_runs([client.get_experiment_by_name("turnrl").experiment_id],
+                              filter_string="tags.`turnrl.stage` = 'train'")
+    assert run.info.status == "FAILED" and "no_signal" in run.data.tags["turnrl.health"]
+
+    params["train"]["on_unhealthy"] = "warn"
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    code, out = _run_train_stage(root)
+    assert code == 0, out[-3000:]
+    assert "resuming from step 3" in out and "unhealthy training (no_signal)" not in out   # still failing: not new
+    summary = json.loads((root / "metrics/train.json").read_text())
+    assert summary["steps"] == 5 and summary["health"]["flags"]["no_signal"] == {
+        "first_step": 3, "last_step": 5, "steps": 3}

@@ -203,6 +203,18 @@ class RolloutCfg(_Section):
 
 
 # --------------------------------------------------------------------------- train
+class HealthCfg(_Section):
+    """Thresholds of the training health checks (turnrl.training.health), run every step."""
+    no_signal_steps: int = Field(5, gt=0, description="steps in a row with every group's rewards identical")
+    window: int = Field(3, gt=0, description="steps averaged (entropy) or required in a row (truncation)")
+    entropy_low: float = Field(0.1, gt=0, description="collapse: entropy below this x its mean over the first window")
+    entropy_high: float = Field(5.0, gt=1, description="explosion: entropy above this x its mean over the first window")
+    truncated_frac: float = Field(0.5, gt=0, le=1, description="share of trajectories cut by a token budget")
+    kl_ref_max: float = Field(1.0, gt=0, description="mean per-token KL to the starting model (kl_ref)")
+    logp_gap_p99_max: float = Field(0.5, gt=0, description=(
+        "p99 over sampled tokens of |logp engine - logp trainer|"))
+
+
 class TrainCfg(_Section):
     steps: int = Field(40, gt=0)
     prompts_per_step: int = Field(16, gt=0)
@@ -221,6 +233,11 @@ class TrainCfg(_Section):
     keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept in checkpoint_dir")
     checkpoint_dir: str = Field("checkpoints", min_length=1, description=(
         "where checkpoints go (relative to the project); on a multi-node cluster a path every node shares"))
+    on_unhealthy: Literal["warn", "stop"] = Field("warn", description=(
+        "when a health check fails (no learning signal, entropy collapse or explosion, most trajectories "
+        "truncated, KL or logprob gap running away, NaN): warn logs it and goes on; stop writes a checkpoint "
+        "and ends the stage with exit code 1 (rerun with warn to resume past it)"))
+    health: HealthCfg = HealthCfg()
 
 
 # --------------------------------------------------------------------------- eval

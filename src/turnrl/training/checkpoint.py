@@ -19,7 +19,8 @@ Rollouts need no generator state: each step seeds its sampling from (seed, step)
 When a run resumes: the newest complete checkpoint whose fingerprint matches the run's and
 whose step is at most `train.steps`. The fingerprint hashes every params key that shapes
 what training computes (all of seed, model, data, env, algorithm, rollout, train except the
-keys in `NOT_SHAPING`: how long it runs, how often and where it saves or logs; plus
+keys in `NOT_SHAPING`: how long it runs, how often and where it saves or logs, what the health
+checks watch for and do; plus
 `cluster.trainer_ranks` and `cluster.rollout_engines`) and the content
 of the training inputs (the initial model, the training split). So `train.steps` may grow (a
 finished 40-step run continues to 60), while a different lr, seed or data starts afresh and
@@ -47,7 +48,10 @@ SHAPING_SECTIONS = ("seed", "model", "data", "env", "algorithm", "rollout", "tra
 SHAPING_CLUSTER = frozenset({"cluster.trainer_ranks", "cluster.rollout_engines"})
 #: Keys of those sections that do not change what training computes.
 NOT_SHAPING = frozenset({"train.steps", "train.checkpoint_every", "train.keep_checkpoints",
-                         "train.checkpoint_dir", "train.samples_logged_every", "env.workers"})
+                         "train.checkpoint_dir", "train.samples_logged_every", "env.workers",
+                         "train.on_unhealthy"})
+#: Key prefixes that do not change it either: the health checks only watch.
+NOT_SHAPING_PREFIXES = ("train.health.",)
 STATE_FILE = "state.json"
 _NAME = re.compile(r"^step_(\d+)$")
 
@@ -55,7 +59,8 @@ _NAME = re.compile(r"^step_(\d+)$")
 def shaping_params(cfg: Config) -> dict[str, Any]:
     """The params that a resumed run must share with the checkpoint's run."""
     return {k: v for k, v in cfg.flat().items()
-            if (k.split(".")[0] in SHAPING_SECTIONS and k not in NOT_SHAPING) or k in SHAPING_CLUSTER}
+            if (k.split(".")[0] in SHAPING_SECTIONS and k not in NOT_SHAPING and not k.startswith(NOT_SHAPING_PREFIXES))
+            or k in SHAPING_CLUSTER}
 
 
 def fingerprint(cfg: Config, inputs: Iterable[Path] = ()) -> str:

@@ -38,6 +38,7 @@ from turnrl.envs.configured import trained_level, trained_turns
 from turnrl.evaluation import tool_rates
 from turnrl.rollout.loop import Trajectory
 from turnrl.training.checkpoint import CheckpointStore, Resume, write_state
+from turnrl.training.health import HealthMonitor, UnhealthyTraining
 from turnrl.training.cluster import (TrainerGroup, Workers, check_cluster, start_ray, start_workers, two_models,
                                      wait_all)
 from turnrl.training.mlmt import high_level_folder, level_mask, mlmt_extras, mlmt_turn_ids
@@ -111,6 +112,10 @@ def rollout_metrics(trajs: Sequence[Trajectory], n: int) -> dict[str, float]:
     # environment's numeric reward components (tool_ok, answer_in_results, f1, improvement, ...).
     for k in range(max((len(t.turn_rewards) for t in trajs), default=0)):
         out[f"turn{k + 1}_reward_mean"] = sum(t.turn_rewards[k] for t in trajs if len(t.turn_rewards) > k) / count
+    # Policy tokens per turn, over the trajectories that reached it: which turn grows.
+    for k in range(max((t.num_turns for t in trajs), default=0)):
+        lengths = [sum(m for m, turn in zip(t.loss_mask, t.turn_ids) if turn == k) for t in trajs if t.num_turns > k]
+        out[f"turn{k + 1}_tokens_mean"] = sum(lengths) / len(lengths)
     numeric = {key for t in trajs for key, v in t.info.items()
                if isinstance(v, (int, float)) and key not in ("outcome", "reward")}
     for key in sorted(numeric):
@@ -206,6 +211,7 @@ def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict]
            high_dir: str | None = None) -> list[dict]:
     sampler = PromptSampler(train_rows, cfg.seed)
     history: list[dict] = []
+    monitor = HealthMonitor(cfg.train.health)
     first = 1
     if resume is not None:
         log.info("resuming from step %d (%s)", resume.step, resume.path)
@@ -214,6 +220,7 @@ def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict]
             sync.push()
         sampler.position = resume.state["position"]
         history = list(resume.state["history"])
+        monitor.replay(history)
         first = resume.step + 1
     elif checkpoints is not None:
         checkpoints.discard_all()
@@ -290,16 +297,31 @@ def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict]
             "gen_tokens_per_s": generated / max(1e-9, max(engine_busy)),
             "step": step,
         }
+        failing, started, recovered = monitor.check(metrics)
+        for flag in started:
+            log.warning("step %d: unhealthy training (%s): %s", step, flag.check, flag.message)
+        for check in recovered:
+            log.info("step %d: %s no longer failing", step, check)
         history.append(metrics)
         bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", gap=f"{metrics['logp_gap_max']:.1e}")
         if on_step is not None:
             on_step(step, metrics, trajs)
+        stop = bool(failing) and cfg.train.on_unhealthy == "stop"
         every = cfg.train.checkpoint_every
-        if checkpoints is not None and (step == cfg.train.steps or (every and step % every == 0)):
+        # A NaN update is not worth keeping: a stop then leaves the last good checkpoint.
+        if checkpoints is not None and (step == cfg.train.steps or (every and step % every == 0)
+                                        or (stop and not any(f.check == "non_finite" for f in failing))):
             # A rollout in flight is not part of the checkpoint: a resumed run samples those prompts again.
             ahead = cfg.train.prompts_per_step if overlap and step < cfg.train.steps else 0
             save_checkpoint(workers, checkpoints, step, {
                 "position": sampler.position - ahead, "history": history, "mlflow_run_id": mlflow_run_id})
+        if stop:
+            bar.close()
+            raise UnhealthyTraining(
+                f"training stopped at step {step} (train.on_unhealthy: stop): "
+                + "; ".join(f"{f.check}: {f.message}" for f in failing)
+                + ". Checkpoints are kept: rerun with -S train.on_unhealthy=warn to go on from the last one, or "
+                "change what made it unhealthy (e.g. train.lr, algorithm.kl_coef) to start afresh", history)
     bar.close()
     wait_all(loading)
     workers.policy.call("save", out_dir, model_dir)

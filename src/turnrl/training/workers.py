@@ -19,6 +19,7 @@ The roles are joined only by "push named weights" (see turnrl.training.cluster).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import random
 import time
@@ -291,8 +292,10 @@ class PolicyWorker(_TrainerRank):
             logp = token_logprobs(logits, mb["input_ids"])
             if not same:   # the stats from this forward, on this rank's share
                 share = self._sampling_stats(logp.detach(), ref_logp[mine], mb["engine_logprobs"], mb["loss_mask"])
-                sums.setdefault("kl_ref", []).append(token_weight * share["kl_ref"])
-                maxes.setdefault("logp_gap_max", []).append(share["logp_gap_max"])
+                for key in ("kl_ref", "logp_gap_mean"):
+                    sums.setdefault(key, []).append(token_weight * share[key])
+                for key in ("logp_gap_max", "logp_gap_p99"):   # p99: of the rank whose share has the largest
+                    maxes.setdefault(key, []).append(share[key])
             loss, info = policy_loss(logp, logp.detach() if old_logp is None else old_logp[mine],
                                      mb["advantages"], mb["loss_mask"],
                                      clip_low=alg.clip_low, clip_high=alg.clip_high,
@@ -317,10 +320,15 @@ class PolicyWorker(_TrainerRank):
 
     def _sampling_stats(self, logp: torch.Tensor, ref_logp: torch.Tensor, engine_logp: torch.Tensor,
                         mask: torch.Tensor) -> dict[str, float]:
-        """logp_gap_max: the largest |trainer - engine| logprob over policy tokens (the engines
-        sampled with the weights the trainer holds); kl_ref: the policy's mean KL to its start."""
+        """logp_gap_max, _mean, _p99: the largest, mean and 99th percentile |trainer - engine|
+        logprob over policy tokens (the engines sampled with the weights the trainer holds);
+        kl_ref: the policy's mean KL to its start."""
         kind = self.cfg.algorithm.kl_estimator
-        return {"logp_gap_max": ((logp - engine_logp).abs() * mask).max().item(),
+        gaps = (logp - engine_logp).abs()[mask.bool()].float()
+        if gaps.numel() == 0:
+            gaps = torch.zeros(1)
+        return {"logp_gap_max": gaps.max().item(), "logp_gap_mean": gaps.mean().item(),
+                "logp_gap_p99": gaps.kthvalue(max(1, math.ceil(0.99 * gaps.numel()))).values.item(),
                 "kl_ref": masked_mean(kl_estimate(logp, ref_logp, kind=kind), mask).item()}
 
     # ----------------------------------------------------------------------- weights out

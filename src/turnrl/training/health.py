@@ -1,0 +1,139 @@
+"""Training health checks: every step's metrics against the signs of a run going wrong.
+
+    monitor = HealthMonitor(cfg.train.health)
+    failing, started, recovered = monitor.check(metrics)   # also written into metrics as health_*
+
+| check | fails when | why it matters |
+|---|---|---|
+| `no_signal` | every group's rewards identical (`groups_all_same_frac` 1) for `no_signal_steps` steps in a row | group-relative advantages are all 0: nothing is learned |
+| `entropy_collapse` | entropy's mean over the last `window` steps < `entropy_low` x its mean over the first `window` | the policy stopped exploring |
+| `entropy_explosion` | that mean > `entropy_high` x the first `window`'s | the policy is falling apart into noise |
+| `truncation` | more than `truncated_frac` of trajectories cut by a token budget, `window` steps in a row | responses pinned at the budget: no answer, reward 0 |
+| `kl_runaway` | `kl_ref` (mean per-token KL to the starting model) > `kl_ref_max` | the policy drifted far from its start |
+| `logp_gap` | the p99 of abs(logp engine - logp trainer) over sampled tokens > `logp_gap_p99_max` | the engine samples from another policy than the one trained (a broken weight push, or stale weights) |
+| `non_finite` | NaN or Inf in a loss, gradient norm, KL or entropy | the update is garbage |
+
+Each check writes `health_<check>` (1 failing, 0 not) into the step's metrics, so every run's
+plots/train.csv and MLflow run have them; `health_flags` counts the failing ones. The loop warns
+when a check starts failing (naming the step and the numbers) and when it recovers, and with
+`train.on_unhealthy: stop` ends the run (after a checkpoint) with `UnhealthyTraining`.
+
+Pure functions of the metrics: a resumed run rebuilds its monitor from the checkpoint's history
+(`HealthMonitor.replay`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+CHECKS = ("no_signal", "entropy_collapse", "entropy_explosion", "truncation", "kl_runaway", "logp_gap",
+          "non_finite")
+#: Metrics whose non-finite value means the update itself went wrong.
+FINITE_KEYS = ("loss", "grad_norm", "kl_ref", "entropy", "value_loss", "high_loss", "high_grad_norm")
+
+
+class UnhealthyTraining(RuntimeError):
+    """Raised with `train.on_unhealthy: stop`; the message names the checks, step and numbers,
+    `history` holds the metrics of the steps run so far."""
+
+    def __init__(self, message: str, history: list[dict] | None = None):
+        super().__init__(message)
+        self.history = history or []
+
+
+@dataclass
+class Flag:
+    check: str
+    step: int
+    message: str
+
+
+def _mean(values: Iterable[float]) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else float("nan")
+
+
+class HealthMonitor:
+    def __init__(self, cfg: Any):
+        """`cfg`: `train.health` (no_signal_steps, window, entropy_low, entropy_high,
+        truncated_frac, kl_ref_max, logp_gap_p99_max)."""
+        self.cfg = cfg
+        self.history: list[dict] = []
+        self.failing: set[str] = set()
+
+    def replay(self, history: Iterable[dict]) -> None:
+        """Feed earlier steps' metrics (a resumed run's) without reporting them again."""
+        for metrics in history:
+            self._evaluate(dict(metrics))
+
+    def check(self, metrics: dict) -> tuple[list[Flag], list[Flag], list[str]]:
+        """(the checks failing at this step, those of them that were not failing at the step
+        before, the checks that failed then and pass now). Adds `health_<check>` and
+        `health_flags` to `metrics`."""
+        before = set(self.failing)
+        flags = self._evaluate(metrics)
+        for check in CHECKS:
+            metrics[f"health_{check}"] = float(any(f.check == check for f in flags))
+        metrics["health_flags"] = float(len(flags))
+        return flags, [f for f in flags if f.check not in before], sorted(before - self.failing)
+
+    # ------------------------------------------------------------------ the checks
+    def _evaluate(self, metrics: dict) -> list[Flag]:
+        self.history.append(metrics)
+        c, h = self.cfg, self.history
+        step = int(metrics.get("step", len(h)))
+        flags: list[Flag] = []
+
+        def flag(check: str, message: str) -> None:
+            flags.append(Flag(check, step, message))
+
+        bad = [k for k in FINITE_KEYS if k in metrics and not math.isfinite(float(metrics[k]))]
+        if bad:
+            flag("non_finite", "non-finite " + ", ".join(f"{k} = {metrics[k]}" for k in bad))
+
+        same = [m.get("groups_all_same_frac", 0.0) for m in h[-c.no_signal_steps:]]
+        if len(same) == c.no_signal_steps and min(same) >= 1.0:
+            flag("no_signal", f"every group's rewards were identical for the last {c.no_signal_steps} steps "
+                              f"(reward {metrics.get('reward_mean', float('nan')):.3f}): all advantages are 0")
+
+        entropy = [m["entropy"] for m in h if "entropy" in m and math.isfinite(m["entropy"])]
+        if len(entropy) >= 2 * c.window:
+            start, now = _mean(entropy[:c.window]), _mean(entropy[-c.window:])
+            if start > 0 and now < c.entropy_low * start:
+                flag("entropy_collapse", f"entropy {now:.4f} (mean of the last {c.window} steps) is below "
+                                         f"{c.entropy_low} x its start {start:.4f}")
+            if start > 0 and now > c.entropy_high * start:
+                flag("entropy_explosion", f"entropy {now:.4f} (mean of the last {c.window} steps) is above "
+                                          f"{c.entropy_high} x its start {start:.4f}")
+
+        cut = [m.get("finish_truncated_frac", 0.0) + m.get("finish_token_budget_frac", 0.0) for m in h[-c.window:]]
+        if len(cut) == c.window and min(cut) > c.truncated_frac:
+            flag("truncation", f"{cut[-1]:.0%} of trajectories cut by a token budget (over {c.truncated_frac:.0%} "
+                               f"for {c.window} steps; response tokens {metrics.get('response_tokens_mean', 0):.1f})")
+
+        kl = metrics.get("kl_ref")
+        if kl is not None and math.isfinite(kl) and kl > c.kl_ref_max:
+            flag("kl_runaway", f"kl_ref {kl:.3f} > {c.kl_ref_max} (mean per-token KL to the starting model)")
+
+        gap = metrics.get("logp_gap_p99")
+        if gap is not None and math.isfinite(gap) and gap > c.logp_gap_p99_max:
+            flag("logp_gap", f"p99 |logp engine - logp trainer| {gap:.3g} > {c.logp_gap_p99_max} "
+                             f"(max {metrics.get('logp_gap_max', float('nan')):.3g})")
+        self.failing = {f.check for f in flags}
+        return flags
+
+
+def summarize(history: Iterable[dict]) -> dict[str, Any]:
+    """From the `health_*` metrics of a run's steps: {"flags": {check: {first_step, last_step,
+    steps}}, "healthy_last_step": bool}, for metrics/train.json."""
+    flags: dict[str, dict] = {}
+    last = {}
+    for m in history:
+        last = m
+        for check in CHECKS:
+            if m.get(f"health_{check}", 0.0) > 0:
+                entry = flags.setdefault(check, {"first_step": int(m["step"]), "last_step": 0, "steps": 0})
+                entry["last_step"] = int(m["step"])
+                entry["steps"] += 1
+    return {"flags": flags, "healthy_last_step": not last.get("health_flags", 0.0)}
