@@ -23,6 +23,7 @@ from turnrl.algos import (
     mlmt_stage2_rewards,
     ms_grpo,
     ms_po,
+    outcome_token_rewards,
     mt_grpo,
     per_turn_grpo,
     per_turn_mean_std,
@@ -354,3 +355,18 @@ def test_mlmt_stage2_turn_by_turn():
                   mask=mask, group_ids=torch.tensor([0, 0]), mlmt_stage=1)
     # stage I: turn 1 = 0 for both (no KL terms) -> 0; turns 2, 3 = R
     assert torch.allclose(stage1, torch.tensor([[0, 0, s, s, s], [0, -s, -s, -s, 0]]), atol=1e-5)
+
+
+def test_gae_on_an_untrained_critic_is_unit_scale_noise_where_grpo_is_zero():
+    """Why PPO's critic warms up first (algorithm.critic_warmup): with identical rewards there is
+    no signal, GRPO's advantages are 0, but GAE on a fresh critic's values (noise around 0)
+    whitens that noise to unit scale on every token, and the policy update follows it."""
+    torch.manual_seed(0)
+    B, T = 8, 10
+    mask = torch.ones(B, T)
+    rewards = torch.zeros(B)
+    noise_values = 0.05 * torch.randn(B, T)
+    adv, _ = gae(token_rewards=outcome_token_rewards(rewards, mask), values=noise_values, mask=mask)
+    assert torch.allclose(adv.pow(2).mean(), torch.tensor(1.0), atol=0.02)          # unit scale
+    assert torch.corrcoef(torch.stack([adv.flatten(), -noise_values.flatten()]))[0, 1] > 0.99   # = -V, whitened
+    assert compute_advantages("grpo", rewards=rewards, mask=mask, group_ids=contiguous_group_ids(B, 4)).abs().max() == 0

@@ -39,12 +39,17 @@ def test_critic_values_are_token_aligned_and_fit_the_returns(tiny_model_dir):
 @pytest.mark.slow
 def test_ppo_steps_on_the_real_stack(tiny_model_dir, tmp_path):
     """Two PPO steps through the training loop: Ray actors for the policy, the critic and the
-    vLLM engine; GAE on the critic's values; value loss and explained variance reported."""
-    history = train_two_steps(tiny_model_dir, tmp_path, {"name": "intervention"}, {"name": "ppo"})
+    vLLM engine; GAE on the critic's values; value loss and explained variance reported. With
+    critic_warmup 1 the first step fits only the critic: the policy is still its start at step 2
+    (kl_ref exactly 0), and step 2 updates it."""
+    from safetensors.torch import load_file
+    history = train_two_steps(tiny_model_dir, tmp_path, {"name": "intervention"}, {"name": "ppo", "critic_warmup": 1})
     for h in history:
         assert {"value_loss", "explained_variance", "vf_clip_fraction", "loss", "kl_ref"} <= h.keys()
         assert h["logp_gap_max"] < 1e-3
-    assert (tmp_path / "final" / "model.safetensors").exists()
+    assert history[0]["grad_norm"] == 0.0 and history[1]["kl_ref"] == 0.0 and history[1]["grad_norm"] > 0
+    final, initial = load_file(tmp_path / "final" / "model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
+    assert any(not torch.equal(final[k], initial[k]) for k in initial)
 
 
 @pytest.mark.slow

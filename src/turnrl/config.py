@@ -165,6 +165,10 @@ class AlgorithmCfg(_Section):
         "added to the refinement turn (y the refinement, c the feedback); 0: off"))
     mlmt_context_cap: float = Field(1.0, gt=0.0, description="mlmt: tau, the cap of the log-likelihood gain")
     critic_lr: float = Field(1e-3, gt=0, description="ppo: learning rate of the critic (value head model)")
+    critic_warmup: int = Field(5, ge=0, description=(
+        "ppo: the first N steps fit only the critic, the policy is not updated: a fresh value head's "
+        "values are worse than a constant (explained variance < 0), and GAE's advantages would push the "
+        "policy along that noise on every token"))
     value_clip: float | None = Field(0.2, gt=0, description="ppo: clip range of the value loss (null: unclipped)")
     clip_low: float = Field(0.2, ge=0.0, lt=1.0)
     clip_high: float = Field(0.28, ge=0.0)

@@ -197,10 +197,11 @@ class TrainerGroup(ActorGroup):
     """The ranks of one DeepSpeed group (policy or critic). Each gets the whole batch (one
     object-store copy) and trains on its share."""
 
-    def train(self, batch: dict, step: int) -> tuple[dict[str, float], list[float]]:
-        """(stats combined over the ranks, each rank's seconds in its update)."""
+    def train(self, batch: dict, step: int, update: bool = True) -> tuple[dict[str, float], list[float]]:
+        """(stats combined over the ranks, each rank's seconds in its update). `update=False`:
+        the same forward and stats, no optimizer step (PPO's policy while the critic warms up)."""
         import ray
-        timed = self.results("timed_train", ray.put(batch), step)
+        timed = self.results("timed_train", ray.put(batch), step, update)
         return combine_rank_stats([stats for stats, _ in timed]), [seconds for _, seconds in timed]
 
     def values(self, batch: dict):

@@ -265,7 +265,9 @@ def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict]
         else:
             batch["advantages"] = advantages_for(cfg, trajs, batch, **extra)
         t_adv = time.perf_counter()
-        train_stats, trainer_busy, pushes = train_levels(cfg, workers, batch, step, scored)
+        # PPO: while the critic warms up the policy is scored, not updated (nothing to push).
+        update = workers.critic is None or step > cfg.algorithm.critic_warmup
+        train_stats, trainer_busy, pushes = train_levels(cfg, workers, batch, step, scored, update)
         if workers.critic is not None:
             critic_stats, _ = workers.critic.train(batch, step)
         t_train = time.perf_counter()
@@ -347,7 +349,7 @@ def _keeping(batch: dict[str, torch.Tensor], scored: dict[str, dict]) -> Callabl
 
 
 def train_levels(cfg: Config, workers: Workers, batch: dict[str, torch.Tensor], step: int,
-                 scored: dict[str, dict] | None = None) -> tuple[dict[str, float], list[float], list]:
+                 scored: dict[str, dict] | None = None, update: bool = True) -> tuple[dict[str, float], list[float], list]:
     """The policy update of a step: (stats, each trainer rank's busy seconds, the weight syncs
     to push). One model: `workers.policy` on the whole batch. Two (`feedback: model`): each
     model trained at this step (`trained_level`) on its level's turns, the feedback model's
@@ -355,8 +357,8 @@ def train_levels(cfg: Config, workers: Workers, batch: dict[str, torch.Tensor], 
     old / reference logprobs under that level's model, if already computed."""
     scored = scored or {}
     if workers.high is None:
-        stats, busy = workers.policy.train({**batch, **scored.get("low", {})}, step)
-        return stats, busy, [workers.sync]
+        stats, busy = workers.policy.train({**batch, **scored.get("low", {})}, step, update)
+        return stats, busy, [workers.sync] if update else []
     level = trained_level(cfg, step)
     stats, busy, pushes = {}, [], []
     for name, group, sync, prefix in (("low", workers.policy, workers.sync, ""),

@@ -148,11 +148,12 @@ class _TrainerRank:
     def where(self) -> dict[str, Any]:
         return {**actor_location(), "rank": self.rank}
 
-    def timed_train(self, batch: dict[str, torch.Tensor], step: int = 0) -> tuple[dict[str, dict], float]:
+    def timed_train(self, batch: dict[str, torch.Tensor], step: int = 0,
+                    update: bool = True) -> tuple[dict[str, dict], float]:
         """`train`, and the seconds this rank spent on it (timed here, so the Ray call and the
         batch's transfer are not in it)."""
         start = time.perf_counter()
-        return self.train(batch, step), time.perf_counter() - start
+        return self.train(batch, step, update), time.perf_counter() - start
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.engine.device) for k, v in batch.items()}
@@ -249,9 +250,11 @@ class PolicyWorker(_TrainerRank):
         """Token logprobs [B, L] of the whole batch under the frozen reference (all ranks call)."""
         return self._all_rows(self._reference_logprobs, self._to_device(batch)).cpu()
 
-    def train(self, batch: dict[str, torch.Tensor], step: int = 0) -> dict[str, dict]:
+    def train(self, batch: dict[str, torch.Tensor], step: int = 0, update: bool = True) -> dict[str, dict]:
         """One policy-gradient update on a rollout batch; this rank trains on its share of
-        each mini-batch. Returns stats for `combine_rank_stats`.
+        each mini-batch. Returns stats for `combine_rank_stats`. With `update=False` (PPO's
+        critic warm-up) the stats are computed as usual and the weights and the optimizer
+        are left alone.
 
         batch: input_ids, attention_mask, loss_mask, advantages, engine_logprobs, all [B, L],
         token-aligned (entry t describes token t); optionally old_logprobs and ref_logprobs
@@ -307,14 +310,15 @@ class PolicyWorker(_TrainerRank):
             if alg.kl_coef:
                 loss = loss + alg.kl_coef * weight * kl_loss(logp, ref_logp[mine], mb["loss_mask"],
                                                              kind=alg.kl_estimator, agg=alg.loss_agg)
-            self.engine.backward(loss * self.world_size)   # DeepSpeed averages gradients over ranks
-            self.engine.step()
+            if update:
+                self.engine.backward(loss * self.world_size)   # DeepSpeed averages gradients over ranks
+                self.engine.step()
             row = {"loss": loss.item(), "entropy": token_weight * ent_mean.item()}
             row.update({k: token_weight * float(v) for k, v in info.items() if k != "ratio_max"})
             for k, v in row.items():
                 sums.setdefault(k, []).append(v)
             for k, v in {"ratio_max": float(info["ratio_max"]),
-                         "grad_norm": float(self.engine.get_global_grad_norm() or 0.0)}.items():
+                         "grad_norm": float(self.engine.get_global_grad_norm() or 0.0) if update else 0.0}.items():
                 maxes.setdefault(k, []).append(v)
         return {"sum": sums, "max": maxes, "same": same}
 
@@ -471,7 +475,7 @@ class CriticWorker(_TrainerRank):
         """V [B, L] of the whole batch (all ranks call)."""
         return self._all_rows(self._values_no_grad, self._to_device(batch)).cpu()
 
-    def train(self, batch: dict[str, torch.Tensor], step: int = 0) -> dict[str, dict]:
+    def train(self, batch: dict[str, torch.Tensor], step: int = 0, update: bool = True) -> dict[str, dict]:
         """Clipped value regression on `returns` from the values at rollout time (`values`);
         this rank fits its share of each mini-batch. Returns stats for `combine_rank_stats`."""
         alg = self.cfg.algorithm
@@ -486,8 +490,9 @@ class CriticWorker(_TrainerRank):
             loss, info = value_loss(self._values(mb), mb["values"], mb["returns"], mb["loss_mask"],
                                     clip=alg.value_clip, agg=alg.loss_agg)
             loss = weight * loss
-            self.engine.backward(loss * self.world_size)
-            self.engine.step()
+            if update:
+                self.engine.backward(loss * self.world_size)
+                self.engine.step()
             row = {"value_loss": loss.item(), **{k: token_weight * float(v) for k, v in info.items()}}
             for k, v in row.items():
                 sums.setdefault(k, []).append(v)
