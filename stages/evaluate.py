@@ -3,7 +3,7 @@
     python stages/evaluate.py baseline   # models/initial -> metrics/baseline.json, eval/baseline/
     python stages/evaluate.py final      # models/final   -> metrics/eval.json,     eval/final/
 
-With env.math_refine.feedback: model the feedback turns are played by the second model: its
+With levels.high_model: separate the high-level turns are played by the second model: its
 start (baseline) or models/final/high_level (final).
 """
 import sys
@@ -20,7 +20,7 @@ WHICH = {
 def main(cfg, which: str):
     from turnrl.evaluation import evaluate, load_levels, log_to_mlflow
     _, model, metrics_path, out = WHICH[which]
-    # math_refine feedback: model: both models play, the trained feedback model from models/final/high_level
+    # levels.high_model: separate: both models play, the trained high-level model from models/final/high_level
     engine, tokenizer = load_levels(cfg, model, model / "high_level" if which == "final" else None)
     metrics = evaluate(cfg, engine, tokenizer, Path("data/processed"), out)
     write_json(metrics_path, metrics)

@@ -20,7 +20,7 @@ def checkpoints(cfg):
     if not _checkpoints:
         from turnrl.prepare import model_dir
         from turnrl.training.checkpoint import CheckpointStore, fingerprint
-        high = cfg.env.math_refine.high_level_model   # feedback: model from its own folder
+        high = cfg.levels.high_model_path   # a second model for the high level, from its own folder
         key = fingerprint(cfg, [Path(model_dir(INITIAL)), DATA / "train.parquet", *([Path(high)] if high else [])])
         store = CheckpointStore(cfg.train.checkpoint_dir, key, keep=cfg.train.keep_checkpoints)
         _checkpoints.update(store=store, resume=store.resumable(cfg.train.steps))
@@ -41,8 +41,9 @@ def main(cfg):
     from turnrl.prepare import model_dir
     from turnrl.preprocess import load_split
     from turnrl.training import health
+    from turnrl.training.cluster import ActorFailure
     from turnrl.training.health import UnhealthyTraining
-    from turnrl.training.loop import sample_table, train
+    from turnrl.training.loop import EnvironmentFailure, sample_table, train
     from transformers import AutoTokenizer
 
     start = time.perf_counter()
@@ -63,10 +64,14 @@ def main(cfg):
     try:
         history = train(cfg, source, str(DATA), load_split(DATA, "train"), str(FINAL), on_step=on_step,
                         checkpoints=store, resume=resume, mlflow_run_id=mlflow.active_run().info.run_id, info=where)
-    except UnhealthyTraining as exc:   # train.on_unhealthy: stop; the curves so far still land
+    except (UnhealthyTraining, EnvironmentFailure) as exc:   # the curves so far still land; checkpoints are kept
         plots.write_csv(exc.history, Path("plots/train.csv"))
         mlflow.set_tag("turnrl.health", json.dumps(health.summarize(exc.history)["flags"])[:5000])
         print(f"turnrl train: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except ActorFailure as exc:   # e.g. a reward function that failed (reward.on_error: fail): its message, not a traceback
+        print(f"turnrl train: {exc}. Checkpoints in {cfg.train.checkpoint_dir} are kept; a rerun resumes from the last",
+              file=sys.stderr)
         raise SystemExit(1) from None
     health_summary = health.summarize(history)
     mlflow.set_tag("turnrl.health", json.dumps(health_summary["flags"])[:5000] if health_summary["flags"] else "ok")

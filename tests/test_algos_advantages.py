@@ -5,10 +5,11 @@ import math
 import pytest
 import torch
 
+from types import SimpleNamespace
+
+from turnrl.algos import registry
 from turnrl.algos import (
-    ADVANTAGE_ESTIMATORS,
     before_first_obs,
-    compute_advantages,
     context_utilization_bonus,
     contiguous_group_ids,
     dr_grpo,
@@ -99,8 +100,19 @@ def _multi_turn_inputs():
     )
 
 
-# the outcome-reward estimators; mlmt (turn-structured rewards) has its own tests below
-ALL_ESTIMATOR_NAMES = sorted(set(ADVANTAGE_ESTIMATORS) - {"mlmt"})
+# the outcome-reward algorithms; mlmt (turn-structured rewards) and ppo (a critic) have their own tests
+ALL_ESTIMATOR_NAMES = sorted(set(registry.names()) - {"mlmt", "ppo"})
+
+
+def compute_advantages(name, *, rewards, mask, group_ids, turn_rewards=None, first_obs_pos=None,
+                       turn_coef=1.0, gamma=1.0):
+    """The registered algorithm `name` on these inputs, as the training loop calls it."""
+    B, T = mask.shape
+    inputs = registry.AdvantageInputs(
+        rewards=rewards, turn_rewards=(turn_rewards if turn_rewards is not None else torch.zeros(B))[:, None],
+        mask=mask, turn_ids=torch.zeros(B, T, dtype=torch.long), high=torch.zeros(B, T, dtype=torch.bool),
+        group_ids=group_ids, first_obs_pos=first_obs_pos if first_obs_pos is not None else torch.full((B,), T))
+    return registry.resolve(name).advantages(inputs, SimpleNamespace(turn_coef=turn_coef, gamma=gamma, lam=1.0))
 
 
 @pytest.mark.parametrize("name", ALL_ESTIMATOR_NAMES)
@@ -300,19 +312,19 @@ def test_context_utilization_bonus_hand_values():
     close(out, [0.05, 0.1, -0.1])
 
 
-def test_compute_advantages_dispatch_and_errors():
+def test_registry_dispatch_and_errors():
     inputs = _multi_turn_inputs()
-    # Extra inputs (turn_rewards, first_obs_pos, turn_coef) are dropped for plain grpo.
+    # Inputs an algorithm does not read (turn_rewards, first_obs_pos, turn_coef) change nothing for grpo.
     a = compute_advantages("grpo", **inputs, turn_coef=0.5, gamma=0.9)
     b = grpo(rewards=inputs["rewards"], mask=inputs["mask"], group_ids=inputs["group_ids"])
     assert torch.equal(a, b)
     assert torch.equal(compute_advantages("mt_grpo", **inputs, turn_coef=0.5),
                        mt_grpo(**inputs, turn_coef=0.5))
-    with pytest.raises(ValueError, match="unknown advantage estimator"):
-        compute_advantages("ppo_typo", **inputs)
-    with pytest.raises(TypeError, match="turn_cof"):
-        compute_advantages("mt_grpo", **inputs, turn_cof=0.5)
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "dr_grpo", "rloo", "mt_grpo", "ms_grpo", "ms_po", "mlmt"}
+    with pytest.raises(ValueError, match="ppo_typo.*not a registered algorithm"):
+        registry.resolve("ppo_typo")
+    assert set(registry.names()) >= {"grpo", "dr_grpo", "rloo", "mt_grpo", "ms_grpo", "ms_po", "mlmt", "ppo"}
+    assert registry.resolve("ppo").critic and not registry.resolve("grpo").critic
+    assert registry.resolve("mlmt").prepare is not None
 
 
 def test_group_helpers():

@@ -65,12 +65,16 @@ def test_output_is_truncated_to_the_budget():
 
 
 def test_unknown_environment_names_the_known_ones():
-    with pytest.raises(KeyError, match="code_tool"):
+    with pytest.raises(ValueError, match="'chess': not a registered environment .*code_tool"):
         envs.make("chess")
 
 
 def test_registered_environments_are_made_by_name(tmp_path):
-    corpus = [{"id": "0", "title": "Paris", "text": "Paris is the capital of France."}]
-    assert envs.make("intervention", max_turns=2).stop == ("</answer>",)
-    assert envs.make("search", corpus=corpus).stop == ("</search>", "</answer>")
+    from turnrl.data.sources import write_parquet
+    write_parquet([{"id": "0", "title": "Paris", "text": "Paris is the capital of France."}],
+                  tmp_path / "corpus.parquet")
+    assert envs.make("intervention", context=envs.EnvContext(max_turns=2)).max_turns == 2
+    assert envs.make("search", context=envs.EnvContext(data_dir=tmp_path)).stop == ("</search>", "</answer>")
     assert {"code_tool", "math_answer", "search", "intervention"} <= set(envs.names())
+    with pytest.raises(ValueError, match="env.options.timeout_s = -1.0: must be greater than 0"):
+        envs.make("code_tool", timeout_s=-1.0)

@@ -57,7 +57,9 @@ JSONL_KINDS = {
     "empty_prompt": (blank.map(lambda b: _obj(q=b, a="1")), True),
     "empty_answer": (blank.map(lambda b: _obj(q="P x", a=b)), True),
     "prompt_not_a_string": (not_a_string.map(lambda v: _obj(q=v, a="1")), True),
-    "answer_wrong_type": ((st.booleans() | st.lists(text, max_size=2) | st.dictionaries(text, text, max_size=1))
+    # a list of answers is valid (any element is right); an empty one, or one of non-answers, is not
+    "answer_wrong_type": ((st.booleans() | st.just([]) | st.lists(st.dictionaries(text, text, max_size=1), min_size=1,
+                                                                  max_size=2) | st.dictionaries(text, text, max_size=1))
                           .map(lambda v: _obj(q="P x", a=v)), True),
     "answer_not_finite": (st.sampled_from(["NaN", "Infinity", "-Infinity"])
                           .map(lambda v: '{"q": "P x", "a": %s}' % v), True),

@@ -31,7 +31,7 @@ def test_the_registry_and_the_protocol_constants():
     assert isinstance(env, MathRefineEnv) and "math_refine" in envs.names()
     assert env.feedback == "self" and env.system_prompt == SYSTEM_PROMPT
     assert env.observation_role == "user" and env.stop == ("</answer>", "</feedback>")
-    assert [env.level(t) for t in range(3)] == ["low", "high", "low"] and env.num_turns == 3
+    assert [env.role(t) for t in range(3)] == ["low", "high", "low"] and env.num_turns == 3
     assert env.reset(TWELVE) == "What is 3 * 4?"
     assert MathRefineEnv(system_prompt="Be brief.").system_prompt == "Be brief."
 
@@ -168,7 +168,7 @@ def _free_port() -> int:
 
 def test_an_unreachable_endpoint_gives_explicit_missing_feedback():
     env = MathRefineEnv(feedback="endpoint", endpoint_url=f"http://127.0.0.1:{_free_port()}/v1", timeout_s=5)
-    assert env.level(0) == env.level(1) == "low" and env.num_turns == 2
+    assert env.role(0) == env.role(1) == "low" and env.num_turns == 2
     env.reset(TWELVE)
     start = time.monotonic()
     r0 = env.step("<answer>13</answer>")

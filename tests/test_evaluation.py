@@ -55,8 +55,8 @@ class BenchmarkOracle(Oracle):
         self.answer = answer
         self.refs = {}
         for name in BENCHMARKS:
-            if (data_dir / f"{name}.parquet").exists():
-                for i, row in enumerate(pd.read_parquet(data_dir / f"{name}.parquet").itertuples()):
+            if (data_dir / "benchmarks" / f"{name}.parquet").exists():
+                for i, row in enumerate(pd.read_parquet(data_dir / "benchmarks" / f"{name}.parquet").itertuples()):
                     self.refs[row.prompt] = (row.answer, i)
 
     def turn(self, text: str) -> str:
@@ -170,7 +170,7 @@ def test_benchmarks_from_the_data_dir_score_their_references(tmp_path, tiny_mode
     monkeypatch.setenv("TURNRL_DATA_DIR", str(data_dir))
     cfg = _cfg(benchmarks=list(BENCHMARKS), greedy=False)
     manifest = preprocess(cfg, tmp_path / "data")
-    assert {b: manifest[b]["n"] for b in BENCHMARKS} == SIZES
+    assert {b: manifest["benchmarks"][b]["n"] for b in BENCHMARKS} == SIZES
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     metrics = evaluate(cfg, BenchmarkOracle(tokenizer, tmp_path / "data"), tokenizer, tmp_path / "data",
                        tmp_path / "eval")
@@ -229,7 +229,8 @@ def test_an_unreachable_benchmark_is_explicit(tmp_path, tiny_model_dir, monkeypa
     monkeypatch.delenv("TURNRL_DATA_DIR", raising=False)
     cfg = _cfg(benchmarks=["aime24"], greedy=False)
     manifest = preprocess(cfg, tmp_path / "data")
-    assert manifest["aime24"]["available"] is False and "eval.paths.aime24" in manifest["aime24"]["reason"]
+    aime = manifest["benchmarks"]["aime24"]
+    assert aime["available"] is False and "eval.benchmarks[0].path" in aime["reason"]
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     metrics = evaluate(cfg, Oracle(tokenizer), tokenizer, tmp_path / "data", tmp_path / "eval")
     assert metrics["aime24"]["available"] is False and "TURNRL_DATA_DIR" in metrics["aime24"]["reason"]
@@ -242,10 +243,10 @@ def test_an_explicit_benchmark_path(tmp_path, monkeypatch):
     own = tmp_path / "mine.jsonl"
     own.write_text("".join(json.dumps({"id": f"p{i}", "problem": f"What is {i}+1?", "answer": i + 1}) + "\n"
                            for i in range(3)))
-    manifest = preprocess(_cfg(benchmarks=["aime25"], paths={"aime25": str(own)}), tmp_path / "data")
-    assert manifest["aime25"]["available"] is True and manifest["aime25"]["n"] == 3
+    manifest = preprocess(_cfg(benchmarks=[{"name": "aime25", "path": str(own)}]), tmp_path / "data")
+    assert manifest["benchmarks"]["aime25"]["available"] is True and manifest["benchmarks"]["aime25"]["n"] == 3
     with pytest.raises(Exception, match="nope.jsonl"):   # a path the user gave must exist
-        preprocess(_cfg(benchmarks=["aime25"], paths={"aime25": str(tmp_path / "nope.jsonl")}), tmp_path / "d2")
+        preprocess(_cfg(benchmarks=[{"name": "aime25", "path": str(tmp_path / "nope.jsonl")}]), tmp_path / "d2")
 
 
 def test_missing_data_says_to_run_preprocess(tmp_path, tiny_model_dir, monkeypatch):
@@ -254,14 +255,16 @@ def test_missing_data_says_to_run_preprocess(tmp_path, tiny_model_dir, monkeypat
     with pytest.raises(FileNotFoundError, match="dvc repro preprocess"):
         evaluate(_cfg(), Oracle(tokenizer), tokenizer, tmp_path / "nothing", tmp_path / "eval")
     preprocess(_cfg(benchmarks=[]), tmp_path / "data")
-    with pytest.raises(FileNotFoundError, match="no amc23 .*dvc repro preprocess"):
+    with pytest.raises(FileNotFoundError, match="benchmark amc23 .* is not there; run `dvc repro preprocess`"):
         evaluate(_cfg(benchmarks=["amc23"]), Oracle(tokenizer), tokenizer, tmp_path / "data", tmp_path / "eval")
 
 
 @pytest.mark.parametrize("keys, message", [
     ({"math500": False}, "eval.math500 was replaced by eval.benchmarks"),
     ({"math500_limit": 20}, "eval.math500_limit was replaced by eval.limit"),
-    ({"benchmarks": ["aime"]}, "eval.benchmarks.0 = 'aime': must be one of 'math500', 'aime24'"),
+    ({"benchmarks": ["aime"]}, "eval.benchmarks.0 = 'aime': 'aime' is not a registered benchmark (math500, aime24"),
+    ({"benchmarks": [{"name": "olympiad"}]}, "eval.benchmarks.0: 'olympiad' is not a registered benchmark"),
+    ({"paths": {"aime24": "a.jsonl"}}, "eval.paths was replaced by a benchmark mapping"),
     ({"temperature": 0, "samples": 4}, "greedy samples are all the same"),
     ({"protocol": "both"}, "eval.protocol = 'both': must be one of 'single' or 'multi'"),
 ])

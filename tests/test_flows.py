@@ -43,9 +43,9 @@ def prefect_harness():
 # --------------------------------------------------------------------------- overrides
 def test_parse_set_reads_yaml_values():
     got = pl.parse_set(["train.steps=3", "algorithm.dual_clip=null", "eval.greedy=false",
-                        "train.lr=1e-4", "model.path=some/dir", "data.math500_path=", "x.y=a=b"])
+                        "train.lr=1e-4", "model.path=some/dir", "model.template_type=", "x.y=a=b"])
     assert got == {"train.steps": 3, "algorithm.dual_clip": None, "eval.greedy": False,
-                   "train.lr": 1e-4, "model.path": "some/dir", "data.math500_path": "",
+                   "train.lr": 1e-4, "model.path": "some/dir", "model.template_type": "",
                    "x.y": "a=b"}
     assert isinstance(got["train.lr"], float)
     with pytest.raises(ConfigError, match="key.path=value"):

@@ -5,12 +5,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from turnrl.algos import mlmt
+from turnrl.algos.hierarchy import mlmt_slots, prepare, without_feedback
+from turnrl.algos.registry import Scorer
 from turnrl.config import Config, ConfigError, parse_config
 from turnrl.envs.math_refine import REFINE_REQUEST, MathRefineEnv
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.loop import replay
 from turnrl.training.loop import advantages_for, collate
-from turnrl.training.mlmt import mlmt_extras, mlmt_turn_ids, without_feedback
 from turnrl.training.workers import token_logprobs
 
 from conftest import train_two_steps
@@ -34,10 +35,6 @@ def test_mlmt_keys_are_validated():
         parse_config({"algorithm": {"name": "mlmt", "mlmt_betas": [0.1, 0.1]}})
     with pytest.raises(ConfigError, match="algorithm.name: mlmt only"):
         parse_config({"algorithm": {"name": "grpo", "mlmt_betas": [0.1, 0, 0]}})
-    with pytest.raises(ConfigError, match="feedback turn"):
-        parse_config({"algorithm": {"name": "mlmt", "mlmt_context_coef": 0.1},
-                      "env": {"name": "math_refine", "math_refine": {"feedback": "endpoint",
-                                                                       "endpoint_url": "http://127.0.0.1:1/v1"}}})
 
 
 # ----------------------------------------------------------------------------- KL terms
@@ -59,13 +56,21 @@ def test_mlmt_turn_kl_and_bonus_enter_the_turn_rewards():
     assert torch.equal(mlmt(**{**kw, "betas": (0.0, 0.0, 0.0)}), mlmt(**{**kw, "turn_kl": None}))
 
 
-def test_an_endpoints_refinement_is_mlmts_third_turn():
-    turn_ids = torch.tensor([[-1, 0, 0, 1, 1]])
-    shared = Config.model_validate({"env": {"name": "math_refine"}})
-    endpoint = Config.model_validate({"env": {"name": "math_refine", "math_refine": {
-        "feedback": "endpoint", "endpoint_url": "http://127.0.0.1:1/v1"}}})
-    assert torch.equal(mlmt_turn_ids(shared, turn_ids), turn_ids)
-    assert mlmt_turn_ids(endpoint, turn_ids).tolist() == [[-1, 0, 0, 2, 2]]
+def test_mlmt_slots_come_from_the_turns_levels():
+    """The attempt is the first low-level turn, the feedback the high-level turns, the
+    refinement the later low-level turns, whatever the turns' indices: math_refine with the
+    policy's feedback (low, high, low) and with an endpoint's (low, low: the feedback is an
+    observation, the second turn the refinement)."""
+    turn_ids = torch.tensor([[-1, 0, 0, 1, 1, 2], [-1, 0, 0, 1, 1, -1]])
+    high = torch.tensor([[0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    assert mlmt_slots(turn_ids, high).tolist() == [[-1, 0, 0, 1, 1, 2], [-1, 0, 0, 2, 2, -1]]
+
+
+def test_the_environments_roles_reach_the_batch(fmt):
+    shared = replay(MathRefineEnv(), fmt, TWELVE, ["<answer>13</answer>", "<feedback>x</feedback>", "<answer>12</answer>"])
+    assert shared.levels == ["low", "high", "low"]
+    batch = collate([shared], pad_id=0)
+    assert batch["high"][0].tolist() == [k == 1 for k in batch["turn_ids"][0].tolist()]
 
 
 # ----------------------------------------------------------------------------- without feedback
@@ -90,7 +95,7 @@ def test_without_feedback_by_hand():
 def test_without_feedback_is_the_conversation_with_no_teacher(fmt, attempt):
     turns = [attempt, "<feedback>3 * 4 is 12.</feedback>", "<answer>12</answer>"]
     t = replay(MathRefineEnv(), fmt, TWELVE, turns)
-    response, y = without_feedback(t.response_ids, t.loss_mask, t.turn_ids, fmt.eos_id)
+    response, y = without_feedback(t.response_ids, t.loss_mask, t.turn_ids, fmt.eos_id)   # slots = turns here
     attempt_ids = fmt.encode(attempt) + ([fmt.eos_id] if attempt == "13" else [])
     expected = attempt_ids + fmt.observation_ids(REFINE_REQUEST, "user", after_eos=attempt == "13") \
         + fmt.encode(turns[2])
@@ -129,7 +134,7 @@ def test_mlmt_extras_on_the_tiny_model(fmt, tiny_model_dir):
     cfg = Config.model_validate({"env": {"name": "math_refine"}, "rollout": {"n": 3}, "algorithm": {
         "name": "mlmt", "mlmt_betas": [0.1, 0.2, 0.3], "mlmt_context_coef": 0.5, "mlmt_context_cap": 100.0}})
     batch = collate(trajs, pad_id=0)
-    inputs, metrics = mlmt_extras(cfg, trajs, batch, scorer(policy), scorer(reference), fmt.eos_id)
+    inputs, metrics = prepare(trajs, batch, Scorer(scorer(policy), scorer(reference), eos_id=fmt.eos_id), cfg.algorithm)
 
     def scored(model, ids):   # one sequence alone, unpadded
         return scorer(model)({"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids))})[0]
@@ -153,14 +158,14 @@ def test_mlmt_extras_on_the_tiny_model(fmt, tiny_model_dir):
     assert metrics["mlmt_context_rows_frac"] == pytest.approx(2 / 3)
     assert inputs["betas"] == (0.1, 0.2, 0.3) and {"mlmt_turn1_kl_mean", "mlmt_context_bonus_mean"} <= metrics.keys()
 
-    plain = advantages_for(cfg, trajs, batch, turn_kl=inputs["turn_kl"], betas=inputs["betas"])
-    shaped = advantages_for(cfg, trajs, batch, **inputs)
+    plain = advantages_for(cfg, trajs, batch, {"turn_kl": inputs["turn_kl"], "betas": inputs["betas"]})
+    shaped = advantages_for(cfg, trajs, batch, inputs)
     not_refinement = (batch["turn_ids"] != 2) & (batch["loss_mask"] > 0)
     assert torch.equal(plain[not_refinement], shaped[not_refinement])
     assert not torch.allclose(plain[batch["turn_ids"] == 2], shaped[batch["turn_ids"] == 2])
     # off: no model call at all
     off = Config.model_validate({"env": {"name": "math_refine"}, "algorithm": {"name": "mlmt"}})
-    assert mlmt_extras(off, trajs, batch, None, None, fmt.eos_id) == ({}, {})
+    assert prepare(trajs, batch, Scorer(None, None), off.algorithm) == ({}, {})
 
 
 # ----------------------------------------------------------------------------- the loop, real stack

@@ -1,5 +1,6 @@
-"""math_refine with a second trained model for the feedback (`env.math_refine.feedback: model`):
-config, placement, per-level masks and KL, and (slow) the real stack training one level only."""
+"""A second trained model for the high level (`levels.high_model: separate`; math_refine's
+feedback turns): config, placement, per-level masks and KL, and (slow) the real stack training
+one level only."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,27 +9,30 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from turnrl.algos.hierarchy import prepare
+from turnrl.algos.registry import Scorer
 from turnrl.config import Config, ConfigError, parse_config
-from turnrl.envs.configured import env_options, trained_turns
+from turnrl.prepare import high_level_folder
 from turnrl.training.cluster import check_cluster, plan_placement
-from turnrl.training.loop import HIGH_LEVEL, train_levels
-from turnrl.training.mlmt import high_level_folder, level_mask, mlmt_extras
+from turnrl.training.loop import HIGH_LEVEL, level_mask, train_levels, trained_level
 
 
-def _cfg(**math_refine) -> Config:
-    return Config.model_validate({"env": {"name": "math_refine", "math_refine": {"feedback": "model", **math_refine}}})
+def _cfg(**levels) -> Config:
+    return Config.model_validate({"env": {"name": "math_refine"}, "levels": {"high_model": "separate", **levels}})
 
 
 # ----------------------------------------------------------------------------- config and plan
-def test_feedback_model_keys_are_validated():
-    assert _cfg().env.math_refine.high_level_model == ""
-    with pytest.raises(ConfigError, match="high_level_model.*needs feedback: model"):
-        parse_config({"env": {"name": "math_refine", "math_refine": {"high_level_model": "other/"}}})
-    # the context reward needs a feedback turn in the conversation: a second model's is one
-    Config.model_validate({"env": {"name": "math_refine", "math_refine": {"feedback": "model"}},
-                           "algorithm": {"name": "mlmt", "mlmt_context_coef": 0.1}})
-    # the environment keeps the shared-weights conversation: attempt, feedback turn, refinement
-    assert env_options(_cfg()) == {"feedback": "self"}
+def test_level_keys_are_validated():
+    assert _cfg().levels.high_model_path == ""
+    with pytest.raises(ConfigError, match="high_model_path.*needs high_model: separate"):
+        parse_config({"env": {"name": "math_refine"}, "levels": {"high_model_path": "other/"}})
+    with pytest.raises(ConfigError, match="alternate"):
+        parse_config({"levels": {"alternate": [1]}})
+    # the old keys say where they went
+    with pytest.raises(ConfigError, match="env.math_refine moved to env.options.*levels section"):
+        parse_config({"env": {"name": "math_refine", "math_refine": {"feedback": "model"}}})
+    with pytest.raises(ConfigError, match="feedback: model moved.*levels.high_model: separate"):
+        parse_config({"env": {"name": "math_refine", "options": {"feedback": "model"}}})
 
 
 def test_the_feedback_model_gets_as_many_trainer_ranks_as_the_solver():
@@ -42,33 +46,35 @@ def test_the_feedback_model_gets_as_many_trainer_ranks_as_the_solver():
     nccl = cfg.model_copy(deep=True)
     nccl.cluster.weight_sync, nccl.cluster.engine_gpus, nccl.cluster.trainer_gpus = "nccl", 1, 1
     nccl.cluster.placement = "separate"
-    with pytest.raises(ConfigError, match="feedback: model use cluster.weight_sync: object_store"):
+    with pytest.raises(ConfigError, match="levels.high_model: separate use cluster.weight_sync: object_store"):
         check_cluster(nccl)
 
 
 def test_the_feedback_model_needs_the_solvers_tokenizer(tiny_model_dir, tmp_path):
     from turnrl.tiny import build_tokenizer
     assert high_level_folder(_cfg(), tiny_model_dir) == str(tiny_model_dir)   # empty: the solver's start
-    same = _cfg(high_level_model=str(tiny_model_dir))
+    same = _cfg(high_model_path=str(tiny_model_dir))
     assert high_level_folder(same, tiny_model_dir) == str(tiny_model_dir)
     other = tmp_path / "other"
     other.mkdir()
     (other / "config.json").write_text((Path(tiny_model_dir) / "config.json").read_text())
     build_tokenizer(["completely different text 0123456789"] * 4, 300).save_pretrained(other)
-    with pytest.raises(ValueError, match="tokenizer .* is not the solver's"):
-        high_level_folder(_cfg(high_level_model=str(other)), tiny_model_dir)
+    with pytest.raises(ValueError, match="tokenizer .* is not the policy's"):
+        high_level_folder(_cfg(high_model_path=str(other)), tiny_model_dir)
 
 
 # ----------------------------------------------------------------------------- masks and KL
 def test_each_level_trains_its_own_turns_and_a_frozen_level_is_not_called():
     turn_ids = torch.tensor([[-1, 0, 0, 1, 1, 2, -1]])
+    high = torch.tensor([[0, 0, 0, 1, 1, 0, 0]], dtype=torch.bool)   # turn 1 (and its observation) is high
     loss_mask = torch.tensor([[0., 1, 0, 1, 0, 1, 0]])   # 0s: prompt, observations, padding
-    assert level_mask(turn_ids, "high").tolist() == [[0, 0, 0, 1, 1, 0, 0]]
-    assert (level_mask(turn_ids, "low") * loss_mask).tolist() == [[0, 1, 0, 0, 0, 1, 0]]
-    # with feedback: model the step's mask drops a frozen level, as with shared weights
-    alternate = _cfg(alternate=[1, 2])
-    assert trained_turns(alternate, turn_ids, step=1).tolist() == level_mask(turn_ids, "high").tolist()
-    assert trained_turns(alternate, turn_ids, step=2).tolist() == level_mask(turn_ids, "low").tolist()
+    assert level_mask(high, "high").tolist() == [[0, 0, 0, 1, 1, 0, 0]]
+    assert (level_mask(high, "low") * loss_mask).tolist() == [[0, 1, 0, 0, 0, 1, 0]]
+    assert level_mask(high, "both").tolist() == [[1] * 7]
+    # alternate: [1, 2]: step 1 trains the high level, steps 2 and 3 the low, then again
+    alternate = _cfg(alternate=[1, 2]).levels
+    assert [trained_level(alternate, step) for step in range(1, 7)] == ["high", "low", "low", "high", "low", "low"]
+    assert trained_level(_cfg(train="low").levels, 1) == "low"
 
     class Group:   # records what the loop hands a trainer group (stands in for the Ray actors)
         def __init__(self, gap):
@@ -82,9 +88,9 @@ def test_each_level_trains_its_own_turns_and_a_frozen_level_is_not_called():
         def __init__(self):
             self.policy, self.high, self.sync, self.high_sync = Group(1e-5), Group(2e-5), "low sync", "high sync"
 
-    batch = {"turn_ids": turn_ids, "loss_mask": loss_mask}
+    batch = {"turn_ids": turn_ids, "high": high, "loss_mask": loss_mask}
     w = Workers()
-    stats, busy, pushes = train_levels(_cfg(train_levels="high"), w, batch, step=1)
+    stats, busy, pushes = train_levels(_cfg(train="high"), w, batch, step=1)
     assert w.policy.masks == [] and w.high.masks == [[[0, 0, 0, 1, 0, 0, 0]]]   # the solver is not called
     assert pushes == ["high sync"] and stats == {"high_logp_gap_max": 2e-5, "high_loss": 1.0, "logp_gap_max": 2e-5}
     w = Workers()
@@ -96,11 +102,13 @@ def test_each_level_trains_its_own_turns_and_a_frozen_level_is_not_called():
 def test_the_feedback_turns_kl_is_the_feedback_models_own():
     """Turn KL_k = Σ over turn k's policy tokens of (logp − logp_ref): turns 0 and 2 from the
     solver's pair, turn 1 from the feedback model's pair."""
-    cfg = Config.model_validate({"env": {"name": "math_refine", "math_refine": {"feedback": "model"}},
-                                 "algorithm": {"name": "mlmt", "mlmt_betas": [0.1, 0.2, 0.3]}})
-    batch = {"turn_ids": torch.tensor([[-1, 0, 0, 1, 1, 2]]), "loss_mask": torch.tensor([[0., 1, 0, 1, 1, 1]])}
+    cfg = _cfg().model_copy(update={"algorithm": Config.model_validate(
+        {"algorithm": {"name": "mlmt", "mlmt_betas": [0.1, 0.2, 0.3]}}).algorithm})
+    batch = {"turn_ids": torch.tensor([[-1, 0, 0, 1, 1, 2]]), "loss_mask": torch.tensor([[0., 1, 0, 1, 1, 1]]),
+             "high": torch.tensor([[0, 0, 0, 1, 1, 0]], dtype=torch.bool)}
     const = lambda value: (lambda b: torch.full(b["turn_ids"].shape, value))   # noqa: E731
-    extra, stats = mlmt_extras(cfg, [], batch, const(-1.0), const(-1.5), None, high=(const(-2.0), const(-4.0)))
+    extra, stats = prepare([], batch, Scorer(const(-1.0), const(-1.5), high=(const(-2.0), const(-4.0))),
+                           cfg.algorithm)
     # solver: -1 - (-1.5) = 0.5 per token: turn 0 one token -> 0.5, turn 2 one token -> 0.5
     # feedback model: -2 - (-4) = 2 per token, two tokens -> 4
     assert extra["turn_kl"].tolist() == [[0.5, 4.0, 0.5]]
@@ -114,7 +122,7 @@ def test_the_evaluation_plays_the_feedback_turns_on_the_second_model(tmp_path, t
     from turnrl.evaluation import evaluate
     from turnrl.preprocess import preprocess
     monkeypatch.delenv("TURNRL_DATA_DIR", raising=False)
-    cfg = Config.model_validate({"env": {"name": "math_refine", "math_refine": {"feedback": "model"}},
+    cfg = Config.model_validate({"env": {"name": "math_refine"}, "levels": {"high_model": "separate"},
                                  "data": {"train_examples": 8, "heldout_examples": 4},
                                  "eval": {"benchmarks": [], "temperature": 0.0},
                                  "rollout": {"max_tokens_total": 2000}})   # the tiny tokenizer spends many tokens on the requests
@@ -157,7 +165,7 @@ def quick_solver(model_dir: Path, out: Path) -> Path:
 
 @pytest.mark.slow
 def test_a_second_model_trains_the_feedback_level_while_the_solver_stays(tiny_model_dir, tmp_path):
-    """Two steps on Ray + DeepSpeed + vLLM with feedback: model and train_levels: high (an
+    """Two steps on Ray + DeepSpeed + vLLM with levels high_model: separate and train: high (an
     entropy bonus moves the trained model: the untrained tiny model earns no reward). The
     solver (`quick_solver`) and the feedback model (the untrained tiny model) start apart.
     The solver's final weights are byte-equal to its start, the feedback model's are not; at
@@ -169,7 +177,7 @@ def test_a_second_model_trains_the_feedback_level_while_the_solver_stays(tiny_mo
     from turnrl.training.checkpoint import CheckpointStore
     from turnrl.training.loop import train
     cfg = Config.model_validate({
-        "env": {"name": "math_refine", "math_refine": {"feedback": "model", "train_levels": "high"}},
+        "env": {"name": "math_refine"}, "levels": {"high_model": "separate", "train": "high"},
         "algorithm": {"name": "grpo", "entropy_coef": 0.1},
         "data": {"train_examples": 16, "heldout_examples": 8}, "eval": {"benchmarks": []},
         "train": {"steps": 2, "prompts_per_step": 2, "lr": 1e-2},
@@ -177,7 +185,7 @@ def test_a_second_model_trains_the_feedback_level_while_the_solver_stays(tiny_mo
         "rollout": {"n": 2, "max_tokens_per_turn": 12, "max_tokens_total": 600}})
     preprocess(cfg, tmp_path / "data")
     solver = quick_solver(tiny_model_dir, tmp_path / "solver")
-    cfg.env.math_refine.high_level_model = str(tiny_model_dir)
+    cfg.levels.high_model_path = str(tiny_model_dir)
     store = CheckpointStore(tmp_path / "checkpoints", "two-models", keep=1)
     try:
         history = train(cfg, str(solver), str(tmp_path / "data"), load_split(tmp_path / "data", "train"),

@@ -33,8 +33,8 @@ def test_product_rows_need_the_tool():
 def test_math500_is_written_when_the_data_dir_has_it(tmp_path, data_dir, monkeypatch):
     monkeypatch.setenv("TURNRL_DATA_DIR", str(data_dir))
     manifest = preprocess(small(), tmp_path)
-    assert manifest["math500"]["available"] is True and manifest["math500"]["n"] == 500
-    assert len(read_parquet(tmp_path / "math500.parquet")) == 500
+    assert manifest["benchmarks"]["math500"]["available"] is True and manifest["benchmarks"]["math500"]["n"] == 500
+    assert len(read_parquet(tmp_path / "benchmarks" / "math500.parquet")) == 500
     assert len(read_parquet(tmp_path / "train.parquet")) == 300
 
 
@@ -42,16 +42,16 @@ def test_math500_unreachable_is_explicit_not_silent(tmp_path, monkeypatch, caplo
     monkeypatch.delenv("TURNRL_DATA_DIR", raising=False)
     monkeypatch.chdir(tmp_path)
     manifest = preprocess(small(), tmp_path / "out")
-    info = json.loads((tmp_path / "out" / "manifest.json").read_text())["math500"]
-    assert info == manifest["math500"] and info["available"] is False
-    assert "TURNRL_DATA_DIR" in info["reason"] and "data.math500_path" in info["reason"]
+    info = json.loads((tmp_path / "out" / "manifest.json").read_text())["benchmarks"]["math500"]
+    assert info == manifest["benchmarks"]["math500"] and info["available"] is False
+    assert "TURNRL_DATA_DIR" in info["reason"] and "eval.benchmarks[0].path" in info["reason"]
     assert any("math500" in r.message and r.levelname == "WARNING" for r in caplog.records)
 
 
 def test_a_wrong_explicit_path_is_an_error(tmp_path):
     from turnrl.data.sources import DataSourceError
-    cfg = Config.model_validate({"data": {"train_examples": 10, "heldout_examples": 5,
-                                          "math500_path": str(tmp_path / "nope.jsonl")}})
+    cfg = Config.model_validate({"data": {"train_examples": 10, "heldout_examples": 5},
+                                 "eval": {"benchmarks": [{"name": "math500", "path": str(tmp_path / "nope.jsonl")}]}})
     with pytest.raises(DataSourceError, match="nope.jsonl"):
         preprocess(cfg, tmp_path / "out")
 
@@ -101,7 +101,7 @@ def test_search_on_a_set_without_passages_says_what_to_set(tmp_path, data_dir, m
     monkeypatch.setenv("TURNRL_DATA_DIR", str(data_dir))
     cfg = _cfg(env="search", train_set="gsm8k_train", heldout_set="gsm8k_test", train_examples=10,
                heldout_examples=5)
-    with pytest.raises(DataSourceError, match="env.search.corpus"):
+    with pytest.raises(DataSourceError, match="env.options.corpus"):
         preprocess(cfg, tmp_path)
 
 

@@ -243,23 +243,82 @@ def test_the_schedule_does_not_depend_on_how_long_the_environment_takes(fmt):
     assert sum(1 for event, *_ in logs[0] if event == "add") == 6 * 3      # three turns each
 
 
-def test_a_failing_environment_drops_the_engines_unfinished_requests(fmt):
-    class Broken:
+class Wrapped:
+    """code_tool, with some of its methods replaced."""
+
+    def __init__(self, **replaced):
+        self.env = envs.make("code_tool")
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+
+def test_an_environment_that_raises_ends_only_its_own_trajectory(fmt):
+    """A user's environment raising in its factory, reset or step: that trajectory ends (finish
+    env_error, the exception in info), the others go on to their answers."""
+    calls = {"n": 0}
+
+    def factory():
+        calls["n"] += 1
+        k = calls["n"]
+        if k == 1:
+            raise OSError("no sandbox today")
+        if k == 2:
+            return Wrapped(reset=lambda example: (_ for _ in ()).throw(KeyError("prompt")))
+        if k == 3:
+            return Wrapped(step=lambda text: (_ for _ in ()).throw(RuntimeError("sandbox gone")))
+        return envs.make("code_tool")
+
+    engine = ScriptedEngine(fmt.tokenizer, ["<code>print(123 * 456)</code>", "<answer>56088</answer>"] * 2)
+    trajs = run_rollouts(engine, [EXAMPLE], factory, fmt, Budgets(3, 32, 500), n=5)
+    assert [t.finish for t in trajs] == ["env_error", "env_error", "env_error", "answer", "answer"]
+    assert trajs[0].info["env_error"] == "OSError: no sandbox today" and trajs[0].response_ids == []
+    assert trajs[1].info["env_error"] == "KeyError: 'prompt'"
+    assert trajs[2].info["env_error"] == "RuntimeError: sandbox gone" and trajs[2].num_turns == 1
+    assert all(t.outcome == 1.0 for t in trajs[3:]) and all(t.outcome == 0.0 for t in trajs[:3])
+
+
+def test_an_async_environment_steps_concurrently(fmt):
+    """An environment whose step is a coroutine function: every trajectory's pending step is in
+    flight at once (8 steps of 0.3 s each take about 0.3 s, not 2.4 s)."""
+    import asyncio
+    import time
+
+    class SlowAsync:
         def __init__(self):
             self.env = envs.make("code_tool")
+            self.system_prompt, self.stop, self.observation_role = (self.env.system_prompt, self.env.stop,
+                                                                    self.env.observation_role)
 
-        def __getattr__(self, name):
-            return getattr(self.env, name)
+        def reset(self, example):
+            return self.env.reset(example)
 
-        def step(self, text):
-            raise RuntimeError("sandbox gone")
+        async def step(self, text):
+            await asyncio.sleep(0.3)
+            return self.env.step(text.replace("<code>print(123 * 456)</code>", "<answer>56088</answer>"))
+
+    engine = ScriptedEngine(fmt.tokenizer, ["<code>print(123 * 456)</code>"])
+    start = time.perf_counter()
+    trajs = run_rollouts(engine, [EXAMPLE], SlowAsync, fmt, Budgets(3, 32, 500), n=8, env_workers=1)
+    assert time.perf_counter() - start < 1.5
+    assert [t.finish for t in trajs] == ["answer"] * 8 and all(t.outcome == 1.0 for t in trajs)
+
+
+def test_a_failing_rollout_drops_the_engines_unfinished_requests(fmt):
+    """An error the loop cannot pin on one trajectory's reset or step (here an environment
+    whose observation_role raises) stops the rollout, and the engine keeps no request of it."""
+    class NoRole(Wrapped):
+        @property
+        def observation_role(self):
+            raise RuntimeError("no role")
 
     engine = SteppingEngine(fmt.tokenizer, "<code>print(3)</code>", steps={0: 1, 1: 9})
     steppers = []
     original = engine.stepper
     engine.stepper = lambda **kw: steppers.append(original(**kw)) or steppers[-1]
-    with pytest.raises(RuntimeError, match="sandbox gone"):
-        run_rollouts(engine, [EXAMPLE], Broken, fmt, Budgets(2, 32, 500), n=2, observation_lag=0)
+    with pytest.raises(RuntimeError, match="no role"):
+        run_rollouts(engine, [EXAMPLE], NoRole, fmt, Budgets(2, 32, 500), n=2)
     assert not steppers[0].busy()        # trajectory 1's request did not stay in the engine
 
 

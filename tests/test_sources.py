@@ -207,7 +207,7 @@ def test_missing_source_error_names_the_three_options(tmp_path, monkeypatch):
     with pytest.raises(DataSourceError) as err:
         load("math500")
     msg = str(err.value)
-    assert "data.math500_path" in msg  # 1. the params key for an explicit path
+    assert "set `path`" in msg  # 1. an explicit path
     assert "TURNRL_DATA_DIR" in msg and "math500/test.jsonl" in msg  # 2. env var + file location
     assert "HuggingFaceH4/MATH-500" in msg and "ConnectionError: offline" in msg  # 3. hub id + why
     # with a data dir that lacks the file, the message shows where it looked

@@ -3,11 +3,11 @@ demonstration solves its problem, the habit RL must unlearn mostly does not."""
 import random
 
 import pytest
-import torch
 
+from turnrl import envs
 from turnrl.config import Config
 from turnrl.data import synthetic
-from turnrl.envs.configured import env_factory, env_options, trained_turns
+from turnrl.envs.configured import env_factory, env_options
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.loop import replay
 
@@ -18,17 +18,20 @@ def fmt(tiny_model_dir):
     return ChatFormat(AutoTokenizer.from_pretrained(tiny_model_dir))
 
 
-def _make_env(name: str, train, heldout):
+def _make_env(name: str, train, heldout, data_dir):
+    """The environment as the warm start makes it: its data files (a search corpus) written first."""
     cfg = Config.model_validate({"env": {"name": name}})
-    corpus = synthetic.lookup_corpus(heldout, train) if name == "search" else None
-    return env_factory(cfg, corpus=corpus)
+    spec = envs.resolve(name)
+    if spec.prepare_data is not None:
+        spec.prepare_data(heldout + train, data_dir, **env_options(cfg))
+    return env_factory(cfg, data_dir)
 
 
 @pytest.mark.parametrize("name", sorted(synthetic.TASKS))
-def test_good_demonstrations_solve_and_bad_ones_mostly_fail(name, fmt):
-    task = synthetic.task(name)
+def test_good_demonstrations_solve_and_bad_ones_mostly_fail(name, fmt, tmp_path):
+    task = envs.resolve(name).task
     train, heldout = task.splits(40, 10, seed=3)
-    make_env = _make_env(name, train, heldout)
+    make_env = _make_env(name, train, heldout, tmp_path)
     rng = random.Random(0)
     good = [replay(make_env(), fmt, row, task.demonstration(row, rng, True).turns) for row in train]
     bad = [replay(make_env(), fmt, row, task.demonstration(row, rng, False).turns) for row in train]
@@ -52,61 +55,39 @@ def test_addition_steps():
 
 
 def test_lookup_codes_only_in_the_corpus():
-    train, heldout = synthetic.task("search").splits(50, 10, seed=0)
-    corpus = synthetic.lookup_corpus(heldout, train)
+    train, heldout = envs.resolve("search").task.splits(50, 10, seed=0)
+    corpus = synthetic.lookup_corpus(heldout + train)
     assert len(corpus) == 60 and len({p["title"] for p in corpus}) == 60
     row = heldout[0]
     assert row["answer"] not in row["prompt"]
     assert any(p["title"] == row["entity"] and row["answer"] in p["text"] for p in corpus)
 
 
-def test_unknown_synthetic_task_names_the_way_out():
-    with pytest.raises(KeyError, match="data.train_set"):
-        synthetic.task("nope")
+def test_the_builtins_are_plugins_with_tasks():
+    for name in synthetic.TASKS:
+        spec = envs.resolve(name)
+        assert spec.task is synthetic.TASKS[name] and spec.task.rows is not None and spec.task.demonstration
+    assert envs.resolve("math_answer").task is None
 
 
 def test_env_options_follow_params(tmp_path):
-    cfg = Config.model_validate({"env": {"name": "code_tool", "code_tool": {"timeout_s": 2.0}}})
-    assert env_options(cfg)["timeout_s"] == 2.0
+    cfg = Config.model_validate({"env": {"name": "code_tool", "options": {"timeout_s": 2.0}}})
+    assert env_options(cfg)["timeout_s"] == 2.0 and env_options(cfg)["memory_mb"] == 256   # defaults filled
     cfg = Config.model_validate({"env": {"name": "intervention"}, "rollout": {"max_turns": 4}})
-    assert env_options(cfg) == {"max_turns": 4}
+    assert env_factory(cfg)().max_turns == 4   # from the context: rollout.max_turns
     cfg = Config.model_validate({"env": {"name": "search"}})
     with pytest.raises(FileNotFoundError, match="dvc repro preprocess"):
-        env_options(cfg, tmp_path)
-    cfg = Config.model_validate({"env": {"name": "math_refine", "math_refine": {
+        env_factory(cfg, tmp_path)()
+    cfg = Config.model_validate({"env": {"name": "math_refine", "options": {
         "feedback": "endpoint", "endpoint_url": "http://127.0.0.1:9/v1"}}})
     assert env_options(cfg)["endpoint_url"] == "http://127.0.0.1:9/v1"
 
 
-def test_trained_turns_masks_the_frozen_level():
-    turn_ids = torch.tensor([[-1, 0, 0, 1, 1, 2, -1]])
-    both = Config.model_validate({"env": {"name": "math_refine"}})
-    low = Config.model_validate({"env": {"name": "math_refine", "math_refine": {"train_levels": "low"}}})
-    high = Config.model_validate({"env": {"name": "math_refine", "math_refine": {"train_levels": "high"}}})
-    assert trained_turns(both, turn_ids).tolist() == [[1, 1, 1, 1, 1, 1, 1]]
-    assert trained_turns(low, turn_ids).tolist() == [[1, 1, 1, 0, 0, 1, 1]]
-    assert trained_turns(high, turn_ids).tolist() == [[0, 0, 0, 1, 1, 0, 0]]
-    # other environments train every policy turn
-    assert trained_turns(Config(), turn_ids).tolist() == [[1] * 7]
-
-
-def test_levels_alternate_at_the_configured_ratio():
-    from turnrl.envs.configured import trained_level
-    cfg = Config.model_validate({"env": {"name": "math_refine", "math_refine": {"alternate": [1, 2]}}})
-    assert [trained_level(cfg, s) for s in range(1, 8)] == ["high", "low", "low", "high", "low", "low", "high"]
-    turn_ids = torch.tensor([[0, 1, 2]])
-    assert trained_turns(cfg, turn_ids, step=1).tolist() == [[0, 1, 0]]
-    assert trained_turns(cfg, turn_ids, step=2).tolist() == [[1, 0, 1]]
-    from turnrl.config import ConfigError, parse_config
-    with pytest.raises(ConfigError, match="alternate"):
-        parse_config({"env": {"math_refine": {"alternate": [1]}}})
-
-
-def test_prior_phase_trains_good_demonstrations_whole_and_bad_ones_at_their_choice(fmt):
+def test_prior_phase_trains_good_demonstrations_whole_and_bad_ones_at_their_choice(fmt, tmp_path):
     from turnrl.prepare import warm_start_mask
-    task = synthetic.task("code_tool")
+    task = envs.resolve("code_tool").task
     train, heldout = task.splits(4, 2, seed=0)
-    make_env = _make_env("code_tool", train, heldout)
+    make_env = _make_env("code_tool", train, heldout, tmp_path)
     rng = random.Random(0)
     good, bad = task.demonstration(train[0], rng, True), task.demonstration(train[0], rng, False)
     t_good, t_bad = (replay(make_env(), fmt, train[0], d.turns) for d in (good, bad))

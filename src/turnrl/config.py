@@ -14,10 +14,10 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 
 class ConfigError(ValueError):
@@ -82,76 +82,105 @@ class DataCfg(_Section):
         "field mapping for your own files, e.g. {prompt: question, answer: solution}"))
     train_examples: int = Field(4096, gt=0, description="training prompts (at most; a data set may have fewer)")
     heldout_examples: int = Field(256, gt=0, description="held-out prompts (the eval 'task' block)")
-    math500_path: str = Field("", description="explicit MATH-500 jsonl/parquet; empty: $TURNRL_DATA_DIR, then the hub")
     bad_rows: Literal["fail", "drop"] = Field("fail", description=(
         "a malformed row in a data set or benchmark file (bad JSON, a missing, empty or null field, a wrong "
         "type): fail stops preprocess naming the file and line; drop skips it and counts it in "
         "data/processed/manifest.json and the log"))
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "math500_path" in data:
+            raise ValueError("data.math500_path was replaced by a benchmark mapping: "
+                             "eval.benchmarks: [{name: math500, path: my/math500.jsonl}]")
+        return data
+
 
 # --------------------------------------------------------------------------- env
-class CodeToolCfg(_Section):
-    timeout_s: float = Field(5.0, gt=0)
-    memory_mb: int = Field(256, ge=32)
-    max_output_chars: int = Field(200, gt=0)
-    max_processes: int = Field(8, ge=2, description=(
-        "processes and threads of one call, the sandbox's helper included (RLIMIT_NPROC); "
-        "with memory_mb it bounds a call's memory: max_processes x memory_mb"))
+_ENV_MOVED = {
+    "code_tool": "env.options (with env.name: code_tool)",
+    "search": "env.options (with env.name: search)",
+    "math_refine": "env.options (with env.name: math_refine); its feedback: model, high_level_model, train_levels "
+                   "and alternate are in the levels section",
+}
 
 
-class SearchCfg(_Section):
-    corpus: str = Field("", description=(
-        "empty: the data's own corpus (synthetic entities, or the gold passages of nq_open); "
-        "else a registered data set or a passages file"))
-    top_k: int = Field(1, ge=1)
-    max_passage_chars: int = Field(120, gt=0)
-    max_searches: int = Field(2, ge=0)
+class EnvCfg(_Section):
+    """The environment: a registered name or an import path (`package.module:factory`), and its
+    options (the factory's keyword arguments, checked by the plugin's options model)."""
+    name: str = Field("code_tool", min_length=1, description=(
+        "code_tool, search, math_refine, intervention, or an import path to your own environment "
+        "(my_tasks.guess:make_env: an EnvSpec or a factory, in the project folder or an installed package)"))
+    options: dict[str, Any] = Field(default_factory=dict, description=(
+        "the environment's options (its factory's keyword arguments); {}: its defaults. `python -m turnrl.config` "
+        "prints them resolved; set one with dvc exp run -S ++env.options.KEY=VALUE"))
+    workers: int = Field(4, gt=0, description=(
+        "threads stepping environments (sandbox runs, searches, endpoint calls): mostly process start-up and "
+        "waiting, so more than the cores help (128 sandbox runs on 2 cores: 2.46 s with 2 threads, 2.04 s with 4)"))
+    max_error_fraction: float = Field(0.1, ge=0.0, le=1.0, description=(
+        "an environment that raises in reset or step ends that trajectory (an error, counted per step); above "
+        "this share of a step's trajectories the stage stops, naming the environment and the exception"))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            old = [k for k in _ENV_MOVED if k in data]
+            if old:
+                raise ValueError("; ".join(f"env.{k} moved to {_ENV_MOVED[k]}" for k in old))
+        return data
 
 
-class MathRefineCfg(_Section):
-    feedback: Literal["self", "endpoint", "model"] = Field("self", description=(
-        "self: the policy also writes the feedback (shared weights, two role prompts); "
-        "model: a second trained model writes the feedback (same conversation as self); "
-        "endpoint: a frozen model behind an OpenAI-compatible server"))
-    high_level_model: str = Field("", description=(
-        "feedback=model: the HF folder the feedback model starts from; empty: the solver's starting "
-        "folder (models/initial). Its tokenizer must be the solver's"))
-    train_levels: Literal["both", "low", "high"] = Field("both", description=(
-        "which level is trained with feedback=self or model: both, the solver (low) or the feedback (high)"))
+class LevelsCfg(_Section):
+    """Hierarchical environments, whose turns have a level (`role(turn)`: math_refine's feedback
+    turn is "high", the solver's turns "low"): who plays the high level and which levels train."""
+    high_model: Literal["shared", "separate"] = Field("shared", description=(
+        "shared: the policy plays the high-level turns too (one model, two role prompts); separate: a second "
+        "trained model does (its own trainer ranks, an engine beside each rollout engine)"))
+    high_model_path: str = Field("", description=(
+        "high_model: separate: the HF folder it starts from (same tokenizer as the policy); empty: the "
+        "policy's start (models/initial)"))
+    train: Literal["both", "low", "high"] = Field("both", description="which levels the update trains")
     alternate: list[int] = Field(default_factory=list, description=(
-        "[high_steps, low_steps]: with feedback=self or model and train_levels=both, train only the feedback "
-        "level for high_steps steps, then only the solver for low_steps, and so on; [] trains both every step"))
-    endpoint_url: str = Field("", description="e.g. http://127.0.0.1:8000/v1 (vllm serve)")
-    endpoint_model: str = Field("", description="empty: the first model the endpoint lists")
-    api_key_env: str = Field("OPENAI_API_KEY", min_length=1)
-    feedback_max_tokens: int = Field(64, gt=0)
+        "[high_steps, low_steps]: with train: both, train only the high level for high_steps steps, then only the "
+        "low level for low_steps, and so on; [] trains both every step"))
 
     @model_validator(mode="after")
-    def _endpoint(self) -> "MathRefineCfg":
-        if self.feedback == "endpoint" and not self.endpoint_url:
-            raise ValueError("feedback: endpoint needs endpoint_url (e.g. http://127.0.0.1:8000/v1)")
-        if self.feedback == "endpoint" and self.train_levels == "high":
-            raise ValueError("train_levels: high needs feedback: self (an endpoint's model is frozen)")
-        if self.high_level_model and self.feedback != "model":
-            raise ValueError("high_level_model is the feedback model's folder: it needs feedback: model")
+    def _check(self) -> "LevelsCfg":
+        if self.high_model_path and self.high_model != "separate":
+            raise ValueError("high_model_path is the second model's folder: it needs high_model: separate")
         if self.alternate and (len(self.alternate) != 2 or min(self.alternate) < 1):
             raise ValueError("alternate must be [] or two positive step counts [high_steps, low_steps]")
         return self
 
 
-class EnvCfg(_Section):
-    name: Literal["code_tool", "search", "math_refine", "intervention"] = "code_tool"
-    workers: int = Field(4, gt=0, description=(
-        "threads stepping environments (sandbox runs, searches, endpoint calls): mostly process start-up and "
-        "waiting, so more than the cores help (128 sandbox runs on 2 cores: 2.46 s with 2 threads, 2.04 s with 4)"))
-    code_tool: CodeToolCfg = CodeToolCfg()
-    search: SearchCfg = SearchCfg()
-    math_refine: MathRefineCfg = MathRefineCfg()
+# --------------------------------------------------------------------------- reward
+class RewardCfg(_Section):
+    """Reward functions added to the environment's outcome: plain callables
+    `fn(prompt, completion, answer, **info) -> float`, by import path."""
+    functions: list[str] = Field(default_factory=list, description=(
+        "import paths, e.g. [my_tasks.rewards:brevity]; each value (times its weight) is added to every "
+        "trajectory's reward and logged as reward_<name>_mean"))
+    weights: list[float] = Field(default_factory=list, description="one per function; empty: all 1.0")
+    on_error: Literal["fail", "zero"] = Field("fail", description=(
+        "a function that raises or returns NaN, None or a non-number: fail stops the step naming it; zero "
+        "scores it 0, counted (reward_<name>_errors) and logged"))
+
+    @model_validator(mode="after")
+    def _check(self) -> "RewardCfg":
+        if self.weights and len(self.weights) != len(self.functions):
+            raise ValueError(f"weights has {len(self.weights)} entries for {len(self.functions)} functions: give one "
+                             "weight per function, or none (all 1.0)")
+        if len(set(self.functions)) != len(self.functions):
+            raise ValueError("a reward function is listed twice")
+        return self
 
 
 # --------------------------------------------------------------------------- algorithm
 class AlgorithmCfg(_Section):
-    name: Literal["grpo", "dr_grpo", "rloo", "mt_grpo", "ms_grpo", "ms_po", "mlmt", "ppo"] = "grpo"
+    name: str = Field("grpo", min_length=1, description=(
+        "grpo, dr_grpo, rloo, mt_grpo, ms_grpo, ms_po, mlmt, ppo (a critic and GAE), or an import path to your "
+        "own: an Algorithm or an advantage function (inputs, cfg) -> advantages [B, T] (turnrl.algos.registry)"))
     turn_coef: float = Field(1.0, ge=0.0, description="mt_grpo / ms_grpo: weight of the turn-level advantage")
     gamma: float = Field(1.0, ge=0.0, description="ms_po: R_tot = R_step + gamma * R_out; ppo: the GAE discount")
     lam: float = Field(1.0, ge=0.0, le=1.0, description="ppo: GAE lambda")
@@ -177,6 +206,8 @@ class AlgorithmCfg(_Section):
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = Field(0.0, ge=0.0)
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    options: dict[str, Any] = Field(default_factory=dict, description=(
+        "a plugin algorithm's own settings, read by its advantage function as cfg.options"))
     epochs: int = Field(1, gt=0, description="passes over each rollout batch (PPO num_iterations)")
     mini_batches: int = Field(1, gt=0, description="optimizer steps per pass")
 
@@ -245,35 +276,69 @@ class TrainCfg(_Section):
 
 
 # --------------------------------------------------------------------------- eval
-#: Math benchmarks `eval.benchmarks` may list (names in `turnrl.data.sources.DATASETS`).
+#: Registered benchmarks `eval.benchmarks` may name (sets of `turnrl.data.sources.DATASETS`).
 BENCHMARKS = ("math500", "aime24", "aime25", "amc23", "gsm8k_test")
-Benchmark = Literal["math500", "aime24", "aime25", "amc23", "gsm8k_test"]
+_BENCHMARK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
 _EVAL_RENAMED = {
     "math500": "eval.benchmarks (a list: [math500] evaluates MATH-500, [] none)",
     "math500_limit": "eval.limit",
     "math500_max_tokens": "eval.max_tokens",
+    "paths": "a benchmark mapping in eval.benchmarks, e.g. [{name: aime24, path: my/aime24.jsonl}]",
 }
 
 
+class BenchmarkCfg(_Section):
+    """A benchmark of eval.benchmarks: a registered set (name only, or with a path to another
+    copy) or a file of one's own, with how to read its answers and how to grade them."""
+    name: str = Field(min_length=1, description="the metrics block and generations file name, e.g. olympiadbench")
+    path: str = Field("", description="a jsonl/json/parquet file; empty: the registered set of that name")
+    fields: dict[str, str] = Field(default_factory=dict, description=(
+        "schema field -> the file's field: prompt, answer (a list answer accepts any element) and optionally id, "
+        "subject, level; empty: the registered set's, or common names (problem/question, answer)"))
+    answer_from: Literal["field", "boxed"] = Field("field", description=(
+        "field: the answer field as it is; boxed: its last \\boxed{} (a worked solution, e.g. Minerva)"))
+    grader: str = Field("math", min_length=1, description=(
+        "math (math-verify), exact (normalized exact match) or an import path module:function "
+        "(completion, answers) -> bool"))
+
+    @model_validator(mode="after")
+    def _check(self) -> "BenchmarkCfg":
+        if not _BENCHMARK_NAME.fullmatch(self.name) or self.name == "task":
+            raise ValueError(f"name {self.name!r}: letters, digits, _ and - only, and not 'task' (the held-out block)")
+        if not self.path and self.name not in BENCHMARKS:
+            raise ValueError(f"{self.name!r} is not a registered benchmark ({', '.join(BENCHMARKS)}): give its path")
+        return self
+
+
+def _benchmark_entry(value: Any) -> Any:
+    """A bare name in eval.benchmarks is a registered benchmark."""
+    if isinstance(value, str):
+        if value not in BENCHMARKS:
+            raise ValueError(f"{value!r} is not a registered benchmark ({', '.join(BENCHMARKS)}); for a file of "
+                             "your own give a mapping {name: ..., path: ..., fields: {prompt: ..., answer: ...}}")
+        return {"name": value}
+    return value
+
+
 class EvalCfg(_Section):
-    """The evaluation of `baseline_eval`, `eval` and `python -m turnrl.evaluate_checkpoint`:
-    the training environment's held-out set (the `task` block, always through the training
-    environment) and the math benchmarks listed here, each decoded the same way."""
-    benchmarks: list[Benchmark] = Field(default_factory=lambda: ["math500"], description=(
-        "math benchmarks to evaluate besides the task: math500, aime24, aime25, amc23, gsm8k_test"))
+    """The evaluation of `baseline_eval`, `eval` and `turnrl evaluate`: the training
+    environment's held-out set (the `task` block, always through the training environment) and
+    the benchmarks listed here, each decoded the same way."""
+    benchmarks: list[Annotated[BenchmarkCfg, BeforeValidator(_benchmark_entry)]] = Field(
+        default_factory=lambda: [BenchmarkCfg(name="math500")], description=(
+        "benchmarks besides the task: registered names (math500, aime24, aime25, amc23, gsm8k_test) or mappings "
+        "{name, path, fields, answer_from, grader} for files of your own"))
     protocol: Literal["single", "multi"] = Field("single", description=(
-        "how the benchmarks are asked: single = one plain answer (math_answer); multi = through the "
-        "training environment's protocol (env.name: tool turns, interventions, refinement)"))
+        "how the benchmarks are asked: single = one plain answer (math_answer, graded by the benchmark's grader); "
+        "multi = through the training environment's protocol (env.name: tool turns, interventions, refinement), "
+        "graded by the environment"))
     temperature: float = Field(1.0, ge=0.0, description="0 = greedy; > 0 samples with top_p")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     samples: int = Field(1, ge=1, description="k samples per problem: accuracy is mean@k, plus pass@k")
     greedy: bool = Field(True, description="also a greedy pass on the task block (accuracy_greedy)")
     max_tokens: int = Field(96, gt=0, description="response tokens of a single-protocol answer")
     limit: int = Field(0, ge=0, description="evaluate the first N problems of each benchmark; 0 = all")
-    paths: dict[Benchmark, str] = Field(default_factory=dict, description=(
-        "explicit benchmark files, e.g. {aime24: /data/aime24.jsonl}; else $TURNRL_DATA_DIR, then the "
-        "hub (math500 also reads data.math500_path)"))
 
     @model_validator(mode="before")
     @classmethod
@@ -289,9 +354,13 @@ class EvalCfg(_Section):
         if self.temperature == 0 and self.samples > 1:
             raise ValueError(f"samples = {self.samples} with temperature = 0: greedy samples are all the same; "
                              "set eval.temperature > 0 or eval.samples: 1")
-        if len(set(self.benchmarks)) != len(self.benchmarks):
-            raise ValueError(f"benchmarks = {self.benchmarks}: a benchmark is listed twice")
+        names = [b.name for b in self.benchmarks]
+        if len(set(names)) != len(names):
+            raise ValueError(f"benchmarks {names}: a benchmark name is listed twice")
         return self
+
+    def benchmark_names(self) -> list[str]:
+        return [b.name for b in self.benchmarks]
 
 
 class ClusterCfg(_Section):
@@ -333,6 +402,8 @@ class Config(_Section):
     model: ModelCfg = ModelCfg()
     data: DataCfg = DataCfg()
     env: EnvCfg = EnvCfg()
+    levels: LevelsCfg = LevelsCfg()
+    reward: RewardCfg = RewardCfg()
     algorithm: AlgorithmCfg = AlgorithmCfg()
     rollout: RolloutCfg = RolloutCfg()
     train: TrainCfg = TrainCfg()
@@ -346,10 +417,6 @@ class Config(_Section):
         if alg.name != "mlmt" and (any(alg.mlmt_betas) or alg.mlmt_context_coef):
             raise ValueError("algorithm.mlmt_betas and algorithm.mlmt_context_coef apply to algorithm.name: mlmt only; "
                              f"set them to 0 for {alg.name}")
-        if alg.mlmt_context_coef and (self.env.name != "math_refine" or self.env.math_refine.feedback == "endpoint"):
-            raise ValueError("algorithm.mlmt_context_coef needs env.name: math_refine with a feedback turn in the "
-                             "conversation (env.math_refine.feedback: self or model); an endpoint's feedback is part of an "
-                             "observation, so there is no feedback turn to remove")
         if self.rollout.max_tokens_total < self.rollout.max_tokens_per_turn:
             raise ValueError(
                 f"rollout.max_tokens_total ({self.rollout.max_tokens_total}) must be at least "
@@ -413,16 +480,59 @@ def _describe(err: dict, source: str) -> str:
     return f"{source}: {key} = {_value_text(err.get('input'))}: {msg}"
 
 
-def parse_config(data: Any, source: str = "params.yaml") -> Config:
+def parse_config(data: Any, source: str = "params.yaml", plugins: bool = True) -> Config:
+    """Validate params; with `plugins`, also import and check what they name (`check_plugins`)."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections (model, env, train, ...), got {type(data).__name__}")
     try:
-        return Config.model_validate(data)
+        cfg = Config.model_validate(data)
     except ValidationError as exc:
         lines = [_describe(e, source) for e in exc.errors()]
         raise ConfigError("\n".join(lines)) from None
+    if plugins:
+        problems = check_plugins(cfg)
+        if problems:
+            raise ConfigError("\n".join(f"{source}: {p}" for p in problems))
+    return cfg
+
+
+def check_plugins(cfg: Config) -> list[str]:
+    """What params name by import path or registry, imported and checked: the environment and
+    its options, its synthetic task and demonstrations where params need them, the algorithm,
+    the reward functions and the benchmarks' graders. One fix-it line per problem."""
+    from turnrl import envs
+    from turnrl.algos import registry as algorithms
+    from turnrl.plugins import PluginError
+    from turnrl.rewards.functions import RewardFunctions
+    from turnrl.rewards.graders import grader
+
+    problems: list[str] = []
+
+    def attempt(fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except PluginError as exc:
+            problems.extend(str(exc).splitlines())
+            return None
+
+    spec = attempt(envs.resolve, cfg.env.name)
+    if spec is not None:
+        attempt(envs.check_options, spec, cfg.env.options)
+        task = spec.task
+        if "synthetic" in (cfg.data.train_set, cfg.data.heldout_set) and (task is None or task.rows is None):
+            problems.append(f"data.train_set / data.heldout_set = synthetic: the environment {cfg.env.name!r} has no "
+                            "synthetic task (EnvSpec.task with rows); set them to your data files (jsonl/parquet)")
+        if cfg.model.path == "tiny" and (task is None or task.demonstration is None):
+            problems.append(f"model.path = tiny: the embedded model is warm-started on demonstrations, and the "
+                            f"environment {cfg.env.name!r} gives none (EnvSpec.task with a demonstration hook); "
+                            "add one, or set model.path to a checkpoint")
+    attempt(algorithms.resolve, cfg.algorithm.name)
+    attempt(RewardFunctions, cfg.reward.functions, cfg.reward.weights, cfg.reward.on_error)
+    for i, bench in enumerate(cfg.eval.benchmarks):
+        attempt(grader, bench.grader, f"eval.benchmarks[{i}].grader")
+    return problems
 
 
 def _set_dotted(data: dict, key: str, value: Any) -> None:
@@ -487,7 +597,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+    from turnrl import envs
+    resolved = cfg.model_dump()
+    resolved["env"]["options"] = envs.check_options(envs.resolve(cfg.env.name), cfg.env.options)   # defaults shown
+    print(yaml.safe_dump(resolved, sort_keys=False))
     return 0
 
 

@@ -5,10 +5,12 @@
 
 PATH is a Hugging Face model folder (config.json, weights, tokenizer), e.g. a published model
 fetched with `huggingface-cli download Qwen/Qwen2.5-Math-1.5B --local-dir ckpt/qwen-math`, or
-a pipeline model out (models/final; with `env.math_refine.feedback: model` its high_level/
-folder plays the feedback turns). The evaluation is `turnrl.evaluation.evaluate` with the
-params of `--params` and the overrides of `-S` (same syntax as `dvc exp run -S`), on the
-preprocessed data of the pipeline (run `dvc repro preprocess` first). It writes
+a pipeline model out (models/final; with `levels.high_model: separate` its high_level/ folder
+plays the high-level turns). The evaluation is `turnrl.evaluation.evaluate` with the params of
+`--params` and the overrides of `-S` (same syntax as `dvc exp run -S`): the held-out task from
+the pipeline's preprocessed data (run `dvc repro preprocess` first), and every benchmark read
+from its source now (its `path`, $TURNRL_DATA_DIR or the hub), so a benchmark given with `-S` is
+the one scored, whatever was preprocessed. It writes
 `DIR/metrics.json` (the shape of metrics/eval.json), `DIR/<block>.parquet` (the per-problem
 generations) and `DIR/run.json` (the checkpoint and the resolved params); `--mlflow` also
 records the run, under the params' `tracking` settings.
@@ -16,6 +18,8 @@ records the run, under the params' `tracking` settings.
     python -m turnrl.evaluate_checkpoint ckpt/qwen-math --out eval/qwen-math \\
         -S model.dtype=bfloat16 -S eval.temperature=0 -S eval.max_tokens=3000 \\
         -S "eval.benchmarks=[math500,aime24,amc23]"
+    python -m turnrl.evaluate_checkpoint models/final --out eval/olympiad \\
+        -S "eval.benchmarks=[{name: olympiad, path: olympiad.jsonl, fields: {prompt: question, answer: final_answer}}]"
 
 Compare two evaluations with `python -m turnrl.report A/metrics.json B/metrics.json --out DIR`.
 """
@@ -28,6 +32,7 @@ import sys
 from pathlib import Path
 
 from turnrl.config import Config, ConfigError, load_config
+from turnrl.data.sources import DataSourceError
 
 BAD_INPUT_EXIT = 2
 
@@ -48,13 +53,13 @@ def evaluate_checkpoint(cfg: Config, model: str | Path, out: str | Path,
                         data_dir: str | Path = "data/processed") -> dict:
     """Evaluate checkpoint folder `model`; write `out/metrics.json`, `out/run.json` and the
     generations; return the metrics."""
-    from turnrl.evaluation import evaluate, load_levels
+    from turnrl.evaluation import evaluate, load_levels, source_benchmarks
     from turnrl.stage import write_json
     model, out, data_dir = Path(model), Path(out), Path(data_dir)
     check_inputs(cfg, model, data_dir)
-    high = model / "high_level"   # math_refine feedback: model: a trained feedback model saved beside the solver
+    high = model / "high_level"   # levels.high_model: separate: the trained high-level model saved beside the policy
     engine, tokenizer = load_levels(cfg, model, high if high.is_dir() else None)
-    metrics = evaluate(cfg, engine, tokenizer, data_dir, out)
+    metrics = evaluate(cfg, engine, tokenizer, data_dir, out, benchmarks=source_benchmarks(cfg))
     write_json(out / "metrics.json", metrics)
     write_json(out / "run.json", {"checkpoint": str(model.resolve()), "data": str(data_dir.resolve()),
                                   "config": cfg.model_dump()})
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.params, args.overrides)
         check_inputs(cfg, args.model, args.data)
-    except (ConfigError, FileNotFoundError) as exc:
+    except (ConfigError, FileNotFoundError, DataSourceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return BAD_INPUT_EXIT
     if args.mlflow:

@@ -7,12 +7,13 @@ Blocks of the metrics (`metrics/baseline.json`, `metrics/eval.json`):
   multi-turn protocol (`env.name`: tool turns, interventions, refinement). With
   `eval.greedy` a greedy pass is reported beside the sampled one (`accuracy_greedy`): a warm
   start can be greedy-perfect and sample-poor, or the reverse.
-- one block per benchmark of `eval.benchmarks` (math500, aime24, aime25, amc23, gsm8k_test),
-  asked as `eval.protocol` says: `single` = one plain answer (the `math_answer` environment,
-  `eval.max_tokens` tokens), `multi` = through the training environment like the task. Graded
-  with math-verify on the last `\\boxed{}` / `<answer>`. MATH-500 adds `by_subject` (7) and
-  `by_level` (5). A benchmark the preprocess stage could not find says `available: false` and
-  why.
+- one block per benchmark of `eval.benchmarks` (registered: math500, aime24, aime25, amc23,
+  gsm8k_test; or a file of one's own), asked as `eval.protocol` says: `single` = one plain
+  answer (the `math_answer` environment, `eval.max_tokens` tokens) graded by the benchmark's
+  grader (math-verify on the last `\\boxed{}` / `<answer>` by default, against any of the row's
+  answers), `multi` = through the training environment like the task, graded by it. Sets with
+  subjects and levels (MATH-500: 7 and 5) add `by_subject` and `by_level`. A registered
+  benchmark nobody could provide says `available: false` and why.
 
 Every block has `accuracy` (mean@k over `eval.samples` = k samples per problem), `pass_at_k`
 (the unbiased estimator), `n` (problems), `correct`, `mean_response_tokens` (policy tokens
@@ -38,10 +39,10 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from turnrl import envs
-from turnrl.config import BENCHMARKS, Config
+from turnrl.config import BenchmarkCfg, Config
 from turnrl.data import sources
 from turnrl.rollout.chat import ChatFormat
-from turnrl.rollout.loop import Budgets, Trajectory, run_rollouts
+from turnrl.rollout.loop import ENV_ERROR, Budgets, Trajectory, run_rollouts
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ NO_ANSWER = {
     "token_budget": "no answer: the trajectory's token budget ran out",
     "max_turns": "no answer within the turn limit",
     "no_action": "no answer found (no <answer> or \\boxed{})",
+    ENV_ERROR: "the environment raised",
 }
 
 
@@ -82,8 +84,11 @@ def summarize(trajs: Sequence[Trajectory], k: int = 1) -> dict:
         "mean_response_tokens": tokens / len(trajs) if trajs else 0.0,
         "tokens_per_correct": tokens / len(correct) if correct else None,
         "mean_turns": sum(t.num_turns for t in trajs) / len(trajs) if trajs else 0.0,
+        "env_errors": sum(t.finish == ENV_ERROR for t in trajs),
     }
     out.update(tool_rates(trajs))
+    for name in sorted({name for t in trajs for name in t.rewards}):   # reward functions, by name
+        out[f"reward_{name}_mean"] = sum(t.rewards.get(name, 0.0) for t in trajs) / len(trajs)
     return out
 
 
@@ -114,11 +119,13 @@ def grading_reason(t: Trajectory) -> str:
         verdict = "exact match" if info["exact_match"] else "no exact match"
         gold = t.example.get("answers") or t.example.get("answer")
         return f"{verdict}: predicted {info.get('prediction')!r}, gold {gold!r}"
+    if t.finish == ENV_ERROR:
+        return f"the environment raised: {info.get('env_error', '')}"
     extracted = info.get("extracted")
     if extracted is None or t.finish != "answer":
         return NO_ANSWER.get(t.finish, "no answer found")
-    from turnrl.rewards.math import grade_math  # the same grading the environments use
-    return grade_math(f"<answer>{extracted}</answer>", str(t.example.get("answer"))).reason
+    from turnrl.rewards.math import grade_any  # the same grading the environments use
+    return grade_any(f"<answer>{extracted}</answer>", t.example).reason
 
 
 def records(trajs: Sequence[Trajectory], decode: Callable, decoding: str, benchmark: str, k: int = 1) -> list[dict]:
@@ -137,32 +144,38 @@ class _Run:
 
     def __init__(self, cfg: Config, engine, tokenizer, data_dir: Path, out_dir: Path):
         from turnrl.envs.configured import env_factory
+        from turnrl.rewards.functions import RewardFunctions
         self.cfg, self.engine, self.out_dir = cfg, engine, out_dir
         self.fmt = ChatFormat(tokenizer, cfg.model.template_type)
         self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
+        self.plain = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
         solver = engine["low"] if isinstance(engine, dict) else engine   # {"low", "high"}: two models
         self.context = getattr(solver, "max_model_len", 1 << 30)
         self.train_env = env_factory(cfg, data_dir)
+        self.reward_functions = RewardFunctions(cfg.reward.functions, cfg.reward.weights, cfg.reward.on_error)
 
-    def protocol(self, name: str) -> tuple[Callable[[], envs.Env], Budgets, dict]:
+    def protocol(self, name: str, grader: str = "math") -> tuple[Callable[[], envs.Env], Budgets, dict]:
         """(environment factory, budgets, the block's protocol fields) for `single` or `multi`."""
         r, e = self.cfg.rollout, self.cfg.eval
         if name == "single":
-            return (lambda: envs.make("math_answer"), Budgets(1, e.max_tokens, e.max_tokens, self.context),
-                    {"protocol": "single", "env": "math_answer", "max_turns": 1, "max_tokens": e.max_tokens})
+            return (lambda: envs.make("math_answer", grader=grader), Budgets(1, e.max_tokens, e.max_tokens, self.context),
+                    {"protocol": "single", "env": "math_answer", "grader": grader, "max_turns": 1,
+                     "max_tokens": e.max_tokens})
         return (self.train_env, Budgets(r.max_turns, r.max_tokens_per_turn, r.max_tokens_total, self.context),
                 {"protocol": "multi", "env": self.cfg.env.name, "max_turns": r.max_turns,
                  "max_tokens": r.max_tokens_total})
 
-    def block(self, name: str, problems: list[dict], protocol: str) -> dict:
+    def block(self, name: str, problems: list[dict], protocol: str, grader: str = "math") -> dict:
         """Evaluate `problems` with the configured decoding; write `<name>.parquet`; the block."""
         e = self.cfg.eval
-        make_env, budgets, fields = self.protocol(protocol)
+        make_env, budgets, fields = self.protocol(protocol, grader)
         k = e.samples
         trajs = run_rollouts(self.engine, problems, make_env, self.fmt, budgets, n=k, temperature=e.temperature,
                              top_p=e.top_p, seed=self.cfg.seed, env_workers=self.cfg.env.workers,
                              observation_lag=self.cfg.rollout.observation_lag,
                              progress=True, desc=f"eval {name}")
+        if name == "task":   # the training reward's parts, on the held-out set
+            self.reward_functions.score(trajs, self.plain)
         decoding = "greedy" if e.temperature == 0 else f"temperature={e.temperature},top_p={e.top_p}"
         block = {**summarize(trajs, k), **fields, "temperature": e.temperature, "top_p": e.top_p,
                  "samples_per_problem": k, "seed": self.cfg.seed}
@@ -184,49 +197,82 @@ class _Run:
         return block
 
 
+Benchmarks = Callable[[BenchmarkCfg], tuple[list[dict] | None, str]]   # spec -> (rows, or None and why not)
+
+
+def processed_benchmarks(cfg: Config, data_dir: Path) -> Benchmarks:
+    """Benchmarks as the preprocess stage wrote them to `data_dir` (the DVC stages' way); a
+    benchmark missing there, or preprocessed from another spec, is a FileNotFoundError saying
+    to rerun preprocess."""
+    from turnrl.preprocess import BENCHMARK_DIR, benchmark_record, load_split, manifest
+    found = manifest(Path(data_dir))
+    for bench in cfg.eval.benchmarks:
+        entry = found.get("benchmarks", {}).get(bench.name)
+        if entry is None or entry.get("spec") != benchmark_record(bench):
+            why = "is not there" if entry is None else "was preprocessed from another spec"
+            raise FileNotFoundError(f"{data_dir}: benchmark {bench.name} (eval.benchmarks) {why}; run "
+                                    "`dvc repro preprocess` with these eval.benchmarks")
+
+    def read(bench: BenchmarkCfg) -> tuple[list[dict] | None, str]:
+        entry = found["benchmarks"][bench.name]
+        if not entry.get("available"):
+            return None, str(entry.get("reason"))
+        return load_split(Path(data_dir) / BENCHMARK_DIR, bench.name), ""
+    return read
+
+
+def source_benchmarks(cfg: Config) -> Benchmarks:
+    """Benchmarks read from their files (or data dir, or hub) now, whatever was preprocessed:
+    what `turnrl evaluate` uses, so a path given on its command line is the one scored."""
+    from turnrl.preprocess import load_benchmark
+
+    def read(bench: BenchmarkCfg) -> tuple[list[dict] | None, str]:
+        rows, info = load_benchmark(cfg, bench)
+        return rows, str(info.get("reason", ""))
+    return read
+
+
 def check_data(cfg: Config, data_dir: Path) -> dict:
-    """The preprocess manifest of `data_dir`; FileNotFoundError saying what to run when the
-    data or a benchmark of `eval.benchmarks` is missing."""
+    """The preprocess manifest of `data_dir`; FileNotFoundError saying what to run when there
+    is none."""
     from turnrl.preprocess import manifest
     if not (Path(data_dir) / "manifest.json").exists():
         raise FileNotFoundError(f"{data_dir} holds no preprocessed data (no manifest.json); "
                                 "run `dvc repro preprocess` first")
-    found = manifest(Path(data_dir))
-    missing = [b for b in cfg.eval.benchmarks if b not in found]
-    if missing:
-        have = [b for b in found if b in BENCHMARKS]
-        raise FileNotFoundError(
-            f"{data_dir} has no {', '.join(missing)} (eval.benchmarks): it was preprocessed with "
-            f"{', '.join(have) or 'no benchmarks'}; run `dvc repro preprocess` with them in eval.benchmarks")
-    return found
+    return manifest(Path(data_dir))
 
 
-def evaluate(cfg: Config, engine, tokenizer, data_dir: Path, out_dir: Path) -> dict:
-    """Evaluate the task and every benchmark of `eval.benchmarks` on `engine` (or {"low": solver,
-    "high": feedback model}, see `load_levels`); write the
-    per-problem generations to `out_dir/<block>.parquet`; return the metrics (block -> dict).
-    `data_dir` is the preprocess stage's output (data/processed)."""
+def evaluate(cfg: Config, engine, tokenizer, data_dir: Path, out_dir: Path,
+             benchmarks: Benchmarks | None = None) -> dict:
+    """Evaluate the task and every benchmark of `eval.benchmarks` on `engine` (or {"low": policy,
+    "high": the high-level model}, see `load_levels`); write the per-problem generations to
+    `out_dir/<block>.parquet`; return the metrics (block -> dict). `data_dir` is the preprocess
+    stage's output (data/processed: the held-out split, the environment's data files);
+    `benchmarks` reads each benchmark (default: as preprocessed there)."""
     from turnrl.preprocess import load_split
 
     data_dir, out_dir = Path(data_dir), Path(out_dir)
-    found = check_data(cfg, data_dir)
+    check_data(cfg, data_dir)
+    read = benchmarks or processed_benchmarks(cfg, data_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for block in ("task", *BENCHMARKS):      # generations of blocks no longer configured
-        (out_dir / f"{block}.parquet").unlink(missing_ok=True)
+    for stale in out_dir.glob("*.parquet"):   # generations of blocks no longer configured
+        stale.unlink()
     run = _Run(cfg, engine, tokenizer, data_dir, out_dir)
 
     metrics: dict = {"task": run.block("task", load_split(data_dir, "heldout"), "multi")}
-    for name in cfg.eval.benchmarks:
-        info = found[name]
-        if not info.get("available"):
-            log.warning("%s not evaluated: %s", name, info.get("reason"))
-            metrics[name] = {"available": False, "reason": info.get("reason"), "accuracy": None, "n": 0,
-                             "mean_response_tokens": None, "protocol": cfg.eval.protocol}
+    for bench in cfg.eval.benchmarks:
+        problems, reason = read(bench)
+        if problems is None:
+            log.warning("%s not evaluated: %s", bench.name, reason)
+            metrics[bench.name] = {"available": False, "reason": reason, "accuracy": None, "n": 0,
+                                   "mean_response_tokens": None, "protocol": cfg.eval.protocol}
             continue
-        problems = load_split(data_dir, name)
+        if cfg.eval.protocol == "multi" and bench.grader != "math":
+            log.warning("%s: grader %s applies to eval.protocol: single; with multi the environment (%s) grades",
+                        bench.name, bench.grader, cfg.env.name)
         if cfg.eval.limit:
             problems = problems[:cfg.eval.limit]
-        metrics[name] = {"available": True, **run.block(name, problems, cfg.eval.protocol)}
+        metrics[bench.name] = {"available": True, **run.block(bench.name, problems, cfg.eval.protocol, bench.grader)}
     return metrics
 
 
@@ -273,15 +319,13 @@ def load_engine(cfg: Config, model_folder: str | Path):
 
 
 def load_levels(cfg: Config, model_folder: str | Path, high_folder: str | Path | None = None):
-    """(engine, tokenizer) for `model_folder`, like `load_engine`; with math_refine's
-    `feedback: model`, (engines {"low": solver, "high": feedback model}, tokenizer), the
-    feedback model from `high_folder`, or when None from its starting folder
-    (`env.math_refine.high_level_model`, empty: the solver's)."""
-    from turnrl.prepare import model_dir
-    from turnrl.training.cluster import two_models
-    from turnrl.training.mlmt import high_level_folder
+    """(engine, tokenizer) for `model_folder`, like `load_engine`; with `levels.high_model:
+    separate`, (engines {"low": policy, "high": high-level model}, tokenizer), the high-level
+    model from `high_folder`, or when None from its starting folder (`levels.high_model_path`,
+    empty: the policy's)."""
+    from turnrl.prepare import high_level_folder, model_dir
     engine, tokenizer = load_engine(cfg, model_folder)
-    if not two_models(cfg):
+    if cfg.levels.high_model != "separate":
         return engine, tokenizer
     high = high_level_folder(cfg, model_dir(model_folder)) if high_folder is None else high_folder
     return {"low": engine, "high": load_engine(cfg, high)[0]}, tokenizer

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
+from turnrl import envs
 from turnrl.config import Config
 from turnrl.data import synthetic
-from turnrl.envs.configured import env_factory
+from turnrl.envs.configured import env_factory, env_options
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.loop import Trajectory, replay
 from turnrl.tiny import build_model, build_tokenizer, save, seeded_rng, warm_start
@@ -21,7 +23,7 @@ def demonstrations(task: synthetic.SyntheticTask, rows: list[dict], count: int, 
     out = []
     for _ in range(count):
         row, good = rows[rng.randrange(len(rows))], rng.random() < good_fraction
-        out.append((row, task.demonstration(row, rng, good), good))
+        out.append((row, task.demonstrate(row, rng, good), good))
     return out
 
 
@@ -38,14 +40,27 @@ def build_tiny(cfg: Config, out_dir: Path, log_metrics: Callable[[int, dict], No
     working the columns, ramble instead of answering). RL then starts from a policy that sometimes succeeds and often fails, and must
     find out what pays.
 
-    The demonstrations come from the synthetic task's training split (the same rows, and the
-    same seed, as the preprocess stage's), never from the held-out one, whatever data RL uses.
+    The demonstrations come from the environment's task (its EnvSpec): its synthetic training
+    split (the same rows, and the same seed, as the preprocess stage's) when it has one, else the
+    training rows of data.train_set; never from the held-out split, whatever data RL uses. An
+    environment with data files (a search corpus) gets them written for these rows first.
     """
+    with tempfile.TemporaryDirectory(prefix="turnrl-warmstart-") as data_dir:
+        return _build_tiny(cfg, out_dir, Path(data_dir), log_metrics)
+
+
+def _build_tiny(cfg: Config, out_dir: Path, data_dir: Path, log_metrics) -> dict:
     spec = cfg.model.warmstart
-    task = synthetic.task(cfg.env.name)
-    train_rows, heldout_rows = task.splits(cfg.data.train_examples, cfg.data.heldout_examples, cfg.seed)
-    corpus = synthetic.lookup_corpus(heldout_rows, train_rows) if cfg.env.name == "search" else None
-    make_env = env_factory(cfg, corpus=corpus)
+    env = envs.resolve(cfg.env.name)
+    task: synthetic.SyntheticTask = env.task
+    if task.rows is not None:
+        train_rows, heldout_rows = task.splits(cfg.data.train_examples, cfg.data.heldout_examples, cfg.seed)
+    else:   # a plugin without synthetic rows: its demonstrations are of the training data
+        from turnrl.preprocess import training_splits
+        train_rows, heldout_rows, _, _ = training_splits(cfg)
+    if env.prepare_data is not None:
+        env.prepare_data(heldout_rows + train_rows, data_dir, **env_options(cfg))
+    make_env = env_factory(cfg, data_dir)
     skill = demonstrations(task, train_rows, spec.demonstrations, task.skill_good_fraction, cfg.seed, "skill")
     prior = demonstrations(task, train_rows, spec.demonstrations // 2, spec.good_fraction, cfg.seed, "prior")
 
@@ -132,6 +147,24 @@ def resolve_checkpoint(path: str, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "turnrl_model.json").write_text(json.dumps({"kind": "checkpoint", "path": target}, indent=2))
     return {"path": target}
+
+
+def high_level_folder(cfg: Config, policy_dir: str | Path) -> str:
+    """The high-level model's starting folder with `levels.high_model: separate`:
+    `levels.high_model_path`, or the policy's own starting folder when empty. Raises ValueError
+    if its tokenizer is not the policy's (the two models continue each other's token ids in
+    one conversation)."""
+    from transformers import AutoTokenizer
+    chosen = cfg.levels.high_model_path
+    folder = model_dir(chosen) if chosen else str(policy_dir)
+    if chosen:
+        policy, high = AutoTokenizer.from_pretrained(str(policy_dir)), AutoTokenizer.from_pretrained(folder)
+        if policy.get_vocab() != high.get_vocab() or policy.chat_template != high.chat_template:
+            raise ValueError(
+                f"levels.high_model_path = {chosen!r}: its tokenizer (vocabulary or chat template) is not the "
+                f"policy's ({policy_dir}); both models write into one token sequence, so they need the same "
+                "tokenizer. Use a model of the same family, or leave high_model_path empty (the policy's start)")
+    return folder
 
 
 def model_dir(folder: str | Path) -> str:

@@ -1,12 +1,19 @@
-"""`preprocess`: the training and held-out sets, the search corpus and the benchmarks, as
-parquet in the common schema (see `turnrl.data.sources`).
+"""`preprocess`: the training and held-out sets, the environment's data files (a search corpus)
+and the benchmarks, as parquet in the common schema (see `turnrl.data.sources`).
 
-`data.train_set` / `data.heldout_set` are `synthetic` (the environment's generated task,
-`turnrl.data.synthetic`), a registered data set or a file. When both name the same set it is
-split with the seed; in every case a held-out prompt never appears in training.
+`data.train_set` / `data.heldout_set` are `synthetic` (the environment's generated task, from
+its EnvSpec), a registered data set or a file. When both name the same set it is split with the
+seed; in every case a held-out prompt never appears in training.
 
-An optional benchmark nobody can provide offline is not an error: the manifest records
-`available: false` with the reason, a warning says so, and the evaluations report it.
+An environment with a `prepare_data` hook (search: its corpus) writes its files here from
+every row of the data (the whole sets, not only the sampled rows: a corpus must not shrink with
+data.train_examples).
+
+Benchmarks go to `benchmarks/<name>.parquet`, each with its spec in the manifest (so an
+evaluation can tell it was preprocessed from the spec it is asked for). A registered
+benchmark nobody can provide offline is not an error: the manifest records `available: false`
+with the reason, a warning says so, and the evaluations report it. A benchmark file the user
+named must be there.
 
 A malformed row in any file read here stops the stage naming the file and line
 (`data.bad_rows: fail`), or is skipped (`drop`): the manifest's `bad_rows` block counts the
@@ -19,43 +26,54 @@ import logging
 import random
 from pathlib import Path
 
-from turnrl.config import Config
-from turnrl.data import sources, synthetic
+from turnrl import envs
+from turnrl.config import BenchmarkCfg, Config
+from turnrl.data import sources
+from turnrl.envs.configured import env_options
 from turnrl.stage import write_json
 
 log = logging.getLogger(__name__)
 
 DROP_HINT = "set data.bad_rows: drop in params.yaml to skip malformed rows and count them"
+BENCHMARK_DIR = "benchmarks"   # data/processed/benchmarks/<name>.parquet
 Dropped = dict[str, dict]   # file -> {"dropped": n, "first": ["line 3: empty prompt ...", ...]}
 
 
 def preprocess(cfg: Config, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     dropped: Dropped = {}
-    train, heldout, manifest = training_splits(cfg, dropped)
+    train, heldout, manifest, pool = training_splits(cfg, dropped)
     sources.write_parquet(train, out_dir / "train.parquet")
     sources.write_parquet(heldout, out_dir / "heldout.parquet")
-    if cfg.env.name == "search":
-        corpus = search_corpus(cfg, train, heldout, dropped)
-        sources.write_parquet(corpus, out_dir / "corpus.parquet")
-        manifest["corpus"] = {"n": len(corpus)}
+    spec = envs.resolve(cfg.env.name)
+    if spec.prepare_data is not None:   # the environment's own files (e.g. the search corpus)
+        manifest.update(spec.prepare_data(pool, out_dir, **env_options(cfg)) or {})
 
-    for name in cfg.eval.benchmarks:
-        manifest[name] = _benchmark(cfg, name, *_benchmark_path(cfg, name), out_dir, dropped)
+    bench_dir = out_dir / BENCHMARK_DIR
+    bench_dir.mkdir(exist_ok=True)
+    for stale in bench_dir.glob("*.parquet"):
+        stale.unlink()
+    manifest["benchmarks"] = {}
+    for bench in cfg.eval.benchmarks:
+        rows, info = load_benchmark(cfg, bench, dropped)
+        if rows is not None:
+            sources.write_parquet(rows, bench_dir / f"{bench.name}.parquet")
+        manifest["benchmarks"][bench.name] = {**info, "spec": benchmark_record(bench)}
     manifest["bad_rows"] = {"policy": cfg.data.bad_rows,
                             "dropped": sum(f["dropped"] for f in dropped.values()), "files": dropped}
     write_json(out_dir / "manifest.json", manifest)
     return manifest
 
 
-def training_splits(cfg: Config, dropped: Dropped | None = None) -> tuple[list[dict], list[dict], dict]:
-    """(train rows, held-out rows, a manifest saying where each came from and its size).
+def training_splits(cfg: Config, dropped: Dropped | None = None) -> tuple[list[dict], list[dict], dict, list[dict]]:
+    """(train rows, held-out rows, a manifest saying where each came from and its size, every
+    row of the data: the held-out rows first, then the rest of the named sets, unsampled).
     Rows dropped as malformed (data.bad_rows: drop) are recorded in `dropped`."""
     d = cfg.data
     if d.train_set == d.heldout_set == "synthetic":
-        train, heldout = synthetic.task(cfg.env.name).splits(d.train_examples, d.heldout_examples, cfg.seed)
+        train, heldout = _task(cfg).splits(d.train_examples, d.heldout_examples, cfg.seed)
         return train, heldout, {"train": {"n": len(train), "origin": "synthetic"},
-                                "heldout": {"n": len(heldout), "origin": "synthetic"}}
+                                "heldout": {"n": len(heldout), "origin": "synthetic"}}, heldout + train
     if d.train_set == d.heldout_set:
         rows, origin = _load(cfg, d.train_set, "data.train_set", dropped)
         if len(rows) < 2:
@@ -64,27 +82,37 @@ def training_splits(cfg: Config, dropped: Dropped | None = None) -> tuple[list[d
         n_heldout = min(d.heldout_examples, len(rows) // 2)
         heldout, train = rows[:n_heldout], rows[n_heldout:n_heldout + d.train_examples]
         return train, heldout, {"train": {"n": len(train), "origin": origin},
-                                "heldout": {"n": len(heldout), "origin": f"{origin} (split with seed {cfg.seed})"}}
+                                "heldout": {"n": len(heldout), "origin": f"{origin} (split with seed {cfg.seed})"}}, rows
 
-    heldout, heldout_origin = _side(cfg, d.heldout_set, "data.heldout_set", "heldout", d.heldout_examples, dropped)
-    train, train_origin = _side(cfg, d.train_set, "data.train_set", "train", d.train_examples, dropped)
+    heldout, heldout_origin, heldout_all = _side(cfg, d.heldout_set, "data.heldout_set", "heldout",
+                                                 d.heldout_examples, dropped)
+    train, train_origin, train_all = _side(cfg, d.train_set, "data.train_set", "train", d.train_examples, dropped)
     taken = {r["prompt"] for r in heldout}
     overlap = sum(r["prompt"] in taken for r in train)
     if overlap:
         log.warning("dropped %d training prompts that are also held out", overlap)
         train = [r for r in train if r["prompt"] not in taken]
     return train, heldout, {"train": {"n": len(train), "origin": train_origin, "dropped_heldout_overlap": overlap},
-                            "heldout": {"n": len(heldout), "origin": heldout_origin}}
+                            "heldout": {"n": len(heldout), "origin": heldout_origin}}, heldout_all + train_all
+
+
+def _task(cfg: Config):
+    task = envs.resolve(cfg.env.name).task
+    if task is None or task.rows is None:
+        raise sources.DataSourceError(f"data.train_set = synthetic: the environment {cfg.env.name!r} has no synthetic "
+                                      "task; set data.train_set and data.heldout_set to your data files")
+    return task
 
 
 def _side(cfg: Config, name: str, key: str, split: str, count: int,
-          dropped: Dropped | None) -> tuple[list[dict], str]:
+          dropped: Dropped | None) -> tuple[list[dict], str, list[dict]]:
+    """(the rows used, where they came from, every row of the set)."""
     if name == "synthetic":
-        rows = synthetic.task(cfg.env.name).rows(count, seed=cfg.seed, split=split, exclude=set())
-        return rows, "synthetic"
+        rows = _task(cfg).rows(count, seed=cfg.seed, split=split, exclude=set())
+        return rows, "synthetic", rows
     rows, origin = _load(cfg, name, key, dropped)
     random.Random(f"{cfg.seed}:{split}").shuffle(rows)
-    return rows[:count], origin
+    return rows[:count], origin, rows
 
 
 def _load(cfg: Config, name: str, key: str, dropped: Dropped | None) -> tuple[list[dict], str]:
@@ -107,52 +135,39 @@ def _record_dropped(result: sources.LoadResult, dropped: Dropped | None) -> None
         dropped[result.origin] = {"dropped": result.n_dropped, "first": first}
 
 
-def search_corpus(cfg: Config, train: list[dict], heldout: list[dict],
-                  dropped: Dropped | None = None) -> list[dict]:
-    """The passages the search index is built over: `env.search.corpus` if given, else the
-    synthetic entities' passages or the data's gold passages (nq_open)."""
-    if cfg.env.search.corpus:
-        from turnrl.envs.search import load_corpus
-        return load_corpus(cfg.env.search.corpus)
-    rows = heldout + train
-    if all("entity" in r for r in rows):
-        return synthetic.lookup_corpus(heldout, train)
-    if all(r.get("passages") for r in rows):
-        # every passage of the sets, not only those of the sampled rows: the corpus must not
-        # shrink (and retrieval get easier) with data.train_examples
-        names = sorted({cfg.data.train_set, cfg.data.heldout_set} - {"synthetic"})
-        return sources.load_search_corpus([r for name in names
-                                           for r in _load(cfg, name, "data.train_set", dropped)[0]])
-    raise sources.DataSourceError("env.name = search: the data has no passages to search (only synthetic rows and "
-                     "nq_open-shaped rows do); set env.search.corpus to a passages file or data set")
+# --------------------------------------------------------------------------- benchmarks
+def benchmark_record(bench: BenchmarkCfg) -> dict:
+    """What a preprocessed benchmark was made from (compared by the evaluation stages)."""
+    return bench.model_dump()
 
 
-def _benchmark_path(cfg: Config, name: str) -> tuple[str, str]:
-    """(explicit path or "", the params key that sets it) for a benchmark of `eval.benchmarks`."""
-    if cfg.eval.paths.get(name):
-        return cfg.eval.paths[name], f"eval.paths.{name}"
-    if name == "math500" and cfg.data.math500_path:
-        return cfg.data.math500_path, "data.math500_path"
-    return "", "data.math500_path" if name == "math500" else f"eval.paths.{name}"
-
-
-def _benchmark(cfg: Config, name: str, explicit_path: str, params_key: str, out_dir: Path,
-               dropped: Dropped | None = None) -> dict:
-    """Write benchmark `name` to `out_dir/<name>.parquet`; its manifest entry. Not found
-    anywhere: `available: false` with the reason, and a warning (never a silent skip)."""
+def load_benchmark(cfg: Config, bench: BenchmarkCfg, dropped: Dropped | None = None) -> tuple[list[dict] | None, dict]:
+    """(rows, info) of a benchmark of `eval.benchmarks`: from its `path` with its `fields` (a list
+    answer accepts any element; `answer_from: boxed` takes the last \\boxed{}), or the registered
+    set of its name from $TURNRL_DATA_DIR or the hub. A registered set found nowhere gives
+    (None, {available: false, reason}) and a warning (never a silent skip); a file the user
+    named that is missing or malformed raises."""
+    key = f"eval.benchmarks[{[b.name for b in cfg.eval.benchmarks].index(bench.name)}]" \
+        if bench in cfg.eval.benchmarks else "eval.benchmarks"
+    transform = "boxed" if bench.answer_from == "boxed" else None
+    fields = bench.fields or None
     try:
-        result = sources.load(name, path=explicit_path or None, params_key=params_key,
-                              on_bad_row=cfg.data.bad_rows, drop_hint=DROP_HINT)
+        if bench.path:
+            result = sources.load(bench.name, path=bench.path, fields=fields, answer_transform=transform,
+                                  source=bench.name, params_key=f"{key}.path", on_bad_row=cfg.data.bad_rows,
+                                  drop_hint=DROP_HINT)
+        else:
+            result = sources.load(bench.name, fields=fields, answer_transform=transform, params_key=f"{key}.path",
+                                  on_bad_row=cfg.data.bad_rows, drop_hint=DROP_HINT)
     except sources.DataSourceError as exc:
-        if explicit_path or isinstance(exc, sources.MalformedDataError):
-            # the user named a file, or the file found is malformed: an error, not a skip
-            raise
+        if bench.path or isinstance(exc, sources.MalformedDataError):
+            raise   # the user named a file, or the file found is malformed: an error, not a skip
         reason = str(exc)
-        log.warning("benchmark %s is not available, its metrics will say so: %s", name, reason)
-        return {"available": False, "reason": reason}
+        log.warning("benchmark %s is not available, its metrics will say so: %s", bench.name, reason)
+        return None, {"available": False, "reason": reason}
     _record_dropped(result, dropped)
-    sources.write_parquet(result.rows, out_dir / f"{name}.parquet")
-    return {"available": True, "n": len(result.rows), "dropped": result.n_dropped, "origin": result.origin}
+    return list(result.rows), {"available": True, "n": len(result.rows), "dropped": result.n_dropped,
+                               "origin": result.origin}
 
 
 def load_split(data_dir: Path, name: str) -> list[dict]:

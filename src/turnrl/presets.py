@@ -51,11 +51,13 @@ def _yaml_value(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
 
-def set_args(keys: dict[str, Any]) -> list[str]:
-    """`-S key=value` arguments for `dvc exp run`."""
+def set_args(keys: dict[str, Any], params: str | Path = "params.yaml") -> list[str]:
+    """`-S key=value` arguments for `dvc exp run`; a key params.yaml does not have yet (e.g. an
+    entry of env.options) gets DVC's `++` (add or override)."""
+    have = flatten(yaml.safe_load(Path(params).read_text()) or {}) if Path(params).exists() else {}
     args = []
     for key, value in keys.items():
-        args += ["-S", f"{key}={_yaml_value(value)}"]
+        args += ["-S", f"{'' if key in have else '++'}{key}={_yaml_value(value)}"]
     return args
 
 

@@ -11,7 +11,8 @@ Conventions shared by every function here (B trajectories, T response tokens, K 
 - first_obs_pos [B] long: index of the first observation (tool-result) token in the
   response, or T if the trajectory has none. `first_obs_position(obs_mask)` computes it.
 - turn_ids [B, T] long: 0-based turn index of each token (only read where mask is set).
-Estimators return token-level advantages [B, T] float32, exactly 0 where mask is 0.
+Estimators return token-level advantages [B, T] float32, exactly 0 where mask is 0. The
+registered algorithms (`turnrl.algos.builtin`) call them from a batch's `AdvantageInputs`.
 
 Group statistics use the Bessel-corrected std (torch.std's default, as GRPO references do).
 A group of one has no baseline: its advantage is 0. A group with identical rewards gets 0
@@ -19,8 +20,6 @@ A group of one has no baseline: its advantage is 0. A group with identical rewar
 """
 
 from __future__ import annotations
-
-import inspect
 
 import torch
 
@@ -392,44 +391,3 @@ def mlmt(
     if refine_bonus is not None:
         per_turn[:, 2] += refine_bonus.float()
     return per_turn_grpo(per_turn_rewards=per_turn, turn_ids=turn_ids, mask=mask, group_ids=group_ids)
-
-
-# ------------------------------------------------------------------------ dispatch
-
-ADVANTAGE_ESTIMATORS = {
-    "grpo": grpo,
-    "dr_grpo": dr_grpo,
-    "rloo": rloo,
-    "mt_grpo": mt_grpo,
-    "ms_grpo": ms_grpo,
-    "ms_po": ms_po,
-    "mlmt": mlmt,
-}
-
-_KNOWN_INPUTS = {
-    name
-    for fn in ADVANTAGE_ESTIMATORS.values()
-    for name in inspect.signature(fn).parameters
-}
-
-
-def compute_advantages(name: str, **inputs) -> torch.Tensor:
-    """Run the outcome-reward estimator `name` (algorithm.name) -> advantages [B, T].
-
-    The caller may pass every input it has (rewards, mask, group_ids, turn_rewards,
-    first_obs_pos, turn_coef, gamma, ...); each estimator receives the ones it takes. A name
-    no estimator takes is an error, so a typo is not silently ignored. PPO uses gae().
-    """
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(
-            f"unknown advantage estimator {name!r}: choose one of {sorted(ADVANTAGE_ESTIMATORS)} "
-            "(PPO with a critic uses gae())"
-        )
-    unknown = set(inputs) - _KNOWN_INPUTS
-    if unknown:
-        raise TypeError(
-            f"compute_advantages got unknown inputs {sorted(unknown)}; known: {sorted(_KNOWN_INPUTS)}"
-        )
-    fn = ADVANTAGE_ESTIMATORS[name]
-    accepted = inspect.signature(fn).parameters
-    return fn(**{k: v for k, v in inputs.items() if k in accepted})

@@ -15,7 +15,7 @@ plus any extra keys the field mapping names (``nq_open`` adds ``passages``: a li
 
 Where a set comes from, in order (the contract in DESIGN.md):
 
-1. an explicit ``path`` (the params key ``data.<name>_path``),
+1. an explicit ``path`` (in params, a benchmark's ``path`` or the data set file itself),
 2. ``<data_dir>/<set dir>/<file>``, ``data_dir`` being the argument or ``$TURNRL_DATA_DIR``
    (``.jsonl``, ``.jsonl.gz``, ``.json`` and ``.parquet`` copies of the file are all accepted),
 3. the Hugging Face hub through ``datasets`` (optional; any failure is caught).
@@ -125,9 +125,19 @@ def _strip(value: Any) -> str:
     return _scalar_str(value, "answer").strip()
 
 
+def _boxed(value: Any) -> str:
+    """The content of the field's last balanced ``\\boxed{}`` (a worked solution's answer)."""
+    from turnrl.rewards.math import last_boxed
+    text = _scalar_str(value, "answer")
+    content = last_boxed(text)
+    if content is None or not content.strip():
+        raise _BadRow("answer field has no \\boxed{...} to take the answer from")
+    return content.strip()
+
+
 #: Named answer transforms usable from configuration (``answer_transform: gsm8k``).
 ANSWER_TRANSFORMS: Mapping[str, Callable[[Any], str]] = MappingProxyType(
-    {"gsm8k": _gsm8k_final, "number": _number, "strip": _strip}
+    {"gsm8k": _gsm8k_final, "number": _number, "strip": _strip, "boxed": _boxed}
 )
 
 
@@ -469,7 +479,14 @@ def _map_row(
         answers = [transform(a) for a in raw]
     answer: str | None = None
     if "answer" in fields:
-        answer = transform(need("answer"))
+        raw_answer = need("answer")
+        if isinstance(raw_answer, (list, tuple)):   # a list answer: any of its elements is right
+            listed = [transform(a) for a in raw_answer]
+            if not listed:
+                raise _BadRow(f"answer field {fields['answer']!r} is an empty list")
+            answer, answers = listed[0], [*listed, *(a for a in (answers or []) if a not in listed)]
+        else:
+            answer = transform(raw_answer)
     if answer is None:
         if not answers:
             raise _BadRow(f"answers field {fields['answers']!r} is an empty list")
@@ -755,7 +772,7 @@ def load(
     ``gsm8k_test``) or a path to a file. ``fields`` / ``answer_transform`` override the spec's
     (for a path without ``fields``, common column names are tried). ``source`` overrides the
     ``source`` column. ``use_hub=False`` skips the hub. ``params_key`` is the params.yaml key
-    named in the not-found error (default ``data.<name>_path``); ``drop_hint`` is how the
+    named in the not-found error (e.g. ``eval.benchmarks[0].path``); ``drop_hint`` is how the
     caller turns on dropping, named in the error of a malformed row.
     """
     if on_bad_row not in ("fail", "drop"):
@@ -804,7 +821,7 @@ def load(
             where = f"hf://{spec.hub_id}[{spec.hub_split}]"
             return _map_records(records, hflds, transform, src, where, on_bad_row, drop_hint)
 
-    raise _missing_error(spec, params_key or f"data.{spec.name}_path", base, hub_why)
+    raise _missing_error(spec, params_key or "path", base, hub_why)
 
 
 def load_rows(

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
-__all__ = ["Demonstration", "SyntheticTask", "TASKS", "task", "addition_steps"]
+__all__ = ["Demonstration", "SyntheticTask", "TASKS", "addition_steps"]
 
 
 @dataclass(frozen=True)
@@ -45,17 +45,34 @@ class Demonstration:
 
 @dataclass(frozen=True)
 class SyntheticTask:
+    """An environment's task for the embedded default, each part optional for a plugin:
+
+    rows           (count, *, seed, split, exclude) -> rows: `data.train_set: synthetic`
+    key            row -> what must not repeat across the splits (default: the prompt)
+    demonstration  (row, rng, good) -> Demonstration (or a list of policy turns): the scripted
+                   turns `model.path: tiny` is warm-started on; `good` ones use the environment
+                   well, the others show the habit RL must unlearn
+    """
     name: str
-    rows: Callable[..., list[dict]]                       # (count, seed, split, exclude) -> rows
-    key: Callable[[dict], object]                         # what must not repeat across splits
-    demonstration: Callable[[dict, random.Random, bool], Demonstration]
+    rows: Callable[..., list[dict]] | None = None
+    key: Callable[[dict], object] | None = None
+    demonstration: Callable[[dict, random.Random, bool], "Demonstration | list[str]"] | None = None
     skill_good_fraction: float = 1.0
 
     def splits(self, train: int, heldout: int, seed: int) -> tuple[list[dict], list[dict]]:
         """Train and held-out rows; no problem occurs in both."""
+        if self.rows is None:
+            raise ValueError(f"the {self.name} environment has no synthetic rows; set data.train_set to a data set")
+        key = self.key or (lambda r: r["prompt"])
         heldout_rows = self.rows(heldout, seed=seed, split="heldout", exclude=set())
-        train_rows = self.rows(train, seed=seed, split="train", exclude={self.key(r) for r in heldout_rows})
+        train_rows = self.rows(train, seed=seed, split="train", exclude={key(r) for r in heldout_rows})
         return train_rows, heldout_rows
+
+    def demonstrate(self, row: dict, rng: random.Random, good: bool) -> Demonstration:
+        if self.demonstration is None:
+            raise ValueError(f"the {self.name} environment gives no demonstrations for the tiny model's warm start")
+        demo = self.demonstration(row, rng, good)
+        return demo if isinstance(demo, Demonstration) else Demonstration(list(demo))
 
 
 def _number(rng: random.Random, digits: int) -> int:
@@ -117,10 +134,10 @@ def lookup_rows(count: int, *, seed: int, split: str, exclude: set) -> list[dict
     return _distinct(count, seed, split, exclude, lambda rng: (_name(rng),), row)
 
 
-def lookup_corpus(*splits: list[dict]) -> list[dict]:
-    """The search corpus: one passage per entity of every split."""
+def lookup_corpus(rows: list[dict]) -> list[dict]:
+    """The search corpus: one passage per entity of the rows."""
     return [{"id": r["id"], "title": r["entity"], "text": f"The code of {r['entity']} is {r['answer']}."}
-            for rows in splits for r in rows]
+            for r in rows]
 
 
 def lookup_demonstration(row: dict, rng: random.Random, good: bool) -> Demonstration:
@@ -189,10 +206,3 @@ TASKS: dict[str, SyntheticTask] = {
     "intervention": SyntheticTask("intervention", partial(addition_rows, digits=2), lambda r: (r["a"], r["b"]),
                                   intervention_demonstration, skill_good_fraction=0.5),
 }
-
-
-def task(env_name: str) -> SyntheticTask:
-    if env_name not in TASKS:
-        raise KeyError(f"no synthetic task for environment {env_name!r}; synthetic tasks exist for "
-                       f"{', '.join(sorted(TASKS))}. Train on a data set instead (data.train_set)")
-    return TASKS[env_name]

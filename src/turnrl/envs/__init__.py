@@ -1,41 +1,80 @@
-"""Multi-turn environments: `make(name, **overrides)` returns a fresh environment.
+"""Multi-turn environments, built-in and plugged in through one registry.
 
-Users add their own with `register(name, factory)`; a factory takes keyword overrides and
-returns an object with `system_prompt`, `stop`, `observation_role`, `reset` and `step`
-(see `turnrl.envs.base`).
+`env.name` in params.yaml is a registered name (the built-ins below, or what `register` added)
+or an import path `package.module:attribute` naming an `EnvSpec` or a factory; `env.options`
+holds the factory's keyword arguments. The built-ins are registered exactly like a plugin: each
+module exports an `ENV` spec.
+
+    spec = turnrl.envs.resolve("code_tool")           # or "my_tasks.guess:make_env"
+    options = turnrl.envs.check_options(spec, {"timeout_s": 2.0})
+    env = turnrl.envs.make("code_tool", timeout_s=2.0)
+
+See `turnrl.envs.base` for the protocol an environment implements.
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable
 
-from turnrl.envs.base import Env, StepResult
+from turnrl.envs.base import LEVELS, Env, EnvContext, EnvSpec, StepResult
+from turnrl.plugins import PluginError, is_import_path, load_object, validate_options
 
-# Built-in environments, imported on first use so that importing turnrl.envs stays cheap.
-_REGISTRY: dict[str, Callable[..., Env] | str] = {
-    "code_tool": "turnrl.envs.code_tool:CodeToolEnv",
-    "math_answer": "turnrl.envs.single_answer:SingleAnswerEnv",
-    "search": "turnrl.envs.search:SearchEnv",
-    "intervention": "turnrl.envs.intervention:InterventionEnv",
-    "math_refine": "turnrl.envs.math_refine:MathRefineEnv",
+# name -> EnvSpec, a factory, or the import path of either (imported on first use)
+_REGISTRY: dict[str, EnvSpec | Callable[..., Env] | str] = {
+    "code_tool": "turnrl.envs.code_tool:ENV",
+    "search": "turnrl.envs.search:ENV",
+    "math_refine": "turnrl.envs.math_refine:ENV",
+    "intervention": "turnrl.envs.intervention:ENV",
+    "math_answer": "turnrl.envs.single_answer:ENV",
 }
+_RESOLVED: dict[str, EnvSpec] = {}
 
 
-def register(name: str, factory: Callable[..., Env]) -> None:
-    _REGISTRY[name] = factory
-
-
-def make(name: str, **overrides: Any) -> Env:
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown environment {name!r}; known: {', '.join(sorted(_REGISTRY))}")
-    factory = _REGISTRY[name]
-    if isinstance(factory, str):
-        module, attr = factory.split(":")
-        factory = _REGISTRY[name] = getattr(importlib.import_module(module), attr)
-    return factory(**overrides)
+def register(name: str, spec: EnvSpec | Callable[..., Env] | str) -> None:
+    """Add an environment under `name`: an EnvSpec, a factory, or an import path to either."""
+    _REGISTRY[name] = spec
+    _RESOLVED.pop(name, None)
 
 
 def names() -> list[str]:
     return sorted(_REGISTRY)
 
-__all__ = ["Env", "StepResult", "make", "register", "names"]
+
+def _as_spec(obj: Any, name: str, key: str) -> EnvSpec:
+    if isinstance(obj, EnvSpec):
+        return obj if obj.name else EnvSpec(obj.factory, obj.options, obj.task, obj.prepare_data, name)
+    if callable(obj):
+        return EnvSpec(factory=obj, name=name)
+    raise PluginError(f"{key} = {name!r}: {obj!r} is neither an EnvSpec nor a factory (a class or function "
+                      "returning an environment)")
+
+
+def resolve(name: str, key: str = "env.name") -> EnvSpec:
+    """The EnvSpec `name` stands for (a registered name or an import path). PluginError,
+    naming `key`, when it cannot be found or imported."""
+    if name in _RESOLVED:
+        return _RESOLVED[name]
+    if name in _REGISTRY:
+        entry = _REGISTRY[name]
+        obj = load_object(entry, key) if isinstance(entry, str) else entry
+    elif is_import_path(name):
+        obj = load_object(name, key)
+    else:
+        raise PluginError(f"{key} = {name!r}: not a registered environment ({', '.join(names())}) nor an import "
+                          "path such as my_tasks.guess:make_env")
+    spec = _RESOLVED[name] = _as_spec(obj, name, key)
+    return spec
+
+
+def check_options(spec: EnvSpec, options: dict[str, Any], key: str = "env.options") -> dict[str, Any]:
+    """`options` validated by the spec's options model: keyword arguments for its factory."""
+    return validate_options(spec.options_model(), dict(options or {}), key)
+
+
+def make(name: str, context: EnvContext | None = None, **options: Any) -> Env:
+    """A fresh environment `name` with `options` (validated as env.options would be)."""
+    spec = resolve(name)
+    return spec.bind(check_options(spec, options), context)()
+
+
+__all__ = ["LEVELS", "Env", "EnvContext", "EnvSpec", "StepResult", "check_options", "make", "names", "register",
+           "resolve"]

@@ -1,20 +1,44 @@
-"""The environment interface every multi-turn environment implements.
+"""The environment protocol, and what a plugin declares besides it.
 
 An environment is a small stateful object, one per trajectory:
 
-    env = turnrl.envs.make("code_tool")
-    first_message = env.reset(example)      # example: a dict with at least prompt and answer
-    result = env.step(policy_turn_text)     # StepResult(observation, reward, done, info)
+    env = factory(**options)                 # env.name names the factory, env.options its arguments
+    first_message = env.reset(example)       # example: a dict with at least prompt and answer
+    result = env.step(policy_turn_text)      # StepResult(observation, reward, done, info)
+
+Required attributes: `system_prompt` (the system message), `stop` (strings that end a policy
+turn), `observation_role` ("tool" or "user": the chat role observations are rendered in).
 
 `observation` is text the environment adds to the conversation (a tool result, feedback, an
-intervention) in the role `observation_role`; it is never trained on. `reward` is this turn's
-reward; when `done`, `info["outcome"]` holds the trajectory's outcome reward (for example
-answer correctness) and `info["reason"]` why it ended.
+intervention); it is never trained on. `reward` is this turn's reward (turn-level algorithms
+read it); when `done`, `info["outcome"]` holds the trajectory's outcome reward (e.g. answer
+correctness) and `info["reason"]` why it ended. Numbers in `info` are logged per step as
+`env_<key>_mean`; `info["tool_ok"]` marks a tool call (tool_call_rate, tool_success_rate).
+
+Optional, each used where present:
+
+- `async def step(text)`: a slow environment (a remote tool, an API) awaits instead of
+  blocking a thread; every trajectory's pending step is in flight at once.
+- `role(turn) -> "low" | "high"`: hierarchical environments (MLMT's feedback turn is "high",
+  the solver's turns "low"). Hierarchical algorithms (`mlmt`) and the `levels` params (a
+  second model for the high level, which levels train) read it; by default every turn is "low".
+- A factory parameter named `context` receives an `EnvContext` (the preprocessed data folder,
+  rollout.max_turns, the seed).
+
+An `EnvSpec` bundles a factory with optional hooks: an options model, a synthetic task (rows
+and demonstrations for the embedded tiny model's warm start) and a data hook that writes files
+the environment reads (a search corpus) during `preprocess`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from pydantic import BaseModel
+
+#: The hierarchy levels a turn can have (`Env.role`).
+LEVELS = ("low", "high")
 
 
 @dataclass
@@ -33,3 +57,54 @@ class Env(Protocol):
     def reset(self, example: dict) -> str: ...
 
     def step(self, text: str) -> StepResult: ...
+
+
+@dataclass(frozen=True)
+class EnvContext:
+    """What turnrl hands a factory that declares a `context` parameter."""
+    data_dir: Path | None = None   # the preprocess stage's output (data/processed): files prepare_data wrote
+    max_turns: int = 3             # rollout.max_turns
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """An environment plugin: `env.name` names one (or a bare factory, which is wrapped in one).
+
+    factory       called once per trajectory with the validated `env.options` as keyword
+                  arguments (and `context=EnvContext` if it takes one); returns an `Env`
+    options       a pydantic model checking `env.options`; None: made from the factory's
+                  signature (annotations and defaults; Annotated[int, Field(gt=0)] keeps its bounds)
+    task          a `turnrl.data.synthetic.SyntheticTask`: rows for `data.train_set: synthetic`
+                  and/or demonstrations for the tiny model's warm start (`model.path: tiny`)
+    prepare_data  `prepare_data(rows, out_dir, **options)`: write files the environment reads
+                  (under `context.data_dir` later) from every row of the data; run by preprocess,
+                  and before the warm start; returns a dict for the manifest (or None)
+    """
+    factory: Callable[..., Env]
+    options: type[BaseModel] | None = None
+    task: Any = None
+    prepare_data: Callable[..., dict | None] | None = None
+    name: str = ""
+
+    @property
+    def takes_context(self) -> bool:
+        import inspect
+        try:
+            return "context" in inspect.signature(self.factory).parameters
+        except (TypeError, ValueError):
+            return False
+
+    def options_model(self) -> type[BaseModel]:
+        if self.options is not None:
+            return self.options
+        from turnrl.plugins import options_model
+        return options_model(self.factory, reserved=("context",))
+
+    def bind(self, options: dict[str, Any], context: EnvContext | None = None) -> Callable[[], Env]:
+        """A no-argument factory of fresh environments with these (validated) options."""
+        kwargs = dict(options)
+        if self.takes_context:
+            kwargs["context"] = context or EnvContext()
+        factory = self.factory
+        return lambda: factory(**kwargs)

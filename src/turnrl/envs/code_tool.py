@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import re
 
-from turnrl.envs.base import StepResult
+from pydantic import BaseModel, ConfigDict, Field
+
+from turnrl.data import synthetic
+from turnrl.envs.base import EnvSpec, StepResult
 from turnrl.envs.sandbox import SandboxLimits, run_python
-from turnrl.rewards.math import grade_math
+from turnrl.rewards.math import grade_any
 
 SYSTEM_PROMPT = (
     "Solve the problem. You can run Python by writing <code>...</code>; its printed output "
@@ -57,7 +60,7 @@ class CodeToolEnv:
     def step(self, text: str) -> StepResult:
         kind, content = parse_action(text)
         if kind == "answer":
-            grade = grade_math(f"<answer>{content}</answer>", str(self.example["answer"]))
+            grade = grade_any(f"<answer>{content}</answer>", self.example)
             outcome = 1.0 if grade.correct else 0.0
             return StepResult(None, outcome, True, {"outcome": outcome, "reason": "answer",
                                                     "extracted": grade.extracted,
@@ -70,3 +73,18 @@ class CodeToolEnv:
                               {"tool_ok": result.ok, "tool_error": result.error})
         return StepResult(None, 0.0, True, {"outcome": 0.0, "reason": "no_action",
                                             "tool_calls": self.tool_calls})
+
+
+class CodeToolOptions(BaseModel):
+    """`env.options` of `code_tool`."""
+    model_config = ConfigDict(extra="forbid")
+    timeout_s: float = Field(5.0, gt=0, description="wall-clock seconds per call")
+    memory_mb: int = Field(256, ge=32, description="address space per process of a call")
+    max_output_chars: int = Field(200, gt=0, description="printed output kept (the rest cut)")
+    max_processes: int = Field(8, ge=2, description=(
+        "processes and threads of one call, the sandbox's helper included (RLIMIT_NPROC); with memory_mb it "
+        "bounds a call's memory: max_processes x memory_mb"))
+    system_prompt: str = SYSTEM_PROMPT
+
+
+ENV = EnvSpec(factory=CodeToolEnv, options=CodeToolOptions, task=synthetic.TASKS["code_tool"], name="code_tool")

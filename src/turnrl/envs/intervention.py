@@ -39,8 +39,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from turnrl.envs.base import StepResult
-from turnrl.rewards.math import balanced_close, grade_math
+from pydantic import BaseModel, ConfigDict
+
+from turnrl.data import synthetic
+from turnrl.envs.base import EnvContext, EnvSpec, StepResult
+from turnrl.rewards.math import balanced_close, grade_any
 
 __all__ = ["SYSTEM_PROMPT", "INTERVENTION", "AnswerMarker", "find_answer", "InterventionEnv"]
 
@@ -141,7 +144,7 @@ class InterventionEnv:
         marker = find_answer(text)
         if marker is not None:
             self.chars_used += marker.end
-            grade = grade_math(f"<answer>{marker.content}</answer>", str(self.example["answer"]))
+            grade = grade_any(f"<answer>{marker.content}</answer>", self.example)
             outcome = 1.0 if grade.correct else 0.0
             return StepResult(None, outcome, True, {
                 "outcome": outcome, "reason": "answer", "marker": marker.kind, "extracted": grade.extracted,
@@ -154,3 +157,19 @@ class InterventionEnv:
                                                 "interventions": self.interventions, **info})
         return StepResult(self.intervention, 0.0, False, {"intervention": True,
                                                           "interventions": len(self.turns), **info})
+
+
+class InterventionOptions(BaseModel):
+    """`env.options` of `intervention` (its turn limit is rollout.max_turns)."""
+    model_config = ConfigDict(extra="forbid")
+    intervention: str = INTERVENTION
+    system_prompt: str = SYSTEM_PROMPT
+
+
+def make_intervention_env(*, context: EnvContext, intervention: str = INTERVENTION,
+                          system_prompt: str = SYSTEM_PROMPT) -> InterventionEnv:
+    return InterventionEnv(max_turns=context.max_turns, intervention=intervention, system_prompt=system_prompt)
+
+
+ENV = EnvSpec(factory=make_intervention_env, options=InterventionOptions, task=synthetic.TASKS["intervention"],
+              name="intervention")

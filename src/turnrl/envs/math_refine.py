@@ -36,18 +36,22 @@ refinement R (final answer correct, 0/1). At the end ``info`` holds ``outcome`` 
 (the answers found, None if none), ``feedback`` (its text) and ``reason``: ``"answer"``, or
 ``"no_answer"`` when the refinement has no answer (outcome 0).
 
-:meth:`MathRefineEnv.level` maps a policy turn index to ``"low"`` or ``"high"`` so the trainer
-can leave a level untrained (in endpoint mode every policy turn is the solver's).
+:meth:`MathRefineEnv.role` maps a policy turn index to ``"low"`` or ``"high"`` (the environment
+protocol's hierarchy hook): `mlmt` reads it, and the `levels` params train one level only or give
+the high level a model of its own (in endpoint mode every policy turn is the solver's).
 """
 from __future__ import annotations
 
 import os
 import re
 import threading
-from typing import Any
+from typing import Any, Literal
 
-from turnrl.envs.base import StepResult
-from turnrl.rewards.math import grade_math
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from turnrl.data import synthetic
+from turnrl.envs.base import EnvSpec, StepResult
+from turnrl.rewards.math import grade_any
 
 __all__ = ["SYSTEM_PROMPT", "HIGH_LEVEL_PROMPT", "FEEDBACK_REQUEST", "REFINE_REQUEST",
            "ENDPOINT_OBSERVATION", "feedback_messages", "parse_feedback", "MathRefineEnv"]
@@ -151,7 +155,7 @@ class MathRefineEnv:
         """Policy turns in a full trajectory: 3 (self), 2 (endpoint)."""
         return 3 if self.feedback == "self" else 2
 
-    def level(self, turn: int) -> str:
+    def role(self, turn: int) -> str:
         """``"low"`` (solver) or ``"high"`` (feedback) for a policy turn index."""
         if turn < 0:
             raise ValueError("turn must be >= 0")
@@ -179,7 +183,7 @@ class MathRefineEnv:
 
     # ------------------------------------------------------------------ turns
     def _grade(self, text: str):
-        return grade_math(text, str(self.example["answer"]))
+        return grade_any(text, self.example)
 
     def _attempt(self, text: str) -> StepResult:
         grade = self._grade(text)
@@ -230,3 +234,37 @@ class MathRefineEnv:
                 raise ValueError(f"{self.endpoint_url}/models lists no model; set endpoint_model")
             model = _models[cache_key] = listed[0]
         return model
+
+
+class MathRefineOptions(BaseModel):
+    """`env.options` of `math_refine`. Who plays the feedback turns with `feedback: self` (the
+    policy, or a second trained model) is the `levels` section's choice, not the environment's."""
+    model_config = ConfigDict(extra="forbid")
+    feedback: Literal["self", "endpoint"] = Field("self", description=(
+        "self: a policy turn writes the feedback (the high level: shared weights, or a second model with "
+        "levels.high_model: separate); endpoint: a frozen model behind an OpenAI-compatible server"))
+    endpoint_url: str = Field("", description="feedback: endpoint: e.g. http://127.0.0.1:8000/v1 (vllm serve)")
+    endpoint_model: str = Field("", description="empty: the first model the endpoint lists")
+    api_key_env: str = Field("OPENAI_API_KEY", min_length=1)
+    feedback_max_tokens: int = Field(64, gt=0)
+    timeout_s: float = Field(30.0, gt=0)
+    system_prompt: str = SYSTEM_PROMPT
+    high_level_prompt: str = HIGH_LEVEL_PROMPT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("feedback") == "model":
+            raise ValueError("feedback: model moved: a second trained model for the feedback turns is "
+                             "levels.high_model: separate (with feedback: self)")
+        return data
+
+    @model_validator(mode="after")
+    def _endpoint(self) -> "MathRefineOptions":
+        if self.feedback == "endpoint" and not self.endpoint_url:
+            raise ValueError("feedback: endpoint needs endpoint_url (e.g. http://127.0.0.1:8000/v1)")
+        return self
+
+
+ENV = EnvSpec(factory=MathRefineEnv, options=MathRefineOptions, task=synthetic.TASKS["math_refine"],
+              name="math_refine")

@@ -68,8 +68,10 @@ from pathlib import Path
 from typing import Any
 
 import bm25s
+from pydantic import BaseModel, ConfigDict, Field
 
-from turnrl.envs.base import StepResult
+from turnrl.data import synthetic
+from turnrl.envs.base import EnvContext, EnvSpec, StepResult
 from turnrl.rewards.format import format_reward, xml_wellformed
 from turnrl.rewards.qa import contains_answer, exact_match, f1
 
@@ -380,3 +382,53 @@ class SearchEnv:
         in_results = max((contains_answer(body, self.golds) for body in shown), default=0.0)
         self.answer_retrieved = max(self.answer_retrieved, in_results)
         return self._search_result(observation, query, True, in_results, len(passages))
+
+
+# --------------------------------------------------------------------------- as a plugin
+CORPUS_FILE = "corpus.parquet"   # written into the preprocessed data folder by `prepare_corpus`
+
+
+class SearchOptions(BaseModel):
+    """`env.options` of `search`."""
+    model_config = ConfigDict(extra="forbid")
+    corpus: str = Field("", description=(
+        "empty: the data's own corpus (synthetic entities, or the gold passages of nq_open); else a registered "
+        "data set or a passages file"))
+    top_k: int = Field(1, ge=1, description="passages per search (the synthetic task needs one)")
+    max_passage_chars: int = Field(120, gt=0)
+    max_searches: int = Field(2, ge=0)
+    system_prompt: str = SYSTEM_PROMPT
+
+
+def prepare_corpus(rows: list[dict], out_dir: Path, *, corpus: str = "", **_: Any) -> dict:
+    """Write the passages the index is built over to `out_dir/corpus.parquet`: `corpus` if
+    given, else the synthetic entities' passages or the data's gold passages (nq_open)."""
+    from turnrl.data.sources import DataSourceError, load_search_corpus, write_parquet
+    if corpus:
+        passages = load_corpus(corpus)
+    elif rows and all("entity" in r for r in rows):
+        passages = synthetic.lookup_corpus(rows)
+    elif rows and all(r.get("passages") for r in rows):
+        passages = load_search_corpus(rows)
+    else:
+        raise DataSourceError("env.name = search: the data has no passages to search (only synthetic rows and "
+                              "nq_open-shaped rows do); set env.options.corpus to a passages file or data set")
+    write_parquet(passages, Path(out_dir) / CORPUS_FILE)
+    return {"corpus": {"n": len(passages)}}
+
+
+def make_search_env(*, context: EnvContext, corpus: str = "", top_k: int = 1, max_passage_chars: int = 120,
+                    max_searches: int = 2, system_prompt: str = SYSTEM_PROMPT) -> SearchEnv:
+    """A search environment over the corpus `prepare_corpus` wrote into the data folder (the
+    index is built once per process and shared)."""
+    if context.data_dir is None:
+        raise ValueError("the search environment needs the preprocessed data folder (its corpus.parquet)")
+    corpus_file = Path(context.data_dir) / CORPUS_FILE
+    if not corpus_file.exists():
+        raise FileNotFoundError(f"{corpus_file} is missing; run `dvc repro preprocess` with env.name = search")
+    return SearchEnv(corpus=str(corpus_file), top_k=top_k, max_passage_chars=max_passage_chars,
+                     max_searches=max_searches, system_prompt=system_prompt)
+
+
+ENV = EnvSpec(factory=make_search_env, options=SearchOptions, task=synthetic.TASKS["search"],
+              prepare_data=prepare_corpus, name="search")

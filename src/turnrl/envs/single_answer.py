@@ -1,10 +1,12 @@
-"""`math_answer`: one plain answer, graded with math-verify. The single-turn protocol used to
-evaluate on math benchmarks (MATH-500, ...) when the training environment's own protocol
-does not apply."""
+"""`math_answer`: one plain answer, graded by a benchmark's grader (math-verify by default). The
+single-turn protocol used to evaluate benchmarks (MATH-500, a user's file, ...) when the
+training environment's own protocol does not apply."""
 from __future__ import annotations
 
-from turnrl.envs.base import StepResult
-from turnrl.rewards.math import grade_math
+from typing import Any, Callable
+
+from turnrl.envs.base import EnvSpec, StepResult
+from turnrl.rewards.graders import Grade, grader as resolve_grader
 
 SYSTEM_PROMPT = "Solve the problem. Put the final answer in \\boxed{} or between <answer> and </answer>."
 
@@ -13,8 +15,12 @@ class SingleAnswerEnv:
     observation_role = "user"
     stop = ("</answer>",)
 
-    def __init__(self, system_prompt: str = SYSTEM_PROMPT):
+    def __init__(self, system_prompt: str = SYSTEM_PROMPT, grader: str | Callable[[str, dict], Grade] = "math"):
+        """`grader`: "math" (math-verify against any of the row's answers), "exact" (normalized
+        exact match of the extracted answer), or an import path / callable `(completion, answers) ->
+        bool or float` (see `turnrl.rewards.graders`)."""
         self.system_prompt = system_prompt
+        self.grade = resolve_grader(grader) if isinstance(grader, str) else grader
         self.example: dict = {}
 
     def reset(self, example: dict) -> str:
@@ -22,7 +28,11 @@ class SingleAnswerEnv:
         return example["prompt"]
 
     def step(self, text: str) -> StepResult:
-        grade = grade_math(text, str(self.example["answer"]))
+        grade = self.grade(text, self.example)
         outcome = 1.0 if grade.correct else 0.0
-        return StepResult(None, outcome, True, {"outcome": outcome, "reason": "answer" if grade.extracted else "no_action",
-                                                "extracted": grade.extracted, "grade": grade.reason})
+        info: dict[str, Any] = {"outcome": outcome, "reason": "answer" if grade.extracted is not None else "no_action",
+                                "extracted": grade.extracted, "grade": grade.reason}
+        return StepResult(None, outcome, True, info)
+
+
+ENV = EnvSpec(factory=SingleAnswerEnv, name="math_answer")

@@ -36,6 +36,8 @@ __all__ = [
     "last_boxed",
     "balanced_close",
     "grade_math",
+    "grade_any",
+    "references",
     "is_equivalent",
     "math_reward",
     "MAX_ANSWER_CHARS",
@@ -443,6 +445,34 @@ def grade_math(response_text: str | None, reference: Any) -> MathGrade:
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         return MathGrade(False, None, f"parse failed: {type(exc).__name__}")
+
+
+def references(example: dict) -> list[str]:
+    """The acceptable answers of a data row: its `answers` list (any element is right), else
+    `[answer]`."""
+    answers = example.get("answers")
+    if isinstance(answers, str):
+        answers = [answers]
+    out = [str(a) for a in (answers if answers is not None else []) if a is not None and str(a).strip()]
+    answer = example.get("answer")
+    if answer is not None and str(answer) not in out:
+        out.insert(0, str(answer))
+    return out
+
+
+def grade_any(response_text: str | None, example: dict) -> MathGrade:
+    """`grade_math` against each of the row's acceptable answers (`references`): correct if any
+    matches; the grade returned is the first correct one, else the first answer's."""
+    refs = references(example) or [""]
+    first = None
+    for ref in refs:
+        grade = grade_math(response_text, ref)
+        if grade.correct:
+            return grade
+        first = first or grade
+        if grade.extracted is None:   # nothing to compare: the other answers cannot match either
+            break
+    return first
 
 
 def math_reward(text: str | None, reference: Any) -> float:

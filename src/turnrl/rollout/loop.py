@@ -15,10 +15,19 @@ as in a turn-by-turn loop.
 
 Token in, token out: the ids the engine sampled go into the trajectory unchanged, with the
 engine's logprob for each; observations are tokenized once (see `ChatFormat`).
+
+Environments are the user's code: one that raises in its factory, `reset` or `step` ends that
+trajectory (finish `env_error`, the exception in `info["env_error"]`) and the others go on; the
+caller decides how many such errors a step may have (`env.max_error_fraction`). An environment
+whose `step` is a coroutine function runs on an event loop beside the thread pool, every
+trajectory's pending step in flight at once.
 """
 from __future__ import annotations
 
+import asyncio
 import heapq
+import inspect
+import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,6 +37,8 @@ from tqdm.auto import tqdm
 
 from turnrl.envs.base import Env, StepResult
 from turnrl.rollout.chat import ChatFormat
+
+ENV_ERROR = "env_error"   # Trajectory.finish of a trajectory its environment's exception ended
 
 
 @dataclass
@@ -96,13 +107,21 @@ class Trajectory:
     turn_texts: list[str] = field(default_factory=list)
     observations: list[str] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)
+    levels: list[str] = field(default_factory=list)             # each policy turn's level: low | high
     outcome: float = 0.0
-    finish: str = ""        # answer | no_action | max_turns | token_budget | truncated
+    finish: str = ""        # answer | no_action | max_turns | token_budget | truncated | env_error
     info: dict = field(default_factory=dict)
+    rewards: dict[str, float] = field(default_factory=dict)     # reward functions' values, by name
+    extra_reward: float = 0.0                                   # their weighted sum
 
     @property
     def num_turns(self) -> int:
         return len(self.turn_texts)
+
+    @property
+    def reward(self) -> float:
+        """What training maximizes: the environment's outcome plus the reward functions'."""
+        return self.outcome + self.extra_reward
 
     @property
     def first_observation(self) -> int:
@@ -112,13 +131,15 @@ class Trajectory:
     def policy_tokens(self) -> int:
         return sum(self.loss_mask)
 
-    def add_turn(self, turn: int, ids: Sequence[int], logprobs: Sequence[float], text: str) -> None:
+    def add_turn(self, turn: int, ids: Sequence[int], logprobs: Sequence[float], text: str,
+                 level: str = "low") -> None:
         """Append a policy turn: the sampled ids exactly, trained on (mask 1)."""
         self.response_ids += ids
         self.loss_mask += [1] * len(ids)
         self.turn_ids += [turn] * len(ids)
         self.engine_logprobs += list(logprobs)
         self.turn_texts.append(text)
+        self.levels.append(level)
 
     def add_observation(self, turn: int, ids: Sequence[int], text: str) -> None:
         """Append environment tokens after `turn`: never trained on (mask 0)."""
@@ -143,10 +164,70 @@ def _seed(base: int, index: int, turn: int) -> int:
 
 
 def level_of(env: Env, turn: int) -> str:
-    """Which model plays policy turn `turn`: an environment with two levels (math_refine's
-    solver and feedback) says so with `level(turn)`; any other is played by "low" alone."""
-    level = getattr(env, "level", None)
-    return level(turn) if level is not None else "low"
+    """The hierarchy level of policy turn `turn`: an environment with two levels (math_refine's
+    solver and feedback) says so with `role(turn)`; every turn of any other is "low"."""
+    role = getattr(env, "role", None)
+    if role is None:
+        return "low"
+    level = role(turn)
+    if level not in ("low", "high"):
+        raise ValueError(f"{type(env).__name__}.role({turn}) returned {level!r}; it must return 'low' or 'high'")
+    return level
+
+
+def error_text(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
+
+
+def error_result(exc: BaseException) -> StepResult:
+    """The end of a trajectory whose environment raised."""
+    return StepResult(None, 0.0, True, {"outcome": 0.0, "reason": ENV_ERROR, "env_error": error_text(exc)})
+
+
+def _safe_step(env: Env, text: str) -> StepResult:
+    try:
+        return env.step(text)
+    except Exception as exc:   # noqa: BLE001 - the environment is user code: end this trajectory only
+        return error_result(exc)
+
+
+async def _safe_astep(env: Env, text: str) -> StepResult:
+    try:
+        return await env.step(text)
+    except Exception as exc:   # noqa: BLE001
+        return error_result(exc)
+
+
+class _EventLoop:
+    """An asyncio loop on a thread of its own, for environments whose `step` is a coroutine
+    function: their steps run concurrently, each returned as a concurrent.futures.Future."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="turnrl-env-loop", daemon=True)
+        self.thread.start()
+
+    def submit(self, coroutine) -> Future:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.loop.close()
+
+
+def _start(make_env: Callable[[], Env], example: dict, fmt: ChatFormat) -> tuple[Env | None, Trajectory]:
+    """A fresh environment reset on `example`, and its trajectory; an environment that raises
+    gives (None, a trajectory already ended with env_error and no response)."""
+    try:
+        env = make_env()
+        first = env.reset(example)
+        return env, Trajectory(example=example, prompt_ids=fmt.prompt_ids(env.system_prompt, first))
+    except Exception as exc:   # noqa: BLE001
+        t = Trajectory(example=example, prompt_ids=fmt.prompt_ids("", str(example.get("prompt", ""))))
+        t.record(error_result(exc))
+        return None, t
 
 
 def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict], make_env: Callable[[], Env],
@@ -165,18 +246,18 @@ def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict]
     With a `seed`, every (trajectory, turn) samples with its own derived seed where the engine
     takes one (transformers), so a rerun gives the same trajectories whatever the batching;
     without one the engine's own generator is used (faster on vLLM)."""
-    envs: list[Env] = []
+    envs: list[Env | None] = []
     trajs: list[Trajectory] = []
     for example in examples:
         for _ in range(n):
-            env = make_env()
-            first = env.reset(example)
+            env, t = _start(make_env, example, fmt)
             envs.append(env)
-            trajs.append(Trajectory(example=example, prompt_ids=fmt.prompt_ids(env.system_prompt, first)))
-    if not trajs:
+            trajs.append(t)
+    live = [e for e in envs if e is not None]
+    if not live:
         return trajs
 
-    options = dict(stop=tuple(envs[0].stop), temperature=temperature, top_p=top_p)
+    options = dict(stop=tuple(live[0].stop), temperature=temperature, top_p=top_p)
     two_levels = isinstance(engine, Mapping)
     by_level = engine if two_levels else {"low": engine}
     steppers: dict[int, Stepper] = {}      # one per distinct engine, whatever levels it plays
@@ -184,7 +265,14 @@ def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict]
         if id(e) not in steppers:
             steppers[id(e)] = e.stepper(**options) if hasattr(e, "stepper") else BatchStepper(e, **options)
     turn_of = [0] * len(trajs)
+    level_at: list[str] = ["low"] * len(trajs)   # the level of each trajectory's current turn
     bar = tqdm(total=len(trajs), desc=desc, unit="traj", disable=not progress, leave=False)
+    events = _EventLoop() if inspect.iscoroutinefunction(live[0].step) else None
+
+    def env_step(i: int, text: str) -> Future:
+        if events is not None:
+            return events.submit(_safe_astep(envs[i], text))
+        return pool.submit(_safe_step, envs[i], text)
 
     def start_turn(i: int) -> None:
         t, turn = trajs[i], turn_of[i]
@@ -194,9 +282,15 @@ def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict]
             t.finish = "token_budget"
             bar.update()
             return
-        level = level_of(envs[i], turn) if two_levels else "low"
-        steppers[id(by_level[level])].add(i, t.prompt_ids + t.response_ids, room,
-                                          None if seed is None else _seed(seed, i, turn))
+        try:
+            level = level_at[i] = level_of(envs[i], turn)
+        except Exception as exc:   # noqa: BLE001 - a broken role() ends this trajectory
+            t.record(error_result(exc))
+            bar.update()
+            return
+        engine_of = by_level.get(level, by_level["low"])
+        steppers[id(engine_of)].add(i, t.prompt_ids + t.response_ids, room,
+                                    None if seed is None else _seed(seed, i, turn))
 
     def end_turn(i: int, sample: Sample, result: StepResult) -> None:
         """The environment's answer to trajectory i's turn: end it, or start its next turn."""
@@ -224,7 +318,10 @@ def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict]
     with ThreadPoolExecutor(max_workers=env_workers) as pool:
         try:
             for i in range(len(trajs)):
-                start_turn(i)
+                if envs[i] is not None:
+                    start_turn(i)
+                else:             # its environment failed to start
+                    bar.update()
             while True:
                 while waiting and waiting[0][0] <= step:     # due answers, in a fixed order
                     _, i, sample, work = heapq.heappop(waiting)
@@ -239,16 +336,18 @@ def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict]
                 for stepper in busy:
                     for i, sample in stepper.step():
                         text = fmt.tokenizer.decode(sample.token_ids, skip_special_tokens=False)
-                        trajs[i].add_turn(turn_of[i], sample.token_ids, sample.logprobs, text)
+                        trajs[i].add_turn(turn_of[i], sample.token_ids, sample.logprobs, text, level_at[i])
                         if sample.finish == "length":   # cut by the token limit: no complete action
                             trajs[i].turn_rewards.append(0.0)
                             trajs[i].finish = "truncated"
                             bar.update()
                             continue
-                        heapq.heappush(waiting, (step + observation_lag, i, sample, pool.submit(envs[i].step, text)))
+                        heapq.heappush(waiting, (step + observation_lag, i, sample, env_step(i, text)))
         finally:
             for stepper in steppers.values():
                 stepper.abort()
+            if events is not None:
+                events.close()
             bar.close()
     return trajs
 
@@ -263,8 +362,10 @@ def replay(env: Env, fmt: ChatFormat, example: dict, turns: Sequence[str]) -> Tr
         ids = fmt.encode(text)
         if not text.endswith(tuple(env.stop)) and fmt.eos_id is not None:
             ids.append(fmt.eos_id)
-        t.add_turn(turn, ids, [0.0] * len(ids), text)
+        t.add_turn(turn, ids, [0.0] * len(ids), text, level_of(env, turn))
         result = env.step(text)
+        if inspect.isawaitable(result):
+            result = asyncio.run(result)
         if t.record(result):
             break
         t.add_observation(turn, fmt.observation_ids(result.observation or "", env.observation_role,

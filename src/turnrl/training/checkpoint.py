@@ -43,13 +43,13 @@ from turnrl.config import Config
 
 log = logging.getLogger(__name__)
 
-SHAPING_SECTIONS = ("seed", "model", "data", "env", "algorithm", "rollout", "train")
+SHAPING_SECTIONS = ("seed", "model", "data", "env", "levels", "reward", "algorithm", "rollout", "train")
 #: Cluster keys that change the result: the ZeRO partitioning and each engine's share of prompts.
 SHAPING_CLUSTER = frozenset({"cluster.trainer_ranks", "cluster.rollout_engines"})
 #: Keys of those sections that do not change what training computes.
 NOT_SHAPING = frozenset({"train.steps", "train.checkpoint_every", "train.keep_checkpoints",
                          "train.checkpoint_dir", "train.samples_logged_every", "env.workers",
-                         "train.on_unhealthy"})
+                         "env.max_error_fraction", "train.on_unhealthy"})
 #: Key prefixes that do not change it either: the health checks only watch.
 NOT_SHAPING_PREFIXES = ("train.health.",)
 STATE_FILE = "state.json"

@@ -11,9 +11,12 @@
     rollout engines  each rolls out a contiguous share of a step's prompts, its generator
                      seeded from (seed, step, engine)
     weights          after every update, from the trainer to every engine (`WeightSync`)
-    feedback: model  math_refine's feedback model is a second DeepSpeed group ("high" ranks, as
-                     many as the solver's) and a second engine inside every rollout actor; each
-                     model's weights go to its own engines
+    high model       levels.high_model: separate: the high level's model (math_refine's feedback)
+                     is a second DeepSpeed group ("high" ranks, as many as the policy's) and a
+                     second engine inside every rollout actor; each model's weights go to its own
+                     engines
+    plugins          the project's own modules that params name (env.name, reward.functions, ...)
+                     ship with the job (Ray's py_modules), so every actor imports the same code
 
 Every call on the actors goes through `wait_all`: an actor that dies or raises stops the run
 with an `ActorFailure` naming its role and the cause.
@@ -48,8 +51,20 @@ def weight_sync_mode(cfg: Config) -> str:
 
 
 def two_models(cfg: Config) -> bool:
-    """A second trained model plays math_refine's feedback turns (`feedback: model`)."""
-    return cfg.env.name == "math_refine" and cfg.env.math_refine.feedback == "model"
+    """A second trained model plays the high-level turns (`levels.high_model: separate`)."""
+    return cfg.levels.high_model == "separate"
+
+
+def needs_critic(cfg: Config) -> bool:
+    from turnrl.algos.registry import resolve
+    return resolve(cfg.algorithm.name).critic
+
+
+def plugin_modules(cfg: Config) -> list[str]:
+    """The project's own packages behind the import paths of params, for Ray's py_modules."""
+    from turnrl.plugins import is_import_path, local_packages
+    named = [cfg.env.name, cfg.algorithm.name, *cfg.reward.functions, *(b.grader for b in cfg.eval.benchmarks)]
+    return local_packages([p for p in named if is_import_path(p)])
 
 
 def check_cluster(cfg: Config) -> None:
@@ -66,8 +81,8 @@ def check_cluster(cfg: Config) -> None:
             raise ConfigError("cluster.weight_sync = nccl needs rollout.engine: vllm and GPUs for both roles "
                               "(cluster.trainer_gpus, cluster.engine_gpus > 0); use object_store on CPUs")
         if two_models(cfg):
-            raise ConfigError("cluster.weight_sync = nccl sends one model's weights; with env.math_refine.feedback: "
-                              "model use cluster.weight_sync: object_store")
+            raise ConfigError("cluster.weight_sync = nccl sends one model's weights; with levels.high_model: "
+                              "separate use cluster.weight_sync: object_store")
         if c.placement == "colocated":
             raise ConfigError("cluster.weight_sync = nccl cannot pair a trainer rank and an engine on one GPU "
                               "(NCCL refuses two ranks on one device): use placement: separate, or object_store")
@@ -80,7 +95,7 @@ def check_cluster(cfg: Config) -> None:
 @dataclass(frozen=True)
 class Slot:
     """One actor's place: its role, index within the role, bundle and resources."""
-    role: str      # policy | critic | high (the feedback model's trainer) | engine
+    role: str      # policy | critic | high (the high-level model's trainer) | engine
     index: int
     bundle: int
     cpus: float
@@ -97,7 +112,7 @@ def plan_placement(cfg: Config) -> tuple[list[dict[str, float]], list[Slot]]:
     evenly (Ray hands the actors of a bundle fractions of the same device)."""
     c = cfg.cluster
     actors = [("policy", r, c.trainer_cpus, c.trainer_gpus) for r in range(c.trainer_ranks)]
-    if cfg.algorithm.name == "ppo":
+    if needs_critic(cfg):
         actors += [("critic", r, c.trainer_cpus, c.trainer_gpus) for r in range(c.trainer_ranks)]
     if two_models(cfg):
         actors += [("high", r, c.trainer_cpus, c.trainer_gpus) for r in range(c.trainer_ranks)]
@@ -135,11 +150,12 @@ def start_ray(cfg: Config) -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
         return
+    modules = plugin_modules(cfg)   # the project's plugins, for actors in other processes and on other nodes
     if cfg.cluster.address:
         import turnrl
         try:   # py_modules: this checkout's turnrl goes with the job to every node's workers
             ray.init(address=cfg.cluster.address, log_to_driver=True,
-                     runtime_env={"py_modules": [str(Path(turnrl.__file__).parent)]})
+                     runtime_env={"py_modules": [str(Path(turnrl.__file__).parent), *modules]})
         except Exception as exc:
             raise ConnectionError(
                 f"cluster.address = {cfg.cluster.address!r}: no Ray cluster reachable ({type(exc).__name__}: {exc}). "
@@ -147,7 +163,8 @@ def start_ray(cfg: Config) -> None:
                 "nodes), or leave cluster.address empty for a local Ray; `turnrl doctor` checks it") from None
     else:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, log_to_driver=True)
+        ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, log_to_driver=True,
+                 runtime_env={"py_modules": modules} if modules else None)
 
 
 def wait_all(calls: Sequence[tuple[str, Any]]) -> tuple[list, list[float]]:
@@ -258,7 +275,7 @@ class ObjectStoreSync:
     policy: TrainerGroup
     engines: RolloutGroup
     bucket_mb: int
-    level: str = "low"   # which engine of each rollout actor: the solver's, or the feedback model's (high)
+    level: str = "low"   # which engine of each rollout actor: the policy's, or the high-level model's (high)
 
     def push(self, wait: bool = True) -> list[tuple[str, Any]]:
         buckets = self.policy.results("weight_buckets", self.bucket_mb)[0]
@@ -293,8 +310,8 @@ class NcclSync:
 class Workers:
     policy: TrainerGroup
     rollout: RolloutGroup
-    critic: TrainerGroup | None = None     # PPO only
-    high: TrainerGroup | None = None       # math_refine feedback: model, the feedback model's ranks
+    critic: TrainerGroup | None = None     # algorithms with a critic (PPO)
+    high: TrainerGroup | None = None       # levels.high_model: separate, the high-level model's ranks
     sync: WeightSync | None = None
     high_sync: WeightSync | None = None
     offload_engines: bool = False          # colocated on GPUs: engines sleep while the trainer trains
@@ -315,8 +332,8 @@ class Workers:
 
 def start_workers(cfg: Config, model_dir: str, data_dir: str, high_model_dir: str | None = None) -> Workers:
     """Place and start every actor, join the trainer ranks into their DeepSpeed groups, and
-    set up the weight sync. Logs where each actor runs. `high_model_dir`: the feedback model's
-    starting folder with `feedback: model`."""
+    set up the weight sync. Logs where each actor runs. `high_model_dir`: the high-level model's
+    starting folder with `levels.high_model: separate`."""
     import ray
     c = cfg.cluster
     bundles, slots = plan_placement(cfg)

@@ -12,11 +12,21 @@ With `train.overlap_rollout` the engines roll out step s+1 while the trainer upd
 load once that rollout is done): each batch is one update old, and the update takes its
 importance ratio to the engine's sampling logprobs.
 
-math_refine with `feedback: model`: a second model (its own trainer ranks, and an engine in
-every rollout actor) plays the feedback turns. The advantages are computed once; each model
-trains on its level's turns (`level_mask`), a level frozen this step is not called at all
-(an all-zero loss mask would still move Adam's moments), and each pushes to its own engines.
-The feedback model is saved to `out_dir/high_level` and checkpointed as `high_level`.
+The algorithm (`algorithm.name`, turnrl.algos.registry) is an advantage function of the batch;
+its optional `prepare` hook scores the batch first (MLMT's KL terms), and one with a critic
+(PPO) gets the critic's values and returns its targets. Every algorithm then runs the same
+clipped policy-gradient update.
+
+Hierarchical environments (turns whose `role` is "high", like math_refine's feedback):
+`levels.train` / `levels.alternate` leave a level untrained at a step, and with
+`levels.high_model: separate` a second model (its own trainer ranks, and an engine in every
+rollout actor) plays the high-level turns. The advantages are computed once; each model trains
+on its level's turns (`level_mask`), a level frozen this step is not called at all (an all-zero
+loss mask would still move Adam's moments), and each pushes to its own engines. The second
+model is saved to `out_dir/high_level` and checkpointed as `high_level`.
+
+An environment that raises ends its trajectory (finish env_error); more than
+`env.max_error_fraction` of a step's trajectories stops the run with `EnvironmentFailure`.
 
 A run given a checkpoint to resume from loads it first and continues at the next step.
 """
@@ -31,26 +41,36 @@ from typing import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from turnrl.algos import (compute_advantages, contiguous_group_ids, first_obs_position, gae, outcome_token_rewards,
-                          per_turn_mean_std)
-from turnrl.config import Config
-from turnrl.envs.configured import trained_level, trained_turns
+from turnrl.algos import contiguous_group_ids, first_obs_position, per_turn_mean_std
+from turnrl.algos.registry import AdvantageInputs, Algorithm, Scorer
+from turnrl.algos.registry import resolve as resolve_algorithm
+from turnrl.config import Config, LevelsCfg
 from turnrl.evaluation import tool_rates
-from turnrl.rollout.loop import Trajectory
+from turnrl.prepare import high_level_folder
+from turnrl.rollout.loop import ENV_ERROR, Trajectory
 from turnrl.training.checkpoint import CheckpointStore, Resume, write_state
 from turnrl.training.health import HealthMonitor, UnhealthyTraining
 from turnrl.training.cluster import (TrainerGroup, Workers, check_cluster, start_ray, start_workers, two_models,
                                      wait_all)
-from turnrl.training.mlmt import high_level_folder, level_mask, mlmt_extras, mlmt_turn_ids
 
 log = logging.getLogger(__name__)
+
+
+class EnvironmentFailure(RuntimeError):
+    """More than env.max_error_fraction of a step's trajectories ended with their environment
+    raising; `history` holds the metrics of the steps run so far."""
+
+    def __init__(self, message: str, history: list[dict] | None = None):
+        super().__init__(message)
+        self.history = history or []
 
 
 # --------------------------------------------------------------------------- batches
 def collate(trajs: Sequence[Trajectory], pad_id: int) -> dict[str, torch.Tensor]:
     """Trajectories -> right-padded, token-aligned tensors, all [B, L] with L = longest
     prompt + response: input_ids, attention_mask, loss_mask (1 on policy tokens only),
-    engine_logprobs (0 elsewhere), turn_ids (-1 outside the response)."""
+    engine_logprobs (0 elsewhere), turn_ids (-1 outside the response), high (True on the tokens
+    of high-level turns and the observations after them)."""
     width = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
     B = len(trajs)
     out = {
@@ -59,6 +79,7 @@ def collate(trajs: Sequence[Trajectory], pad_id: int) -> dict[str, torch.Tensor]
         "loss_mask": torch.zeros((B, width)),
         "engine_logprobs": torch.zeros((B, width)),
         "turn_ids": torch.full((B, width), -1, dtype=torch.long),
+        "high": torch.zeros((B, width), dtype=torch.bool),
     }
     for row, t in enumerate(trajs):
         p, r = len(t.prompt_ids), len(t.response_ids)
@@ -67,41 +88,66 @@ def collate(trajs: Sequence[Trajectory], pad_id: int) -> dict[str, torch.Tensor]
         out["loss_mask"][row, p:p + r] = torch.tensor(t.loss_mask, dtype=torch.float)
         out["engine_logprobs"][row, p:p + r] = torch.tensor(t.engine_logprobs)
         out["turn_ids"][row, p:p + r] = torch.tensor(t.turn_ids)
+        out["high"][row, p:p + r] = torch.tensor([t.levels[k] == "high" for k in t.turn_ids], dtype=torch.bool)
     return out
 
 
-def advantages_for(cfg: Config, trajs: Sequence[Trajectory], batch: dict[str, torch.Tensor],
-                   **extra) -> torch.Tensor:
-    """Token-level advantages [B, L] for `algorithm.name` from the trajectories' rewards;
-    `extra` are further estimator inputs (mlmt: turn_kl, betas, refine_bonus from `mlmt_extras`)."""
+def advantage_inputs(trajs: Sequence[Trajectory], batch: dict[str, torch.Tensor], group_size: int,
+                     extras: dict | None = None) -> AdvantageInputs:
+    """What an algorithm's advantage function reads, from the trajectories and their batch."""
+    turns = max((len(t.turn_rewards) for t in trajs), default=0)
+    turn_rewards = torch.zeros(len(trajs), turns)
+    for row, t in enumerate(trajs):
+        turn_rewards[row, :len(t.turn_rewards)] = torch.tensor(t.turn_rewards)
     mask = batch["loss_mask"]
     in_response = batch["turn_ids"] >= 0
-    first_turn = torch.tensor([t.turn_rewards[0] if t.turn_rewards else 0.0 for t in trajs])
-    return compute_advantages(
-        cfg.algorithm.name,
-        rewards=torch.tensor([t.outcome for t in trajs]),
-        turn_rewards=first_turn,       # MT-GRPO / MS-GRPO / MS-PO: the first tool call's reward
-        first_rewards=first_turn,      # MLMT: R1, the attempt's reward
-        turn_ids=mlmt_turn_ids(cfg, batch["turn_ids"]),   # only mlmt reads turn ids
-        mlmt_stage=cfg.algorithm.mlmt_stage,
-        alpha=cfg.algorithm.mlmt_alpha,
-        first_obs_pos=first_obs_position(in_response & (mask == 0)),
-        mask=mask,
-        group_ids=contiguous_group_ids(len(trajs), cfg.rollout.n),
-        turn_coef=cfg.algorithm.turn_coef,
-        gamma=cfg.algorithm.gamma,
-        **extra,
-    )
+    return AdvantageInputs(
+        rewards=torch.tensor([t.reward for t in trajs]), turn_rewards=turn_rewards, mask=mask,
+        turn_ids=batch["turn_ids"], high=batch["high"], group_ids=contiguous_group_ids(len(trajs), group_size),
+        first_obs_pos=first_obs_position(in_response & (mask == 0)), values=batch.get("values"),
+        extras=extras or {})
+
+
+def advantages_for(cfg: Config, trajs: Sequence[Trajectory], batch: dict[str, torch.Tensor],
+                   extras: dict | None = None, algorithm: Algorithm | None = None):
+    """The advantages [B, L] of `algorithm.name` (with a critic: (advantages, returns)) for the
+    trajectories and their batch; `extras` from the algorithm's prepare hook."""
+    algorithm = algorithm or resolve_algorithm(cfg.algorithm.name)
+    return algorithm.advantages(advantage_inputs(trajs, batch, cfg.rollout.n, extras), cfg.algorithm)
+
+
+# --------------------------------------------------------------------------- levels
+def trained_level(levels: LevelsCfg, step: int) -> str:
+    """Which level training step `step` (from 1) updates: "both", "high" or "low"
+    (`levels.train`, and `alternate: [h, l]`: h steps high, then l steps low)."""
+    if levels.train != "both" or not levels.alternate:
+        return levels.train
+    high_steps, low_steps = levels.alternate
+    return "high" if (step - 1) % (high_steps + low_steps) < high_steps else "low"
+
+
+def level_mask(high: torch.Tensor, level: str) -> torch.Tensor:
+    """1.0 on the tokens `level` trains ("both": all, "high": high-level turns', "low": the
+    others'), else 0.0; the shape of `high` [B, L]."""
+    if level == "both":
+        return torch.ones_like(high, dtype=torch.float)
+    return high.float() if level == "high" else 1.0 - high.float()
+
+
+def env_errors(trajs: Sequence[Trajectory]) -> tuple[float, str]:
+    """(share of trajectories their environment's exception ended, the first such error)."""
+    failed = [t for t in trajs if t.finish == ENV_ERROR]
+    return len(failed) / max(1, len(trajs)), (failed[0].info.get("env_error", "") if failed else "")
 
 
 def rollout_metrics(trajs: Sequence[Trajectory], n: int) -> dict[str, float]:
     """Reward, accuracy, turns, lengths, tool use and finish reasons of a rollout batch."""
     count = len(trajs)
-    rewards = [t.outcome for t in trajs]
+    rewards = [t.reward for t in trajs]
     groups = [rewards[i:i + n] for i in range(0, count, n)]
     out = {
         "reward_mean": sum(rewards) / count,
-        "accuracy": sum(r > 0 for r in rewards) / count,
+        "accuracy": sum(t.outcome > 0 for t in trajs) / count,
         "turns_mean": sum(t.num_turns for t in trajs) / count,
         "response_tokens_mean": sum(t.policy_tokens() for t in trajs) / count,
         "tool_calls_mean": sum(len(t.observations) for t in trajs) / count,
@@ -121,8 +167,10 @@ def rollout_metrics(trajs: Sequence[Trajectory], n: int) -> dict[str, float]:
     for key in sorted(numeric):
         values = [float(t.info[key]) for t in trajs if isinstance(t.info.get(key), (int, float))]
         out[f"env_{key}_mean"] = sum(values) / len(values)
-    for reason in ("answer", "no_action", "max_turns", "token_budget", "truncated"):
+    for reason in ("answer", "no_action", "max_turns", "token_budget", "truncated", ENV_ERROR):
         out[f"finish_{reason}_frac"] = sum(t.finish == reason for t in trajs) / count
+    for name in sorted({name for t in trajs for name in t.rewards}):   # reward functions, by name
+        out[f"reward_{name}_mean"] = sum(t.rewards.get(name, 0.0) for t in trajs) / count
     return out
 
 
@@ -147,7 +195,7 @@ def sample_table(trajs: Sequence[Trajectory], decode: Callable[[list[int]], str]
         "trajectory": [decode(t.response_ids) for t in picked],
         "turns": [t.num_turns for t in picked],
         "turn_rewards": [str(t.turn_rewards) for t in picked],
-        "reward": [t.outcome for t in picked],
+        "reward": [t.reward for t in picked],
         "finish": [t.finish for t in picked],
     }
 
@@ -226,8 +274,9 @@ def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict]
         checkpoints.discard_all()
 
     pad_id = 0   # any id: padding is outside the attention and loss masks
+    algorithm = resolve_algorithm(cfg.algorithm.name)
     eos_id = None
-    if cfg.algorithm.mlmt_context_coef:   # closes a message in the conversation without feedback
+    if algorithm.prepare is not None:   # e.g. MLMT's conversation without the feedback closes a message with it
         from transformers import AutoTokenizer
         eos_id = AutoTokenizer.from_pretrained(model_dir).eos_token_id
     overlap = cfg.train.overlap_rollout
@@ -247,28 +296,39 @@ def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict]
             workers.rollout.call("sleep")
         t_rollout = time.perf_counter()
 
+        error_frac, first_error = env_errors(trajs)
+        if error_frac > cfg.env.max_error_fraction:   # before the update: do not train on broken rollouts
+            bar.close()
+            raise EnvironmentFailure(
+                f"step {step}: the environment {cfg.env.name} raised in {error_frac:.0%} of the trajectories "
+                f"(env.max_error_fraction {cfg.env.max_error_fraction}); the first: {first_error}. Fix the "
+                "environment (its reset or step), or raise env.max_error_fraction; checkpoints are kept", history)
+
         batch = collate(trajs, pad_id)
-        extra, mlmt_stats, scored = {}, {}, {"low": {}, "high": {}}
-        if cfg.algorithm.name == "mlmt":   # KL terms, context-utilization reward (on every policy token)
+        extras, algo_stats, scored = {}, {}, {"low": {}, "high": {}}
+        if algorithm.prepare is not None:   # inputs that need the models, on every policy token
             keep = _keeping(batch, scored)   # the batch's scores, so the update does not compute them again
-            high = (keep(workers.high.logprobs, "high", "old_logprobs"),
-                    keep(workers.high.reference_logprobs, "high", "ref_logprobs")) if workers.high is not None else None
-            extra, mlmt_stats = mlmt_extras(cfg, trajs, batch, keep(workers.policy.logprobs, "low", "old_logprobs"),
-                                            keep(workers.policy.reference_logprobs, "low", "ref_logprobs"), eos_id, high)
-        batch["loss_mask"] *= trained_turns(cfg, batch["turn_ids"], step)   # e.g. a frozen feedback level
+            scorer = Scorer(
+                logprobs=keep(workers.policy.logprobs, "low", "old_logprobs"),
+                reference_logprobs=keep(workers.policy.reference_logprobs, "low", "ref_logprobs"),
+                high=(keep(workers.high.logprobs, "high", "old_logprobs"),
+                      keep(workers.high.reference_logprobs, "high", "ref_logprobs")) if workers.high is not None
+                else None, eos_id=eos_id)
+            extras, algo_stats = algorithm.prepare(trajs, batch, scorer, cfg.algorithm)
+        batch["loss_mask"] *= level_mask(batch["high"], trained_level(cfg.levels, step))   # e.g. a frozen level
         critic_stats = {}
-        if workers.critic is not None:   # PPO: GAE on the critic's values, then fit the critic
+        if algorithm.critic:   # PPO: the critic's values first; it is fitted on the returns below
             batch["values"] = workers.critic.values(batch)
-            batch["advantages"], batch["returns"] = gae(
-                token_rewards=outcome_token_rewards(torch.tensor([t.outcome for t in trajs]), batch["loss_mask"]),
-                values=batch["values"], mask=batch["loss_mask"], gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam)
+        advantages = advantages_for(cfg, trajs, batch, extras, algorithm)
+        if algorithm.critic:   # (advantages, the critic's targets)
+            batch["advantages"], batch["returns"] = advantages
         else:
-            batch["advantages"] = advantages_for(cfg, trajs, batch, **extra)
+            batch["advantages"] = advantages
         t_adv = time.perf_counter()
         # PPO: while the critic warms up the policy is scored, not updated (nothing to push).
-        update = workers.critic is None or step > cfg.algorithm.critic_warmup
+        update = not algorithm.critic or step > cfg.algorithm.critic_warmup
         train_stats, trainer_busy, pushes = train_levels(cfg, workers, batch, step, scored, update)
-        if workers.critic is not None:
+        if algorithm.critic:
             critic_stats, _ = workers.critic.train(batch, step)
         t_train = time.perf_counter()
 
@@ -284,7 +344,7 @@ def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict]
             **rollout_metrics(trajs, cfg.rollout.n),
             **train_stats,
             **critic_stats,
-            **mlmt_stats,
+            **algo_stats,
             **advantage_metrics(batch["advantages"], batch["loss_mask"], batch["turn_ids"]),
             "trained_tokens": float(batch["loss_mask"].sum()),   # policy tokens the update used
             "rollout_s": t_rollout - t_start,
@@ -351,21 +411,22 @@ def _keeping(batch: dict[str, torch.Tensor], scored: dict[str, dict]) -> Callabl
 def train_levels(cfg: Config, workers: Workers, batch: dict[str, torch.Tensor], step: int,
                  scored: dict[str, dict] | None = None, update: bool = True) -> tuple[dict[str, float], list[float], list]:
     """The policy update of a step: (stats, each trainer rank's busy seconds, the weight syncs
-    to push). One model: `workers.policy` on the whole batch. Two (`feedback: model`): each
-    model trained at this step (`trained_level`) on its level's turns, the feedback model's
-    stats under "high_"; `logp_gap_max` is the larger of the two. `scored[level]`: the batch's
-    old / reference logprobs under that level's model, if already computed."""
+    to push). One model: `workers.policy` on the whole batch. Two (`levels.high_model:
+    separate`): each model trained at this step (`trained_level`) on its level's turns, the
+    high-level model's stats under "high_"; `logp_gap_max` is the larger of the two.
+    `scored[level]`: the batch's old / reference logprobs under that level's model, if already
+    computed."""
     scored = scored or {}
     if workers.high is None:
         stats, busy = workers.policy.train({**batch, **scored.get("low", {})}, step, update)
         return stats, busy, [workers.sync] if update else []
-    level = trained_level(cfg, step)
+    level = trained_level(cfg.levels, step)
     stats, busy, pushes = {}, [], []
     for name, group, sync, prefix in (("low", workers.policy, workers.sync, ""),
                                       ("high", workers.high, workers.high_sync, "high_")):
         if level not in ("both", name):
             continue   # frozen this step: not called, its optimizer state stays as it is
-        part = {**batch, **scored.get(name, {}), "loss_mask": batch["loss_mask"] * level_mask(batch["turn_ids"], name)}
+        part = {**batch, **scored.get(name, {}), "loss_mask": batch["loss_mask"] * level_mask(batch["high"], name)}
         part_stats, part_busy = group.train(part, step)
         stats.update({prefix + k: v for k, v in part_stats.items()})
         busy += part_busy

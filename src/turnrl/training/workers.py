@@ -5,7 +5,7 @@
 - `CriticWorker`: one rank of PPO's critic, a DeepSpeed group of its own.
 - `RolloutWorker`: a rollout engine (vLLM, or transformers) plus the environments. Runs the
   multi-turn loop for its share of a step's prompts and takes new weights without restarting.
-  With a second model for math_refine's feedback (`feedback: model`) it holds that model's
+  With a second model for the high level (`levels.high_model: separate`) it holds that model's
   engine too: the loop batches each level's turns on its own engine in this process, with no
   round trip to another actor per turn.
 
@@ -355,12 +355,16 @@ class PolicyWorker(_TrainerRank):
         """Every rank calls this (a collective under ZeRO-3). Rank 0 returns its weights as
         object-store refs, one per bucket (`pack_tensors`); the others return None."""
         import ray
-        refs = []
+        refs = [ray.put(packed) for packed in self.packed_buckets(bucket_mb)]
+        return refs if self.rank == 0 else None
+
+    def packed_buckets(self, bucket_mb: int) -> Iterator[tuple[Any, list]]:
+        """The weights as `pack_tensors` buffers, one per bucket (yielded on rank 0 only; every
+        rank must run the generator to the end under ZeRO-3, whose gathers are collectives)."""
         for bucket in self._param_buckets(bucket_mb << 20):
             with self._gathered(list({id(p): p for _, p in bucket}.values())):
                 if self.rank == 0:
-                    refs.append(ray.put(pack_tensors([(name, p.detach()) for name, p in bucket])))
-        return refs if self.rank == 0 else None
+                    yield pack_tensors([(name, p.detach()) for name, p in bucket])
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """Full weights as CPU tensors (gathered from all ranks under ZeRO-3: all ranks call)."""
@@ -520,7 +524,11 @@ class RolloutWorker:
         self.engine = self.engines["low"]
         self.fmt = ChatFormat(AutoTokenizer.from_pretrained(model_dir), self.cfg.model.template_type)
         from turnrl.envs.configured import env_factory
-        self.make_env = env_factory(self.cfg, data_dir)   # built once: a search index is loaded here
+        from turnrl.rewards.functions import RewardFunctions
+        self.make_env = env_factory(self.cfg, data_dir)
+        rw = self.cfg.reward
+        self.reward_functions = RewardFunctions(rw.functions, rw.weights, rw.on_error)
+        self.decode = lambda ids: self.fmt.tokenizer.decode(ids, skip_special_tokens=True)
 
     def where(self) -> dict[str, Any]:
         return actor_location()
@@ -541,11 +549,13 @@ class RolloutWorker:
             torch.manual_seed(generator_seed)
             random.seed(generator_seed)
         r = self.cfg.rollout
-        return run_rollouts(self.engines if len(self.engines) > 1 else self.engine, examples, self.make_env, self.fmt,
-                            Budgets(r.max_turns, r.max_tokens_per_turn, r.max_tokens_total),
-                            n=n, temperature=r.temperature if temperature is None else temperature,
-                            top_p=r.top_p, seed=seed, env_workers=self.cfg.env.workers,
-                            observation_lag=r.observation_lag)
+        trajs = run_rollouts(self.engines if len(self.engines) > 1 else self.engine, examples, self.make_env, self.fmt,
+                             Budgets(r.max_turns, r.max_tokens_per_turn, r.max_tokens_total),
+                             n=n, temperature=r.temperature if temperature is None else temperature,
+                             top_p=r.top_p, seed=seed, env_workers=self.cfg.env.workers,
+                             observation_lag=r.observation_lag)
+        self.reward_functions.score(trajs, self.decode)
+        return trajs
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token t | tokens < t) of each sequence under the engine's weights (entry 0 is 0)."""

@@ -1,0 +1,177 @@
+"""Import paths to user code: environments, reward functions, algorithms and graders.
+
+A params value such as `env.name: my_pkg.guess:make_env` names an object `make_env` in the
+module `my_pkg.guess`, found in the project folder (where dvc.yaml is) or in an installed
+package. `load_object` imports it and turns every way that can fail into a `PluginError`
+naming the params key and what to fix; `check_call` checks that a callable takes the
+arguments turnrl will pass; `options_model` and `validate_options` check a plugin's options
+(its own pydantic model, or one made from its signature) with the same fix-it messages as
+params.yaml.
+
+Modules of the project folder ship with a Ray job to every node (`local_packages` lists them
+for Ray's `py_modules`), so actors on other machines import the same code.
+
+Nothing here imports torch, Ray or vLLM: params are checked within a second.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+
+#: A value is an import path when it has this separator: `package.module:attribute`.
+SEPARATOR = ":"
+
+
+class PluginError(ValueError):
+    """A plugin that cannot be used; the message names the params key and what to fix."""
+
+
+def is_import_path(value: str) -> bool:
+    return SEPARATOR in value
+
+
+def project_root() -> Path:
+    """Where plugin modules of the project are found: the DVC root of a running stage, else
+    the working directory."""
+    return Path(os.environ.get("DVC_ROOT") or os.getcwd()).resolve()
+
+
+def _ensure_project_on_path() -> None:
+    root = str(project_root())
+    if root not in sys.path:
+        sys.path.insert(0, root)
+
+
+def load_object(path: str, key: str) -> Any:
+    """The object `path` (`package.module:attribute`, attributes may be dotted) names.
+    Raises PluginError naming `key` (the params key, e.g. env.name) for a malformed path, a
+    module that does not import (and why), or a missing attribute."""
+    module_name, sep, attribute = path.partition(SEPARATOR)
+    if not sep or not module_name or not attribute or SEPARATOR in attribute:
+        raise PluginError(f"{key} = {path!r}: an import path is 'package.module:name', e.g. my_tasks.guess:make_env")
+    _ensure_project_on_path()
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):   # the module itself (or its package) is missing
+            raise PluginError(
+                f"{key} = {path!r}: no module named {exc.name!r}. Put it in the project folder ({project_root()}), "
+                f"where {module_name.replace('.', '/')}.py (or a package folder) resolves, or install its package "
+                "(pip install -e ...)") from None
+        raise PluginError(f"{key} = {path!r}: importing {module_name} failed: it needs the module {exc.name!r}, "
+                          "which is not installed (pip install it)") from None
+    except Exception as exc:   # noqa: BLE001 - any error in the user's module
+        raise PluginError(f"{key} = {path!r}: importing {module_name} raised {type(exc).__name__}: {exc}") from None
+    obj: Any = module
+    for part in attribute.split("."):
+        if not hasattr(obj, part):
+            names = sorted(n for n in dir(module) if not n.startswith("_"))
+            raise PluginError(f"{key} = {path!r}: module {module_name} has no attribute {attribute!r}; "
+                              f"it has: {', '.join(names[:20]) or 'nothing public'}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_call(fn: Any, key: str, what: str, positional: int = 0, keywords: tuple[str, ...] = (),
+               extra_keywords: bool = False) -> None:
+    """PluginError unless `fn` is callable with `positional` positional arguments and the
+    `keywords` (and, with `extra_keywords`, any others). `what` describes the expected call
+    for the message, e.g. 'score(prompt, completion, answer, **info) -> float'."""
+    if not callable(fn):
+        raise PluginError(f"{key}: {fn!r} is not callable; it must be {what}")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):   # builtins without a signature: trust them
+        return
+    args = [None] * positional
+    kwargs = dict.fromkeys(keywords)
+    if extra_keywords:
+        kwargs["__turnrl_extra__"] = None
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise PluginError(f"{key}: {_name(fn)}{signature} cannot be called as {what} ({exc})") from None
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+# --------------------------------------------------------------------------- options
+class _Options(BaseModel):
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
+
+
+def options_model(factory: Callable, reserved: tuple[str, ...] = ()) -> type[BaseModel]:
+    """A pydantic model of `factory`'s keyword options, from its signature: each parameter
+    with its annotation (Annotated[int, Field(gt=0)] keeps its constraints) and default;
+    `reserved` parameters (what turnrl passes itself, e.g. context) are left out. A factory
+    taking **kwargs accepts any other key."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return _Options
+    fields: dict[str, Any] = {}
+    extra = False
+    for name, p in signature.parameters.items():
+        if name in reserved:
+            continue
+        if p.kind is p.VAR_KEYWORD:
+            extra = True
+            continue
+        if p.kind in (p.VAR_POSITIONAL, p.POSITIONAL_ONLY):
+            continue
+        annotation = Any if p.annotation is p.empty else p.annotation
+        fields[name] = (annotation, ... if p.default is p.empty else p.default)
+    config = ConfigDict(extra="allow" if extra else "forbid", arbitrary_types_allowed=True,
+                        protected_namespaces=())
+    try:
+        return create_model(f"{_name(factory)}Options", __config__=config, **fields)
+    except Exception:   # noqa: BLE001 - string annotations that do not resolve: check nothing
+        return _Options
+
+
+def validate_options(model: type[BaseModel], options: dict[str, Any], key: str) -> dict[str, Any]:
+    """`options` checked by `model`; the values as keyword arguments. PluginError with one line
+    per problem: `key.name = value: what is wrong` (unknown keys name the known ones)."""
+    try:
+        validated = model.model_validate(options)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"])
+            full = f"{key}.{where}" if where else key
+            if err["type"] == "extra_forbidden":
+                known = ", ".join(model.model_fields) or "none"
+                lines.append(f"{full}: unknown option; options of this plugin: {known}")
+                continue
+            msg = " ".join(err["msg"].removeprefix("Value error, ").replace("Input should be", "must be").split())
+            if err["type"] == "missing":
+                lines.append(f"{full}: required, set it (e.g. -S ++{full}=...)")
+            else:
+                lines.append(f"{full} = {err.get('input')!r}: {msg}")
+        raise PluginError("\n".join(lines)) from None
+    values = {name: getattr(validated, name) for name in model.model_fields}
+    values.update(validated.model_extra or {})
+    return values
+
+
+def local_packages(paths: list[str]) -> list[str]:
+    """The folders of the project's own top-level packages that `paths` (import paths) live
+    in, for Ray's `py_modules`: installed packages are on every node already."""
+    root = project_root()
+    out = []
+    for path in paths:
+        top = path.partition(SEPARATOR)[0].split(".")[0]
+        if top == "turnrl":
+            continue
+        for candidate in (root / top, root / f"{top}.py"):
+            if candidate.exists() and str(candidate) not in out:
+                out.append(str(candidate))
+    return out

@@ -1,0 +1,103 @@
+"""Reward functions by import path (`reward.functions` in params), added to the environment's
+outcome:
+
+    def brevity(prompt: str, completion: str, answer: str, **info) -> float: ...
+
+`completion` is the trajectory's response as text (policy turns and observations, special
+tokens removed); `info` holds the environment's info of the trajectory plus `turns` (the policy
+turns' texts), `observations`, `finish` (why it ended), `outcome` and `example` (the data row).
+A trajectory's reward is its outcome plus the weighted sum of the functions' values; each value
+is also logged per step as `reward_<name>_mean`. A function that raises or returns NaN, None or
+a non-number stops the step with a `RewardFunctionError` naming it, or, with
+`reward.on_error: zero`, scores 0 and is counted (`reward_<name>_errors`).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable, Sequence
+
+from turnrl.plugins import check_call, load_object
+
+log = logging.getLogger(__name__)
+
+SIGNATURE = "fn(prompt, completion, answer, **info) -> float"
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function failed on a trajectory (reward.on_error: fail)."""
+
+
+class RewardFunctions:
+    """The functions of `reward.functions`, loaded and checked once per process."""
+
+    def __init__(self, paths: Sequence[str], weights: Sequence[float] = (), on_error: str = "fail"):
+        self.paths = list(paths)
+        self.weights = list(weights) or [1.0] * len(self.paths)
+        self.on_error = on_error
+        self.fns: list[Callable[..., Any]] = []
+        for i, path in enumerate(self.paths):
+            fn = load_object(path, f"reward.functions[{i}]")
+            check_call(fn, f"reward.functions[{i}] = {path!r}", SIGNATURE, positional=3, extra_keywords=True)
+            self.fns.append(fn)
+        self.names = _short_names(self.paths)
+        self._warned: set[str] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.fns)
+
+    def score(self, trajs: Sequence, decode: Callable[[list[int]], str]) -> None:
+        """Set each trajectory's `rewards` (name -> value) and `extra_reward` (their weighted sum)."""
+        if not self.fns:
+            return
+        for t in trajs:
+            completion = decode(t.response_ids)
+            info = {**t.info, "turns": list(t.turn_texts), "observations": list(t.observations), "finish": t.finish,
+                    "outcome": t.outcome, "example": t.example}
+            total = 0.0
+            for name, path, fn, weight in zip(self.names, self.paths, self.fns, self.weights):
+                value = self._call(name, path, fn, t, completion, info)
+                t.rewards[name] = value
+                total += weight * value
+            t.extra_reward = total
+
+    def _call(self, name: str, path: str, fn: Callable, t: Any, completion: str, info: dict) -> float:
+        try:
+            value = fn(str(t.example.get("prompt", "")), completion, str(t.example.get("answer", "")), **info)
+            problem = _not_a_number(value)
+        except Exception as exc:   # noqa: BLE001 - the user's function: name it, never a bare traceback
+            problem = f"raised {type(exc).__name__}: {exc}"
+        if problem is None:
+            return float(value)
+        message = (f"reward function {path} (reward.functions) {problem} on the trajectory of prompt "
+                   f"{t.example.get('id', t.example.get('prompt', ''))!r}")
+        if self.on_error == "fail":
+            raise RewardFunctionError(message + "; fix it, or set reward.on_error: zero to score such cases 0")
+        t.rewards[f"{name}_errors"] = t.rewards.get(f"{name}_errors", 0.0) + 1.0
+        if name not in self._warned:
+            self._warned.add(name)
+            log.warning("%s; scored 0 (reward.on_error: zero), counted as reward_%s_errors", message, name)
+        return 0.0
+
+
+def _not_a_number(value: Any) -> str | None:
+    if value is None:
+        return "returned None"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        try:   # numpy / torch scalars
+            import numbers
+            if isinstance(value, numbers.Real) and not isinstance(value, bool):
+                value = float(value)
+            else:
+                return f"returned {type(value).__name__} {value!r:.80}, not a number"
+        except Exception:   # noqa: BLE001
+            return f"returned {type(value).__name__}, not a number"
+    if not math.isfinite(float(value)):
+        return f"returned {value}"
+    return None
+
+
+def _short_names(paths: Sequence[str]) -> list[str]:
+    """Metric names: each function's own name, qualified by its module where two share one."""
+    bare = [p.rpartition(":")[2].split(".")[-1] for p in paths]
+    return [b if bare.count(b) == 1 else p.replace(":", ".").replace(".", "_") for b, p in zip(bare, paths)]
