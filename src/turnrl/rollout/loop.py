@@ -356,12 +356,12 @@ def replay(env: Env, fmt: ChatFormat, example: dict, turns: Sequence[str]) -> Tr
     """A trajectory from scripted policy turns, assembled exactly as `run_rollouts` does:
     used for the warm start's demonstrations and to test environments step by step. A turn
     that does not end with one of the environment's stop strings ends, as a model's would,
-    with the end-of-turn token (trained on, like the rest of the turn)."""
+    with the end-of-turn token (`ChatFormat.end_of_turn_id`; trained on, like the rest of the turn)."""
     t = Trajectory(example=example, prompt_ids=fmt.prompt_ids(env.system_prompt, env.reset(example)))
     for turn, text in enumerate(turns):
         ids = fmt.encode(text)
-        if not text.endswith(tuple(env.stop)) and fmt.eos_id is not None:
-            ids.append(fmt.eos_id)
+        if not text.endswith(tuple(env.stop)) and fmt.end_of_turn_id is not None:
+            ids.append(fmt.end_of_turn_id)
         t.add_turn(turn, ids, [0.0] * len(ids), text, level_of(env, turn))
         result = env.step(text)
         if inspect.isawaitable(result):

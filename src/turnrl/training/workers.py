@@ -369,8 +369,17 @@ class PolicyWorker(_TrainerRank):
     def named_weights(self) -> dict[str, torch.Tensor]:
         """Full weights as CPU tensors (gathered from all ranks under ZeRO-3: all ranks call)."""
         module = self.engine.module
+        # Tied weights stay one tensor under both names: save_pretrained then writes one (the
+        # embedding), as the checkpoint had it. Separate copies made it write lm_head.weight too,
+        # which vLLM's Gemma 2 (no lm_head) refuses to load.
+        copies: dict[int, torch.Tensor] = {}
+        out = {}
         with self._gathered(list(module.parameters())):
-            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+            for name, value in module.state_dict(keep_vars=True).items():
+                if id(value) not in copies:
+                    copies[id(value)] = value.detach().cpu().clone()
+                out[name] = copies[id(value)]
+        return out
 
     def save(self, out_dir: str, tokenizer_dir: str) -> str:
         """Save an HF folder (weights + tokenizer) that transformers and vLLM load; all ranks
