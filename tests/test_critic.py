@@ -56,11 +56,11 @@ def test_ppo_steps_on_the_real_stack(tiny_model_dir, tmp_path):
 def test_mlmt_steps_alternate_levels_on_the_real_stack(tiny_model_dir, tmp_path):
     """MLMT's setup through the training loop: shared weights write the feedback, stage II
     turn rewards with GRPO per turn, the levels trained in turn (1 step high, 1 step low)."""
-    history = train_two_steps(tiny_model_dir, tmp_path, {"name": "math_refine", "math_refine": {"alternate": [1, 1]}},
-                               {"name": "mlmt"})
+    history = train_two_steps(tiny_model_dir, tmp_path, {"name": "math_refine"}, {"name": "mlmt"},
+                              levels={"alternate": [1, 1]})
     for h in history:
         generated = h["response_tokens_mean"] * 8          # 4 prompts x 2 samples
-        # a step trains one level only (the masks are unit-tested in test_synthetic_tasks.py;
+        # a step trains one level only (the masks are unit-tested in test_mlmt_two_models.py;
         # an untrained model rarely reaches the feedback turn, so only the bound is checked here)
         assert 0 <= h["trained_tokens"] <= generated and h["logp_gap_max"] < 1e-3
         assert {"loss", "kl_ref", "entropy"} <= h.keys()

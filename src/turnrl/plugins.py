@@ -71,11 +71,22 @@ def load_object(path: str, key: str) -> Any:
     obj: Any = module
     for part in attribute.split("."):
         if not hasattr(obj, part):
-            names = sorted(n for n in dir(module) if not n.startswith("_"))
             raise PluginError(f"{key} = {path!r}: module {module_name} has no attribute {attribute!r}; "
-                              f"it has: {', '.join(names[:20]) or 'nothing public'}")
+                              f"it defines: {', '.join(_defined(module)) or 'nothing public'}")
         obj = getattr(obj, part)
     return obj
+
+
+def _defined(module: Any) -> list[str]:
+    """The public names a module defines itself (not the ones it imports), at most 20."""
+    def defined_here(v: Any) -> bool:
+        if inspect.ismodule(v):
+            return False
+        if inspect.isclass(v) or inspect.isfunction(v):
+            return v.__module__ == module.__name__
+        return True   # an instance (an EnvSpec, a constant)
+    own = [n for n, v in vars(module).items() if not n.startswith("_") and n != "annotations" and defined_here(v)]
+    return sorted(own)[:20]
 
 
 def check_call(fn: Any, key: str, what: str, positional: int = 0, keywords: tuple[str, ...] = (),
@@ -113,10 +124,14 @@ def options_model(factory: Callable, reserved: tuple[str, ...] = ()) -> type[Bas
     with its annotation (Annotated[int, Field(gt=0)] keeps its constraints) and default;
     `reserved` parameters (what turnrl passes itself, e.g. context) are left out. A factory
     taking **kwargs accepts any other key."""
-    try:
-        signature = inspect.signature(factory)
-    except (TypeError, ValueError):
-        return _Options
+    try:   # string annotations (from __future__ import annotations) resolved in the factory's module
+        signature = inspect.signature(factory, eval_str=True)
+    except Exception:   # noqa: BLE001 - an annotation that does not resolve: check names and defaults only
+        try:
+            signature = inspect.signature(factory)
+        except (TypeError, ValueError):
+            return _Options
+        signature = signature.replace(parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()])
     fields: dict[str, Any] = {}
     extra = False
     for name, p in signature.parameters.items():
@@ -132,9 +147,12 @@ def options_model(factory: Callable, reserved: tuple[str, ...] = ()) -> type[Bas
     config = ConfigDict(extra="allow" if extra else "forbid", arbitrary_types_allowed=True,
                         protected_namespaces=())
     try:
-        return create_model(f"{_name(factory)}Options", __config__=config, **fields)
-    except Exception:   # noqa: BLE001 - string annotations that do not resolve: check nothing
-        return _Options
+        model = create_model(f"{_name(factory)}Options", __config__=config, **fields)
+        model.model_json_schema()   # fails now, not at validation, if a type is not fully defined
+        return model
+    except Exception:   # noqa: BLE001 - types pydantic cannot check (a Callable, a custom class): names only
+        loose = {name: (Any, default) for name, (_, default) in fields.items()}
+        return create_model(f"{_name(factory)}Options", __config__=config, **loose)
 
 
 def validate_options(model: type[BaseModel], options: dict[str, Any], key: str) -> dict[str, Any]:

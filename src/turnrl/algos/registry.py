@@ -104,11 +104,12 @@ def resolve(name: str, key: str = "algorithm.name") -> Algorithm:
         obj = load_object(name, key)
     else:
         raise PluginError(f"{key} = {name!r}: not a registered algorithm ({', '.join(names())}) nor an import path "
-                          "such as my_algos.module:advantages")
+                          "'package.module:name' (the object after the colon), e.g. my_algos.module:advantages")
     if not isinstance(obj, Algorithm):
         obj = Algorithm(advantages=obj)
-    check_call(obj.advantages, key, "advantages(inputs, cfg) -> advantages [B, T]", positional=2)
+    where = f"{key} = {name!r}"
+    check_call(obj.advantages, where, "advantages(inputs, cfg) -> advantages [B, T]", positional=2)
     if obj.prepare is not None:
-        check_call(obj.prepare, key, "prepare(trajs, batch, scorer, cfg) -> (extras, metrics)", positional=4)
+        check_call(obj.prepare, where, "prepare(trajs, batch, scorer, cfg) -> (extras, metrics)", positional=4)
     algorithm = _RESOLVED[name] = Algorithm(obj.advantages, obj.critic, obj.prepare, obj.name or name)
     return algorithm

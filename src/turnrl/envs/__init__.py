@@ -60,7 +60,7 @@ def resolve(name: str, key: str = "env.name") -> EnvSpec:
         obj = load_object(name, key)
     else:
         raise PluginError(f"{key} = {name!r}: not a registered environment ({', '.join(names())}) nor an import "
-                          "path such as my_tasks.guess:make_env")
+                          "path 'package.module:name' (the object after the colon), e.g. my_tasks.guess:make_env")
     spec = _RESOLVED[name] = _as_spec(obj, name, key)
     return spec
 
