@@ -303,6 +303,12 @@ def test_an_async_environment_steps_concurrently(fmt):
     trajs = run_rollouts(engine, [EXAMPLE], SlowAsync, fmt, Budgets(3, 32, 500), n=8, env_workers=1)
     assert time.perf_counter() - start < 1.5
     assert [t.finish for t in trajs] == ["answer"] * 8 and all(t.outcome == 1.0 for t in trajs)
+    # each trajectory's generation and environment step are timed (for traces): the steps overlap
+    assert all(len(t.turn_times) == 1 and len(t.env_times) == 1 for t in trajs)
+    steps = [t.env_times[0] for t in trajs]
+    assert all(end - begin >= 0.29 for begin, end in steps)
+    assert max(begin for begin, _ in steps) < min(end for _, end in steps)     # all in flight at once
+    assert all(t.turn_times[0][1] <= t.env_times[0][0] for t in trajs)        # generated, then stepped
 
 
 def test_a_failing_rollout_drops_the_engines_unfinished_requests(fmt):

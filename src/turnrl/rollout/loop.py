@@ -28,6 +28,7 @@ import asyncio
 import heapq
 import inspect
 import threading
+import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -113,6 +114,10 @@ class Trajectory:
     info: dict = field(default_factory=dict)
     rewards: dict[str, float] = field(default_factory=dict)     # reward functions' values, by name
     extra_reward: float = 0.0                                   # their weighted sum
+    # wall-clock (time.time()) start and end of each policy turn's generation and of each
+    # environment step, for traces and timing metrics
+    turn_times: list[tuple[float, float]] = field(default_factory=list)
+    env_times: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def num_turns(self) -> int:
@@ -185,18 +190,23 @@ def error_result(exc: BaseException) -> StepResult:
     return StepResult(None, 0.0, True, {"outcome": 0.0, "reason": ENV_ERROR, "env_error": error_text(exc)})
 
 
-def _safe_step(env: Env, text: str) -> StepResult:
+def _safe_step(env: Env, text: str) -> tuple[StepResult, tuple[float, float]]:
+    """The environment's answer (an env_error result if it raised) and when it ran."""
+    start = time.time()
     try:
-        return env.step(text)
+        result = env.step(text)
     except Exception as exc:   # noqa: BLE001 - the environment is user code: end this trajectory only
-        return error_result(exc)
+        result = error_result(exc)
+    return result, (start, time.time())
 
 
-async def _safe_astep(env: Env, text: str) -> StepResult:
+async def _safe_astep(env: Env, text: str) -> tuple[StepResult, tuple[float, float]]:
+    start = time.time()
     try:
-        return await env.step(text)
+        result = await env.step(text)
     except Exception as exc:   # noqa: BLE001
-        return error_result(exc)
+        result = error_result(exc)
+    return result, (start, time.time())
 
 
 class _EventLoop:
@@ -266,6 +276,7 @@ def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict]
             steppers[id(e)] = e.stepper(**options) if hasattr(e, "stepper") else BatchStepper(e, **options)
     turn_of = [0] * len(trajs)
     level_at: list[str] = ["low"] * len(trajs)   # the level of each trajectory's current turn
+    asked_at = [0.0] * len(trajs)                # when its current turn went to the engine
     bar = tqdm(total=len(trajs), desc=desc, unit="traj", disable=not progress, leave=False)
     events = _EventLoop() if inspect.iscoroutinefunction(live[0].step) else None
 
@@ -289,6 +300,7 @@ def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict]
             bar.update()
             return
         engine_of = by_level.get(level, by_level["low"])
+        asked_at[i] = time.time()
         steppers[id(engine_of)].add(i, t.prompt_ids + t.response_ids, room,
                                     None if seed is None else _seed(seed, i, turn))
 
@@ -325,7 +337,9 @@ def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict]
             while True:
                 while waiting and waiting[0][0] <= step:     # due answers, in a fixed order
                     _, i, sample, work = heapq.heappop(waiting)
-                    end_turn(i, sample, work.result())
+                    result, ran = work.result()
+                    trajs[i].env_times.append(ran)
+                    end_turn(i, sample, result)
                 busy = [s for s in steppers.values() if s.busy()]
                 if not busy:
                     if not waiting:
@@ -337,6 +351,7 @@ def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict]
                     for i, sample in stepper.step():
                         text = fmt.tokenizer.decode(sample.token_ids, skip_special_tokens=False)
                         trajs[i].add_turn(turn_of[i], sample.token_ids, sample.logprobs, text, level_at[i])
+                        trajs[i].turn_times.append((asked_at[i], time.time()))
                         if sample.finish == "length":   # cut by the token limit: no complete action
                             trajs[i].turn_rewards.append(0.0)
                             trajs[i].finish = "truncated"
@@ -363,9 +378,11 @@ def replay(env: Env, fmt: ChatFormat, example: dict, turns: Sequence[str]) -> Tr
         if not text.endswith(tuple(env.stop)) and fmt.end_of_turn_id is not None:
             ids.append(fmt.end_of_turn_id)
         t.add_turn(turn, ids, [0.0] * len(ids), text, level_of(env, turn))
+        start = time.time()
         result = env.step(text)
         if inspect.isawaitable(result):
             result = asyncio.run(result)
+        t.env_times.append((start, time.time()))
         if t.record(result):
             break
         t.add_observation(turn, fmt.observation_ids(result.observation or "", env.observation_role,
