@@ -9,8 +9,9 @@ as a user runs it:
     python benchmarks/learning.py --rows mlmt mutis --seeds 0
     nohup python benchmarks/learning.py > learning.log 2>&1 &      # hours: run it in the background
 
-One scratch copy of the project per environment (in --work-dir): DVC reuses the seed's
-preprocess, warm start and baseline across the rows of that environment. The only key added to
+One scratch copy of the project per environment (in --work-dir), of the commit checked out
+(`git archive HEAD`: uncommitted edits are not measured), recorded with every result: DVC reuses
+the seed's preprocess, warm start and baseline across the rows of that environment. The only key added to
 a user's run is `eval.benchmarks=[]` (the held-out task is the measure here; MATH-500 is not
 trained on and costs ~45 s per run). Per run it keeps the held-out task accuracy before and
 after (sampled at T=1, and greedy), the health flags the run raised (metrics/train.json), and
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -88,14 +88,18 @@ def _environ(project: Path) -> dict[str, str]:
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
 
 
+def head_commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
 def copy_project(dest: Path) -> None:
-    """The project's tracked and new files in a fresh git repo (what a clean clone holds)."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                            cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
-    for rel in filter(None, listed):
-        if (ROOT / rel).is_file() and not rel.startswith("benchmarks/results/"):
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, dest / rel)
+    """The checked-out commit's files (what a clean clone of it holds) in a fresh git repo, and
+    the commit in `dest/COMMIT`."""
+    archive = subprocess.run(["git", "archive", "--format=tar", "HEAD"], cwd=ROOT, capture_output=True,
+                             check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    (dest / "COMMIT").write_text(head_commit() + "\n")
     git = ["git", "-c", "user.name=turnrl-bench", "-c", "user.email=bench@turnrl.invalid"]
     subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
     subprocess.run([*git, "add", "-A"], cwd=dest, check=True)
@@ -111,8 +115,9 @@ def run_one(project: Path, row: Row, seed: int, extra: list[str]) -> dict:
     log.write_text(proc.stdout + proc.stderr)
     wall = round(time.perf_counter() - start, 1)
     read = lambda name: json.loads((project / "metrics" / name).read_text())  # noqa: E731
+    commit = (project / "COMMIT").read_text().strip() if (project / "COMMIT").exists() else "unknown"
     result = {"row": row.name, "env": row.env, "algorithm": row.algorithm, "seed": seed, "wall_s": wall,
-              "command": " ".join(cmd)}
+              "command": " ".join(cmd), "commit": commit}
     if proc.returncode != 0:   # e.g. train.on_unhealthy: stop; recorded, not retried
         return {**result, "failed": (proc.stdout + proc.stderr)[-1500:]}
     baseline, final, train = read("baseline.json")["task"], read("eval.json")["task"], read("train.json")
@@ -175,7 +180,9 @@ def report(results: list[dict], rows: list[Row], seeds: list[int]) -> str:
                if done else "-")
         lines.append(f"| {row.name} | `{row.env}` | `{row.algorithm}` | {how} | {mean_sd(gains)} | {per_seed or '-'} | "
                      f"{acc} | {verdict(gains, len(seeds))} |")
-    lines += ["", "## Per seed", "",
+    commits = sorted({r.get("commit", "unknown") for r in results})
+    lines += ["", f"Measured at commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}.",
+              "", "## Per seed", "",
               "| row | seed | baseline | trained | greedy: baseline → trained | gain | health flags | run (s) |",
               "|---|---|---|---|---|---|---|---|"]
     order = {row.name: i for i, row in enumerate(rows)}
