@@ -235,6 +235,12 @@ class RolloutCfg(_Section):
         "search). Counted in steps, not seconds, so rollouts repeat exactly; an answer not back in time "
         "is waited for. 0: wait at once (best where tools and engine share the CPU cores; with the "
         "engine on a GPU a few steps let decoding go on while tools run)"))
+    rejoin: Literal["lag", "ready"] = Field("lag", description=(
+        "when an environment's answer rejoins the batch. lag: after observation_lag engine steps, waited for if "
+        "not back (reproducible: the schedule counts steps); ready: as soon as it is back, polled every engine "
+        "step without blocking, waited for only when nothing is left to decode (hides slow tools behind the "
+        "other trajectories' decoding; the schedule then depends on the tools' timing, so a rerun on vLLM is "
+        "not token-identical)"))
 
 
 # --------------------------------------------------------------------------- train

@@ -172,7 +172,7 @@ class _Run:
         k = e.samples
         trajs = run_rollouts(self.engine, problems, make_env, self.fmt, budgets, n=k, temperature=e.temperature,
                              top_p=e.top_p, seed=self.cfg.seed, env_workers=self.cfg.env.workers,
-                             observation_lag=self.cfg.rollout.observation_lag,
+                             observation_lag=self.cfg.rollout.observation_lag, rejoin=self.cfg.rollout.rejoin,
                              progress=True, desc=f"eval {name}")
         if name == "task":   # the training reward's parts, on the held-out set
             self.reward_functions.score(trajs, self.plain)
@@ -183,7 +183,7 @@ class _Run:
         if name == "task" and e.greedy and e.temperature > 0:
             greedy = run_rollouts(self.engine, problems, make_env, self.fmt, budgets, temperature=0.0,
                                   seed=self.cfg.seed, env_workers=self.cfg.env.workers, progress=True,
-                                  observation_lag=self.cfg.rollout.observation_lag,
+                                  observation_lag=self.cfg.rollout.observation_lag, rejoin=self.cfg.rollout.rejoin,
                                   desc=f"eval {name} (greedy)")
             g = summarize(greedy)
             block.update({"accuracy_greedy": g["accuracy"], "mean_response_tokens_greedy": g["mean_response_tokens"],

@@ -15,10 +15,26 @@ from tqdm.auto import tqdm
 
 from turnrl.config import TinyModel
 
-# ChatML, as Qwen models use it; `tool` messages get their own role header.
+# ChatML, as Qwen models use it; `tool` messages get their own role header. With `tools=` (the
+# `tools` environment) their JSON schemas open the system message in a <tools> block and an
+# assistant message's structured `tool_calls` render as <tool_call>JSON</tool_call>, as Qwen2.5's
+# template does; without tools the text is exactly plain ChatML.
 CHAT_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\n' -}}"
+    "{%- if messages[0]['role'] == 'system' -%}{{- messages[0]['content'] + '\n\n' -}}{%- endif -%}"
+    "{{- '# Tools\n<tools>\n' -}}"
+    "{%- for tool in tools -%}{{- (tool | tojson) + '\n' -}}{%- endfor -%}"
+    "{{- '</tools>\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\n' -}}"
+    "{%- endif -%}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{%- if not (tools and loop.first and message['role'] == 'system') -%}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{{- '<tool_call>\n' + ((call['function'] if call['function'] is defined else call) | tojson) + '\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{ '<|im_end|>' + '\n' }}"
+    "{%- endif -%}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )

@@ -24,6 +24,11 @@ Optional, each used where present:
   second model for the high level, which levels train) read it; by default every turn is "low".
 - A factory parameter named `context` receives an `EnvContext` (the preprocessed data folder,
   rollout.max_turns, the seed).
+- `tools`: a list of function schemas (`{"type": "function", "function": {name, description,
+  parameters}}`, what `apply_chat_template(tools=...)` takes): the prompt renders them with the
+  model's chat template, in its family's function-calling format (the `tools` environment).
+  An observation may then be a list of strings: one message in `observation_role` each (a tool
+  result per call of the turn).
 
 An `EnvSpec` bundles a factory with optional hooks: an options model, a synthetic task (rows
 and demonstrations for the embedded tiny model's warm start) and a data hook that writes files
@@ -43,7 +48,7 @@ LEVELS = ("low", "high")
 
 @dataclass
 class StepResult:
-    observation: str | None
+    observation: str | list[str] | None     # a list: several messages (one tool result per call)
     reward: float
     done: bool
     info: dict[str, Any] = field(default_factory=dict)

@@ -20,6 +20,14 @@ What families' templates differ in, and what is done about it (each found by
   message, as the family's documentation advises (`prompt_text`);
 - a template may not render a tool message (Mistral, Gemma: roles must alternate; Phi-3 drops
   it silently): tool observations then go as user messages (`rendered_role`).
+
+Function calling (the `tools` environment): an environment's `tools` (JSON schemas, as
+`apply_chat_template(tools=...)` takes them) are rendered into the prompt by the template itself,
+the family's own format (Qwen's `<tools>` block in the system message, Llama 3.1's JSON in the
+first user message, ...). A template that ignores `tools=` gets them as a `<tools>` block at the
+end of the system prompt instead (`renders_tools`). An observation may be several messages (one
+tool message per call of a turn): the frame around k messages is read from the template like
+the frame around one, so consecutive tool messages render as the template groups them.
 """
 from __future__ import annotations
 
@@ -35,33 +43,46 @@ class ChatFormat:
     tokenizer: object
     template_type: str = "chat"
 
-    def prompt_text(self, system: str, user: str) -> str:
+    def prompt_text(self, system: str, user: str, tools: Sequence[dict] | None = None) -> str:
+        """The prompt up to the assistant's generation prompt; `tools` (JSON schemas) rendered
+        by the chat template, or described in the system prompt where the template cannot."""
+        tools = list(tools or [])
+        if tools and (self.template_type == "base" or not renders_tools(self.tokenizer)):
+            system = (system + "\n\n" if system else "") + tools_text(tools)
+            tools = []
         if self.template_type == "base":
             return f"{system}\n\nUser: {user}\nAssistant:"
+        kwargs = {"tools": tools} if tools else {}
         if not system:
             messages = [{"role": "user", "content": user}]
         elif _renders_system(self.tokenizer):
             messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
         else:   # the template refuses a system message: it opens the user message instead
             messages = [{"role": "user", "content": f"{system}\n\n{user}"}]
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
 
-    def prompt_ids(self, system: str, user: str) -> list[int]:
-        return self.encode(self.prompt_text(system, user))
+    def prompt_ids(self, system: str, user: str, tools: Sequence[dict] | None = None) -> list[int]:
+        return self.encode(self.prompt_text(system, user, tools))
 
-    def observation_text(self, observation: str, role: str, after_eos: bool = False) -> str:
+    def observation_text(self, observation: str | Sequence[str], role: str, after_eos: bool = False) -> str:
         """Text that follows a policy turn: end of the assistant message, the observation
         message in `role` (or in `rendered_role(role)`, when the template has no such role),
         and the start of the next assistant message. `after_eos`: the policy ended its turn
-        with the end-of-turn token itself (`ends_turn`), so the frame must not repeat it."""
+        with the end-of-turn token itself (`ends_turn`), so the frame must not repeat it.
+        A list is several messages in `role` (a tool result per call), rendered as the template
+        renders consecutive messages of that role."""
+        messages = [observation] if isinstance(observation, str) else list(observation)
+        if not messages:
+            messages = [""]
         if self.template_type == "base":
             label = "User" if role == "user" else "Tool"
-            return f"\n{label}: {observation}\nAssistant:"
-        before, after = _observation_frame(self.tokenizer, self.rendered_role(role))
+            return "".join(f"\n{label}: {m}" for m in messages) + "\nAssistant:"
+        pieces = _observation_frame(self.tokenizer, self.rendered_role(role), len(messages))
+        before = pieces[0]
         end = self.end_of_turn
         if after_eos and end and before.startswith(end):
             before = before[len(end):]
-        return before + observation + after
+        return before + "".join(m + piece for m, piece in zip(messages, pieces[1:]))
 
     def rendered_role(self, role: str) -> str:
         """The role observations meant for `role` are rendered in: `role` itself, or "user"
@@ -86,7 +107,7 @@ class ChatFormat:
         token, token_id = _end_of_turn(self.tokenizer)
         return token_id if token is not None else self.eos_id
 
-    def observation_ids(self, observation: str, role: str, after_eos: bool = False) -> list[int]:
+    def observation_ids(self, observation: str | Sequence[str], role: str, after_eos: bool = False) -> list[int]:
         return self.encode(self.observation_text(observation, role, after_eos))
 
     @property
@@ -106,38 +127,72 @@ class ChatFormat:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-_FRAMES: dict[tuple[int, str], tuple[str, str] | None] = {}
+_FRAMES: dict[tuple[int, str, int], tuple[str, ...] | None] = {}
 _SYSTEM: dict[int, bool] = {}
+_TOOLS: dict[int, bool] = {}
 _END: dict[int, tuple[str | None, int | None]] = {}
 
 
-def _frame_or_none(tokenizer, role: str) -> tuple[str, str] | None:
-    """(text before, text after) an observation in `role`, found by rendering a conversation
-    with one and taking what surrounds it after the assistant message; None when the template
-    raises on the role or drops the message."""
-    key = (id(tokenizer), role)
+def _obs_mark(k: int) -> str:
+    return _OBS if k == 0 else f"\u2063OBSERVATION_MARK_{k}\u2063"
+
+
+def _frame_or_none(tokenizer, role: str, count: int = 1) -> tuple[str, ...] | None:
+    """The text around `count` consecutive observations in `role` (before the first, between
+    them, after the last: count + 1 pieces), found by rendering a conversation with them and
+    taking what surrounds them after the assistant message; None when the template raises on
+    the role or drops a message."""
+    key = (id(tokenizer), role, count)
     if key not in _FRAMES:
+        marks = [_obs_mark(k) for k in range(count)]
         base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _ASSISTANT}]
-        with_obs = base + [{"role": role, "content": _OBS}]
+        with_obs = base + [{"role": role, "content": m} for m in marks]
         try:
             full = tokenizer.apply_chat_template(with_obs, tokenize=False, add_generation_prompt=True)
         except Exception:   # jinja2's TemplateError from raise_exception(...), or the template's own bug
             full = ""
-        if _ASSISTANT not in full or _OBS not in full:
-            _FRAMES[key] = None
-        else:
-            tail = full.split(_ASSISTANT, 1)[1]
-            before, after = tail.split(_OBS, 1)
-            _FRAMES[key] = (before, after)
+        tail = full.split(_ASSISTANT, 1)[1] if _ASSISTANT in full else ""
+        pieces: list[str] = []
+        for m in marks:
+            if m not in tail:
+                pieces = []
+                break
+            piece, tail = tail.split(m, 1)
+            pieces.append(piece)
+        _FRAMES[key] = tuple(pieces) + (tail,) if pieces else None
     return _FRAMES[key]
 
 
-def _observation_frame(tokenizer, role: str) -> tuple[str, str]:
-    frame = _frame_or_none(tokenizer, role)
+def _observation_frame(tokenizer, role: str, count: int = 1) -> tuple[str, ...]:
+    frame = _frame_or_none(tokenizer, role, count)
     if frame is None:
-        raise ValueError(f"the chat template does not render {role!r} messages after an assistant message; "
+        raise ValueError(f"the chat template does not render {count} {role!r} message(s) after an assistant message; "
                          "set model.template_type: base or use a template with that role")
     return frame
+
+
+def renders_tools(tokenizer) -> bool:
+    """Whether the chat template renders `tools=` (their schemas show up in the prompt)."""
+    key = id(tokenizer)
+    if key not in _TOOLS:
+        probe = {"type": "function", "function": {"name": "turnrl_probe_tool", "description": "probe",
+                                                  "parameters": {"type": "object", "properties": {}}}}
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": "q"}], tools=[probe], tokenize=False,
+                                                 add_generation_prompt=True)
+            _TOOLS[key] = "turnrl_probe_tool" in text
+        except Exception:
+            _TOOLS[key] = False
+    return _TOOLS[key]
+
+
+def tools_text(tools: Sequence[dict]) -> str:
+    """The tools described in plain text, for a template that does not render `tools=`: the
+    schemas in a <tools> block and how to call one (the Hermes / Qwen format, `hermes` parser)."""
+    import json
+    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return (f"# Tools\n<tools>\n{lines}\n</tools>\n"
+            'Call a tool as <tool_call>{"name": ..., "arguments": {...}}</tool_call>.')
 
 
 def _renders_system(tokenizer) -> bool:
@@ -157,7 +212,7 @@ def _end_of_turn(tokenizer) -> tuple[str | None, int | None]:
     """The special token the template writes right after an assistant message's content."""
     key = id(tokenizer)
     if key not in _END:
-        frame = _frame_or_none(tokenizer, "user")
+        frame = _frame_or_none(tokenizer, "user", 1)
         closing = frame[0] if frame is not None else ""
         specials = set(getattr(tokenizer, "all_special_tokens", [])) | set(getattr(tokenizer, "added_tokens_encoder", {}))
         token = next((t for t in sorted(specials, key=len, reverse=True) if t and closing.startswith(t)), None)

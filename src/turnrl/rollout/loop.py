@@ -7,11 +7,22 @@
         next turn's context (observation tokens with loss mask 0), or the trajectory ends
 
 So a tool call does not stop the batch: on vLLM the engine keeps decoding the other
-trajectories while it runs (continuous batching across turns). The schedule counts engine
-steps, never wall time, so a rollout repeats itself exactly for the same engine seed, weights
-and prompts (an answer not back when it is due is waited for). An engine that only generates
+trajectories while it runs (continuous batching across turns). An engine that only generates
 a whole batch (transformers, test fakes) gets each turn of all live trajectories in one call,
 as in a turn-by-turn loop.
+
+When an answer rejoins is the `rejoin` policy:
+
+- `lag` (the default): `observation_lag` engine steps after its turn ended. The schedule counts
+  engine steps, never wall time, so a rollout repeats itself exactly for the same engine seed,
+  weights and prompts: an answer not back when it is due is waited for, and meanwhile nothing
+  decodes. With lag 0 every turn's answer is waited for at once, so a slow tool stalls the batch.
+- `ready`: as soon as it is back. Every engine step polls the pending answers without blocking
+  and those back join the next step, in trajectory order; the loop blocks only when the engine
+  has nothing left to decode, and then only until the first answer is back. Tool latency hides
+  behind the other trajectories' decoding, but the batch each step decodes depends on how long
+  the tools took, so on an engine whose sampling depends on the batch (vLLM's own generator) a
+  rerun is not token-identical. `observation_lag` does not apply.
 
 Token in, token out: the ids the engine sampled go into the trajectory unchanged, with the
 engine's logprob for each; observations are tokenized once (see `ChatFormat`).
@@ -30,7 +41,8 @@ import inspect
 import threading
 import time
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol, Sequence
 
@@ -227,13 +239,25 @@ class _EventLoop:
         self.loop.close()
 
 
+REJOIN = ("lag", "ready")
+
+
+def observation_texts(observation: str | Sequence[str] | None) -> tuple[str | list[str], str]:
+    """(what the chat format renders: one message or several, the text a trajectory keeps)."""
+    if observation is None or isinstance(observation, str):
+        return observation or "", observation or ""
+    messages = [str(m) for m in observation]
+    return messages, "\n".join(messages)
+
+
 def _start(make_env: Callable[[], Env], example: dict, fmt: ChatFormat) -> tuple[Env | None, Trajectory]:
     """A fresh environment reset on `example`, and its trajectory; an environment that raises
     gives (None, a trajectory already ended with env_error and no response)."""
     try:
         env = make_env()
         first = env.reset(example)
-        return env, Trajectory(example=example, prompt_ids=fmt.prompt_ids(env.system_prompt, first))
+        prompt = fmt.prompt_ids(env.system_prompt, first, getattr(env, "tools", None))
+        return env, Trajectory(example=example, prompt_ids=prompt)
     except Exception as exc:   # noqa: BLE001
         t = Trajectory(example=example, prompt_ids=fmt.prompt_ids("", str(example.get("prompt", ""))))
         t.record(error_result(exc))
@@ -243,19 +267,23 @@ def _start(make_env: Callable[[], Env], example: dict, fmt: ChatFormat) -> tuple
 def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict], make_env: Callable[[], Env],
                  fmt: ChatFormat, budgets: Budgets, *, n: int = 1, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int | None = None, env_workers: int = 2,
-                 observation_lag: int = 0, progress: bool = False, desc: str = "rollout") -> list[Trajectory]:
+                 observation_lag: int = 0, rejoin: str = "lag", progress: bool = False,
+                 desc: str = "rollout") -> list[Trajectory]:
     """Roll out `n` trajectories per example; trajectory i belongs to group i // n.
 
     `engine` is one engine for every turn, or one per level ({"low": solver, "high": feedback
     model}) when two models share a conversation: each turn goes to the engine of its level
     (`level_of`).
 
-    `observation_lag`: engine steps between the end of a turn and its environment answer
-    rejoining the batch (the environment runs meanwhile; 0: wait for it at once).
+    `rejoin`: when an environment's answer rejoins the batch: `lag` (after `observation_lag`
+    engine steps, waited for if not back; 0: wait for it at once; reproducible) or `ready` (as
+    soon as it is back, polled every engine step; hides tool latency, timing-dependent).
 
     With a `seed`, every (trajectory, turn) samples with its own derived seed where the engine
     takes one (transformers), so a rerun gives the same trajectories whatever the batching;
     without one the engine's own generator is used (faster on vLLM)."""
+    if rejoin not in REJOIN:
+        raise ValueError(f"rejoin = {rejoin!r}: must be one of {', '.join(REJOIN)}")
     envs: list[Env | None] = []
     trajs: list[Trajectory] = []
     for example in examples:
@@ -314,17 +342,24 @@ def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict]
             t.finish = "max_turns"
             bar.update()
             return
-        obs_ids = fmt.observation_ids(result.observation or "", envs[i].observation_role,
-                                      after_eos=fmt.ends_turn(sample.token_ids))
+        rendered, text = observation_texts(result.observation)
+        obs_ids = fmt.observation_ids(rendered, envs[i].observation_role, after_eos=fmt.ends_turn(sample.token_ids))
         if len(t.response_ids) + len(obs_ids) >= budgets.max_tokens_total:
             t.finish = "token_budget"
             bar.update()
             return
-        t.add_observation(turn, obs_ids, result.observation or "")
+        t.add_observation(turn, obs_ids, text)
         turn_of[i] += 1
         start_turn(i)
 
-    # answers on their way: (engine step they are due at, trajectory, its last sample, the env's work)
+    def take(entry: tuple[int, int, Sample, Future]) -> None:
+        _, i, sample, work = entry
+        result, ran = work.result()
+        trajs[i].env_times.append(ran)
+        end_turn(i, sample, result)
+
+    # answers on their way: (engine step they are due at, trajectory, its last sample, the env's work);
+    # a heap by due step with rejoin "lag", in arrival order with "ready"
     waiting: list[tuple[int, int, Sample, Future]] = []
     step = 0
     with ThreadPoolExecutor(max_workers=env_workers) as pool:
@@ -335,16 +370,24 @@ def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict]
                 else:             # its environment failed to start
                     bar.update()
             while True:
-                while waiting and waiting[0][0] <= step:     # due answers, in a fixed order
-                    _, i, sample, work = heapq.heappop(waiting)
-                    result, ran = work.result()
-                    trajs[i].env_times.append(ran)
-                    end_turn(i, sample, result)
+                if rejoin == "lag":
+                    while waiting and waiting[0][0] <= step:     # due answers, in a fixed order
+                        take(heapq.heappop(waiting))
+                else:                                            # the answers back by now, without blocking
+                    back, pending = [], []
+                    for entry in waiting:
+                        (back if entry[3].done() else pending).append(entry)
+                    waiting = pending
+                    for entry in sorted(back, key=lambda e: e[1]):
+                        take(entry)
                 busy = [s for s in steppers.values() if s.busy()]
                 if not busy:
                     if not waiting:
                         break
-                    step = waiting[0][0]                      # nothing to decode: the next answer
+                    if rejoin == "lag":
+                        step = waiting[0][0]                  # nothing to decode: the next answer
+                    else:                                     # nothing to decode: until one is back
+                        wait_futures([e[3] for e in waiting], return_when=FIRST_COMPLETED)
                     continue
                 step += 1
                 for stepper in busy:
@@ -357,7 +400,11 @@ def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict]
                             trajs[i].finish = "truncated"
                             bar.update()
                             continue
-                        heapq.heappush(waiting, (step + observation_lag, i, sample, env_step(i, text)))
+                        entry = (step + observation_lag, i, sample, env_step(i, text))
+                        if rejoin == "lag":
+                            heapq.heappush(waiting, entry)
+                        else:
+                            waiting.append(entry)
         finally:
             for stepper in steppers.values():
                 stepper.abort()
@@ -372,7 +419,8 @@ def replay(env: Env, fmt: ChatFormat, example: dict, turns: Sequence[str]) -> Tr
     used for the warm start's demonstrations and to test environments step by step. A turn
     that does not end with one of the environment's stop strings ends, as a model's would,
     with the end-of-turn token (`ChatFormat.end_of_turn_id`; trained on, like the rest of the turn)."""
-    t = Trajectory(example=example, prompt_ids=fmt.prompt_ids(env.system_prompt, env.reset(example)))
+    first = env.reset(example)
+    t = Trajectory(example=example, prompt_ids=fmt.prompt_ids(env.system_prompt, first, getattr(env, "tools", None)))
     for turn, text in enumerate(turns):
         ids = fmt.encode(text)
         if not text.endswith(tuple(env.stop)) and fmt.end_of_turn_id is not None:
@@ -385,7 +433,7 @@ def replay(env: Env, fmt: ChatFormat, example: dict, turns: Sequence[str]) -> Tr
         t.env_times.append((start, time.time()))
         if t.record(result):
             break
-        t.add_observation(turn, fmt.observation_ids(result.observation or "", env.observation_role,
-                                                    after_eos=fmt.ends_turn(ids)),
-                          result.observation or "")
+        rendered, shown = observation_texts(result.observation)
+        t.add_observation(turn, fmt.observation_ids(rendered, env.observation_role, after_eos=fmt.ends_turn(ids)),
+                          shown)
     return t

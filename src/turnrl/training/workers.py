@@ -562,7 +562,7 @@ class RolloutWorker:
                              Budgets(r.max_turns, r.max_tokens_per_turn, r.max_tokens_total),
                              n=n, temperature=r.temperature if temperature is None else temperature,
                              top_p=r.top_p, seed=seed, env_workers=self.cfg.env.workers,
-                             observation_lag=r.observation_lag)
+                             observation_lag=r.observation_lag, rejoin=r.rejoin)
         self.reward_functions.score(trajs, self.decode)
         return trajs
 
