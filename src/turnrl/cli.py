@@ -6,6 +6,8 @@
     turnrl report A.json B.json --out DIR  compare two evaluations as Markdown with plots
     turnrl doctor [params.yaml] [-S k=v]   check the environment a run needs (versions, vLLM, DeepSpeed,
                                            Ray at cluster.address, GPUs, MLflow) and say what to fix
+    turnrl serve-search [--port 8000] ...  serve the search environment's BM25 index over HTTP, for
+                                           env.options.endpoint (rollout workers on many nodes share it)
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import importlib
 import sys
 
 COMMANDS = {"config": "turnrl.config", "presets": "turnrl.presets",
-            "evaluate": "turnrl.evaluate_checkpoint", "report": "turnrl.report", "doctor": "turnrl.doctor"}
+            "evaluate": "turnrl.evaluate_checkpoint", "report": "turnrl.report", "doctor": "turnrl.doctor",
+            "serve-search": "turnrl.search_service"}
 
 
 def main(argv: list[str] | None = None) -> int:

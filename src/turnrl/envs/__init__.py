@@ -25,6 +25,7 @@ _REGISTRY: dict[str, EnvSpec | Callable[..., Env] | str] = {
     "math_refine": "turnrl.envs.math_refine:ENV",
     "intervention": "turnrl.envs.intervention:ENV",
     "math_answer": "turnrl.envs.single_answer:ENV",
+    "tools": "turnrl.envs.tools:ENV",
 }
 _RESOLVED: dict[str, EnvSpec] = {}
 

@@ -14,6 +14,11 @@ The index is BM25 from the ``bm25s`` library over a corpus of ``{id, title, text
 ``top_k * (max_passage_chars + 6)`` characters plus the two tag lines. Passages that share no
 term with the query (BM25 score 0) are not returned, so a query can come back with no results.
 
+The index can also live in a service (`turnrl serve-search`, :mod:`turnrl.search_service`):
+with ``endpoint`` set the environment asks it over HTTP (:class:`RemoteIndex`), so rollout
+workers on many nodes share one index; the observations are the same as with a local index of
+the same corpus.
+
 Building an index costs seconds on a real corpus, and an environment is made per trajectory:
 :func:`build_index` caches indexes at module level (by corpus content, or by file for a path
 or a registered data set name), so every ``SearchEnv(corpus=same corpus)`` shares one index;
@@ -75,8 +80,8 @@ from turnrl.envs.base import EnvContext, EnvSpec, StepResult
 from turnrl.rewards.format import format_reward, xml_wellformed
 from turnrl.rewards.qa import contains_answer, exact_match, f1
 
-__all__ = ["SYSTEM_PROMPT", "SearchEnv", "SearchIndex", "build_index", "clear_index_cache", "load_corpus",
-           "parse_action", "format_results", "shown_passages"]
+__all__ = ["SYSTEM_PROMPT", "RemoteIndex", "SearchEnv", "SearchIndex", "build_index", "clear_index_cache",
+           "load_corpus", "parse_action", "format_results", "remote_index", "shown_passages"]
 
 SYSTEM_PROMPT = (
     "Answer the question. You can search Wikipedia by writing <search>query</search>; the top "
@@ -200,6 +205,56 @@ class SearchIndex:
         return out
 
 
+class RemoteIndex:
+    """The index of a search service (`turnrl serve-search`) at `endpoint`, with
+    `SearchIndex.search`'s interface. Transport errors (refused, reset, HTTP 502/503/504) are
+    retried `retries` times with a short backoff; then, or on any other failure, it raises (the
+    trajectory ends with env_error, counted against env.max_error_fraction). Thread-safe: one
+    connection pool shared by the environment threads."""
+
+    def __init__(self, endpoint: str, *, timeout_s: float = 10.0, retries: int = 2):
+        import httpx
+        base = endpoint.rstrip("/")
+        self.endpoint = base
+        self.url = base if base.endswith("/search") else base + "/search"
+        self.retries = retries
+        self.client = httpx.Client(timeout=timeout_s)
+
+    def search(self, query: str, k: int) -> list[dict[str, Any]]:
+        import httpx
+        if k <= 0 or not query or not query.strip():
+            return []
+        for attempt in range(self.retries + 1):
+            try:
+                response = self.client.post(self.url, json={"query": query, "k": int(k)})
+                if response.status_code not in (502, 503, 504):
+                    break
+                problem: str = f"HTTP {response.status_code}"
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            if attempt == self.retries:
+                raise ConnectionError(f"search service {self.url}: {problem} (after {attempt + 1} attempts)")
+            time.sleep(0.05 * 2 ** attempt)
+        if response.status_code != 200:
+            raise RuntimeError(f"search service {self.url}: HTTP {response.status_code}: {response.text[:300]}")
+        return list(response.json()["passages"])
+
+    def health(self) -> dict:
+        return self.client.get(self.endpoint.removesuffix("/search") + "/health").json()
+
+
+_REMOTE: dict[tuple, RemoteIndex] = {}
+
+
+def remote_index(endpoint: str, timeout_s: float = 10.0, retries: int = 2) -> RemoteIndex:
+    """One RemoteIndex (one connection pool) per endpoint and settings in a process."""
+    key = (endpoint, timeout_s, retries)
+    with _CACHE_LOCK:
+        if key not in _REMOTE:
+            _REMOTE[key] = RemoteIndex(endpoint, timeout_s=timeout_s, retries=retries)
+        return _REMOTE[key]
+
+
 _CACHE: OrderedDict[tuple, SearchIndex] = OrderedDict()
 _CACHE_SIZE = 4
 _CACHE_LOCK = threading.Lock()
@@ -303,7 +358,7 @@ class SearchEnv:
     stop = ("</search>", "</answer>")
 
     def __init__(self, corpus: Iterable[Mapping[str, Any]] | str | os.PathLike[str] | None = None,
-                 index: SearchIndex | None = None, top_k: int = 3, max_passage_chars: int = 300,
+                 index: SearchIndex | RemoteIndex | None = None, top_k: int = 3, max_passage_chars: int = 300,
                  max_searches: int = 4, system_prompt: str = SYSTEM_PROMPT, tool_reward: float = 0.5,
                  retrieval_reward: float = 0.5):
         if top_k < 1 or max_passage_chars < 1 or max_searches < 0:
@@ -398,12 +453,20 @@ class SearchOptions(BaseModel):
     max_passage_chars: int = Field(120, gt=0)
     max_searches: int = Field(2, ge=0)
     system_prompt: str = SYSTEM_PROMPT
+    endpoint: str = Field("", description=(
+        "a search service (turnrl serve-search), e.g. http://10.0.0.5:8000: searches go there instead of a local "
+        "index, so rollout workers on many nodes share one; empty: a local index"))
+    endpoint_timeout_s: float = Field(10.0, gt=0, description="seconds per request to the endpoint")
 
 
-def prepare_corpus(rows: list[dict], out_dir: Path, *, corpus: str = "", **_: Any) -> dict:
+def prepare_corpus(rows: list[dict], out_dir: Path, *, corpus: str = "", endpoint: str = "", **_: Any) -> dict:
     """Write the passages the index is built over to `out_dir/corpus.parquet`: `corpus` if
-    given, else the synthetic entities' passages or the data's gold passages (nq_open)."""
+    given, else the synthetic entities' passages or the data's gold passages (nq_open). With an
+    `endpoint` and no passages in the data, nothing: the service holds the corpus."""
     from turnrl.data.sources import DataSourceError, load_search_corpus, write_parquet
+    has_passages = rows and (all("entity" in r for r in rows) or all(r.get("passages") for r in rows))
+    if endpoint and not corpus and not has_passages:
+        return {"corpus": {"endpoint": endpoint}}
     if corpus:
         passages = load_corpus(corpus)
     elif rows and all("entity" in r for r in rows):
@@ -418,9 +481,13 @@ def prepare_corpus(rows: list[dict], out_dir: Path, *, corpus: str = "", **_: An
 
 
 def make_search_env(*, context: EnvContext, corpus: str = "", top_k: int = 1, max_passage_chars: int = 120,
-                    max_searches: int = 2, system_prompt: str = SYSTEM_PROMPT) -> SearchEnv:
+                    max_searches: int = 2, system_prompt: str = SYSTEM_PROMPT, endpoint: str = "",
+                    endpoint_timeout_s: float = 10.0) -> SearchEnv:
     """A search environment over the corpus `prepare_corpus` wrote into the data folder (the
-    index is built once per process and shared)."""
+    index is built once per process and shared), or over the search service at `endpoint`."""
+    if endpoint:
+        return SearchEnv(index=remote_index(endpoint, endpoint_timeout_s), top_k=top_k,
+                         max_passage_chars=max_passage_chars, max_searches=max_searches, system_prompt=system_prompt)
     if context.data_dir is None:
         raise ValueError("the search environment needs the preprocessed data folder (its corpus.parquet)")
     corpus_file = Path(context.data_dir) / CORPUS_FILE

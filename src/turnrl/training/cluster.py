@@ -63,8 +63,21 @@ def needs_critic(cfg: Config) -> bool:
 def plugin_modules(cfg: Config) -> list[str]:
     """The project's own packages behind the import paths of params, for Ray's py_modules."""
     from turnrl.plugins import is_import_path, local_packages
-    named = [cfg.env.name, cfg.algorithm.name, *cfg.reward.functions, *(b.grader for b in cfg.eval.benchmarks)]
+    named = [cfg.env.name, cfg.algorithm.name, *cfg.reward.functions, *(b.grader for b in cfg.eval.benchmarks),
+             *_strings(cfg.env.options)]   # import paths inside the options too (the tools env's functions)
     return local_packages([p for p in named if is_import_path(p)])
+
+
+def _strings(value) -> list[str]:
+    """The strings in an options value that look like import paths (package.module:name)."""
+    import re
+    if isinstance(value, str):
+        return [value] if re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", value) else []
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _strings(v)]
+    return []
 
 
 def check_cluster(cfg: Config) -> None:

@@ -1,0 +1,174 @@
+"""`turnrl serve-search`: the search environment's BM25 index over HTTP, one index for many
+rollout workers (as Search-R1 and RoSTE run their retrievers).
+
+    turnrl serve-search                        # params.yaml's search corpus, top_k, max_passage_chars
+    turnrl serve-search --port 8000 --host 0.0.0.0 -S env.options.top_k=3
+    turnrl serve-search --corpus passages.jsonl --top-k 3 --max-passage-chars 300
+
+The corpus, top-k and passage length are the search environment's: from params
+(`env.options` when `env.name` is `search`, its defaults otherwise), the corpus being
+`env.options.corpus` or the one `preprocess` wrote (`data/processed/corpus.parquet`); flags
+override them. Point the environment at it with `env.options.endpoint: http://HOST:PORT`.
+
+    GET  /health   {"ok": true, "passages": N, "fingerprint": ..., "top_k": k, "max_passage_chars": c}
+    POST /search   {"query": "...", "k": 3 (optional)}  ->
+                   {"passages": [{id, title, text, score}], "result": "<result>...</result>"}
+
+`result` is the observation the environment would show (`format_results`), so the service is
+also a ready-made HTTP tool for the `tools` environment (`env.options.http: [{name: search,
+url: http://HOST:PORT/search, parameters: {...query...}}]`). Requests are served on threads; the
+index is shared (bm25s retrieval under a lock).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from turnrl.envs.search import SearchIndex, build_index, format_results
+
+
+class SearchService(ThreadingHTTPServer):
+    """A threading HTTP server answering searches over one index."""
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, index: SearchIndex, *, top_k: int = 1, max_passage_chars: int = 120,
+                 host: str = "127.0.0.1", port: int = 0, max_k: int = 100):
+        self.index, self.top_k, self.max_passage_chars, self.max_k = index, top_k, max_passage_chars, max_k
+        super().__init__((host, port), _Handler)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def search(self, body: Any) -> tuple[int, dict]:
+        if not isinstance(body, dict) or not isinstance(body.get("query"), str):
+            return 400, {"error": 'send a JSON object {"query": "...", "k": <optional int>}'}
+        k = body.get("k", body.get("top_k", self.top_k))
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.max_k:
+            return 400, {"error": f"k must be an integer from 1 to {self.max_k}"}
+        passages = self.index.search(body["query"], k)
+        result = format_results(passages, self.max_passage_chars) if passages else "<result>\nNo results.\n</result>"
+        return 200, {"passages": passages, "result": result}
+
+    def health(self) -> dict:
+        return {"ok": True, "passages": len(self.index), "fingerprint": self.index.fingerprint, "top_k": self.top_k,
+                "max_passage_chars": self.max_passage_chars}
+
+    def start(self) -> "SearchService":
+        """Serve on a background thread (tests, notebooks); `stop()` ends it."""
+        self._thread = threading.Thread(target=self.serve_forever, name="turnrl-search-service", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: SearchService
+    protocol_version = "HTTP/1.1"      # keep-alive: a rollout worker reuses its connections
+
+    def _send(self, status: int, payload: dict) -> None:
+        data = json.dumps(payload, ensure_ascii=False).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:   # noqa: N802 - http.server's name
+        if self.path.rstrip("/") == "/health":
+            self._send(200, self.server.health())
+        else:
+            self._send(404, {"error": "GET /health or POST /search"})
+
+    def do_POST(self) -> None:   # noqa: N802
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        if self.path.rstrip("/") != "/search":
+            self._send(404, {"error": "POST /search"})
+            return
+        try:
+            body = json.loads(raw or b"null")
+        except ValueError:
+            self._send(400, {"error": "the body is not JSON"})
+            return
+        try:
+            self._send(*self.server.search(body))
+        except Exception as exc:   # noqa: BLE001 - a bad query must not take the service down
+            self._send(500, {"error": f"{type(exc).__name__}: {exc}"})
+
+    def log_message(self, format: str, *args: Any) -> None:   # noqa: A002 - quiet: one line per request is noise
+        pass
+
+
+def settings(cfg, data_dir: str | Path = "data/processed") -> dict:
+    """The search environment's corpus, top_k and max_passage_chars under these params."""
+    from turnrl import envs
+    from turnrl.envs.search import CORPUS_FILE
+    spec = envs.resolve("search")
+    options = envs.check_options(spec, cfg.env.options if cfg.env.name == "search" else {})
+    corpus = options["corpus"] or str(Path(data_dir) / CORPUS_FILE)
+    return {"corpus": corpus, "top_k": options["top_k"], "max_passage_chars": options["max_passage_chars"]}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="turnrl serve-search", description=__doc__.split("\n\n")[0])
+    p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    p.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a param, e.g. -S env.options.top_k=3 (repeatable)")
+    p.add_argument("--data", default="data/processed", help="the preprocess stage's output (its corpus.parquet)")
+    p.add_argument("--corpus", help="a passages file or data set name instead of params' corpus")
+    p.add_argument("--top-k", type=int, help="passages per search by default (params: env.options.top_k)")
+    p.add_argument("--max-passage-chars", type=int, help="passage length in `result` (params: max_passage_chars)")
+    p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other machines")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from turnrl.config import ConfigError, load_config
+    try:
+        cfg = load_config(args.params, args.overrides) if Path(args.params).exists() or args.overrides else None
+        chosen = settings(cfg, args.data) if cfg is not None else {"corpus": "", "top_k": 1, "max_passage_chars": 120}
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    corpus = args.corpus or chosen["corpus"]
+    top_k = args.top_k or chosen["top_k"]
+    max_chars = args.max_passage_chars or chosen["max_passage_chars"]
+    if top_k < 1 or max_chars < 1:
+        print("error: --top-k and --max-passage-chars must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        index = build_index(corpus)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: the corpus {corpus!r}: {exc}. Run `dvc repro preprocess` with env.name=search, or pass "
+              "--corpus FILE", file=sys.stderr)
+        return 2
+    service = SearchService(index, top_k=top_k, max_passage_chars=max_chars, host=args.host, port=args.port)
+    print(f"serving {len(index)} passages of {corpus} (top_k {top_k}, max_passage_chars {max_chars}) at "
+          f"{service.url}  (env.options.endpoint: {service.url})", flush=True)
+    try:
+        service.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        service.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
