@@ -247,6 +247,7 @@ class MathRefineOptions(BaseModel):
     endpoint_model: str = Field("", description="empty: the first model the endpoint lists")
     api_key_env: str = Field("OPENAI_API_KEY", min_length=1)
     feedback_max_tokens: int = Field(64, gt=0)
+    feedback_temperature: float = Field(0.0, ge=0.0, description="the endpoint's sampling temperature (0: greedy)")
     timeout_s: float = Field(30.0, gt=0)
     system_prompt: str = SYSTEM_PROMPT
     high_level_prompt: str = HIGH_LEVEL_PROMPT
