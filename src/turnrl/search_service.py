@@ -36,6 +36,7 @@ class SearchService(ThreadingHTTPServer):
     """A threading HTTP server answering searches over one index."""
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 256      # listen backlog (socketserver's default of 5 stalls bursts of connections by 1 s)
 
     def __init__(self, index: SearchIndex, *, top_k: int = 1, max_passage_chars: int = 120,
                  host: str = "127.0.0.1", port: int = 0, max_k: int = 100):
