@@ -8,6 +8,11 @@
     ray         cluster.address reachable (or a local Ray starts), and room for the run's actors
     mlflow      the tracking store takes a run (a throwaway run in experiment turnrl-doctor)
     checkpoints train.checkpoint_dir is writable, with free space
+    model ...   with model.path a checkpoint folder (-S model.path=FOLDER): the checks of
+                turnrl.modelcheck on a small batch (chat template and its generation prompt,
+                end-of-turn token, a token-exact two-turn conversation, vLLM loads and generates,
+                transformers generates, logprobs of vLLM against the trainer's before and after one
+                DeepSpeed update at train.zero_stage pushed into vLLM, save and reload, rollouts)
 
 Each check prints OK, WARN or FAIL and, when not OK, how to fix it. Exit code 1 if any failed.
 """
@@ -36,6 +41,7 @@ class Check:
     status: str          # OK | WARN | FAIL
     detail: str
     fix: str = ""
+    seconds: float | None = None   # how long it took, when the check timed itself
 
 
 def _version(module: str) -> str | None:
@@ -214,8 +220,52 @@ def check_checkpoints(cfg: Config) -> Check:
     return Check("checkpoints", "OK", detail)
 
 
-CHECKS: list[Callable[[Config], Check]] = [check_versions, check_gpus, check_vllm, check_deepspeed, check_ray,
-                                           check_mlflow, check_checkpoints]
+def model_folder(path: str) -> tuple[Path | None, str]:
+    """model.path as a local folder: a folder, or a hub id already in the local Hugging Face
+    cache. (None, why) otherwise."""
+    folder = Path(path).expanduser()
+    if folder.is_dir():
+        if not (folder / "config.json").exists():
+            return None, f"{folder} has no config.json: not a Hugging Face model folder"
+        return folder, ""
+    if folder.exists():
+        return None, f"{folder} is a file, not a model folder"
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(path, local_files_only=True)), ""
+    except Exception:
+        return None, f"{path!r} is neither a local folder nor a hub id in the local cache"
+
+
+def check_model(cfg: Config) -> list[Check]:
+    """The model checks of turnrl.modelcheck on model.path (skipped for the embedded tiny model)."""
+    path = cfg.model.path
+    if path == "tiny":
+        return [Check("model", "OK", "model.path: tiny (the embedded model prepare_model builds); "
+                                     "check a checkpoint with -S model.path=FOLDER")]
+    folder, why = model_folder(path)
+    if folder is None:
+        return [Check("model", "FAIL", why, "set model.path to a local checkpoint folder, or download the hub id "
+                                            "first (huggingface-cli download ID --local-dir FOLDER)")]
+    from turnrl import modelcheck
+    engines = ("vllm", "hf") if cfg.rollout.engine == "vllm" else ("hf",)
+    with tempfile.TemporaryDirectory(prefix="turnrl-doctor-") as work:
+        report = modelcheck.check_model(folder, dtype=cfg.model.dtype, zero_stages=(cfg.train.zero_stage,),
+                                        engines=engines, samples=4, max_tokens=16, seed=cfg.seed, work_dir=work,
+                                        template_type=cfg.model.template_type, fresh_engine=False)
+    checks = [Check(f"model {c.name}", c.status, c.detail, c.fix, c.seconds) for c in report.checks]
+    gaps = {k: v for k, v in report.metrics.items() if k.endswith("_gap") and v is not None}
+    if gaps:
+        worst = max(gaps, key=gaps.get)
+        checks.append(Check("model", "OK" if report.ok else "FAIL",
+                            f"{folder}: {report.metrics.get('model_type')}, {cfg.model.dtype}; largest logprob gap "
+                            f"{gaps[worst]:.2e} ({worst}, bound {report.metrics['gap_bound']:g})",
+                            "" if report.ok else "see the model checks above"))
+    return checks
+
+
+CHECKS: list[Callable[[Config], Check | list[Check]]] = [check_versions, check_gpus, check_vllm, check_deepspeed,
+                                                         check_ray, check_mlflow, check_checkpoints, check_model]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,18 +285,20 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     for check in CHECKS:
         start = time.perf_counter()
-        result = check(cfg)
-        _print(result, time.perf_counter() - start)
-        failed += result.status == "FAIL"
+        results = check(cfg)
+        for result in results if isinstance(results, list) else [results]:
+            _print(result, result.seconds if result.seconds is not None else time.perf_counter() - start)
+            failed += result.status == "FAIL"
+            start = time.perf_counter()
     print("all checks passed" if not failed else f"{failed} check(s) failed")
     return 1 if failed else 0
 
 
 def _print(check: Check, seconds: float | None = None) -> None:
     took = f" ({seconds:.1f}s)" if seconds is not None and seconds >= 1 else ""
-    print(f"  {check.status:<5} {check.name:<12} {check.detail}{took}", flush=True)
+    print(f"  {check.status:<5} {check.name:<17} {check.detail}{took}", flush=True)
     if check.fix:
-        print(f"  {'':<5} {'':<12} fix: {check.fix}", flush=True)
+        print(f"  {'':<5} {'':<17} fix: {check.fix}", flush=True)
 
 
 if __name__ == "__main__":

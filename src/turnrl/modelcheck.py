@@ -167,8 +167,14 @@ def template_checks(tokenizer) -> tuple[list[Result], dict]:
             found[f"{role}_error"] = _template_error(exc)
     found["roles"] = roles
     if roles["user"] is None:
+        try:
+            _render(tokenizer, user + [{"role": "assistant", "content": "a"}, {"role": "user", "content": MARK_B}],
+                    add_generation_prompt=True)
+            why = "the message is dropped"
+        except Exception as exc:
+            why = _template_error(exc)
         out.append(Result("template", "FAIL", "the template cannot render a user message after an assistant message "
-                          f"({found.get('user_error')}): multi-turn conversations are impossible",
+                          f"({why}): multi-turn conversations are impossible",
                           "fix the chat template (it must render user / assistant / user ...), or train with "
                           "model.template_type: base"))
         return out, found
@@ -445,6 +451,12 @@ def _serve(conn, kind: str, model_dir: str, options: dict, log_path: str) -> Non
                 start = time.perf_counter()
                 engine.load_weights(pair for packed in args[0] for pair in unpack_tensors(packed))
                 conn.send((True, time.perf_counter() - start))
+            elif method == "reload_from":   # a checkpoint folder through vLLM's own file loader
+                from turnrl.rollout.engines import _prepack_cpu_experts_again
+                engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": args[0]})
+                engine.llm.collective_rpc(_prepack_cpu_experts_again)
+                engine.llm.reset_prefix_cache()
+                conn.send((True, None))
             else:
                 conn.send((True, getattr(engine, method)(*args, **kwargs)))
         except BaseException as exc:   # noqa: BLE001
@@ -520,11 +532,16 @@ class _Timer:
 
 
 def check_model(model_dir: str | Path, *, dtype: str = "float32", zero_stages: Sequence[int] = (2, 3),
-                samples: int = 6, max_tokens: int = 24, seed: int = 0, lr: float = 1e-4,
+                samples: int = 6, max_tokens: int = 24, seed: int = 0, lr: float | None = None,
                 engines: Sequence[str] = ("vllm", "hf"), save: bool = True, rollout: bool = True,
-                work_dir: str | Path | None = None, bucket_mb: int = 1, progress=None) -> Report:
+                work_dir: str | Path | None = None, bucket_mb: int = 1, template_type: str = "chat",
+                fresh_engine: bool = True, progress=None) -> Report:
     """Run the checks on `model_dir` (see the module's docstring) and return the report.
-    `bucket_mb` is small on purpose: a miniature's weights then cross in several buckets."""
+    `bucket_mb` is small on purpose: a miniature's weights then cross in several buckets.
+    `template_type: base` (model.template_type) skips the chat-template checks.
+    `fresh_engine`: the saved folder is loaded by a new vLLM engine (as `turnrl evaluate` would);
+    False: reloaded into the running one through vLLM's checkpoint loader (saves an engine
+    start, ~10-20 s; config.json is then not re-read)."""
     from transformers import AutoTokenizer
 
     from turnrl.rollout.chat import ChatFormat
@@ -534,8 +551,10 @@ def check_model(model_dir: str | Path, *, dtype: str = "float32", zero_stages: S
     work.mkdir(parents=True, exist_ok=True)
     report = Report(model_dir, dtype)
     bound = GAP_BOUND[dtype]
+    # bf16 weights round an Adam step of 1e-4 away on most entries (their spacing near 0.05 is 2.4e-4)
+    lr = lr if lr is not None else (1e-4 if dtype == "float32" else 1e-3)
     m = report.metrics
-    m["gap_bound"] = bound
+    m["gap_bound"], m["dtype"] = bound, dtype
     config = json.loads((Path(model_dir) / "config.json").read_text())
     text_config = config.get("text_config", config)
     m["model_type"] = config.get("model_type")
@@ -551,14 +570,19 @@ def check_model(model_dir: str | Path, *, dtype: str = "float32", zero_stages: S
         report.checks.append(Result("tokenizer", "FAIL", f"the tokenizer does not load: {_short_error(exc)}",
                                     "save the tokenizer into the folder (tokenizer.save_pretrained(folder))"))
         return report
-    results, found = template_checks(tokenizer)
-    report.checks += results
+    if template_type == "base":
+        found = {"end_of_turn_id": tokenizer.eos_token_id, "end_of_turn": tokenizer.eos_token}
+        report.checks.append(Result("template", "OK", "model.template_type: base: plain 'User:/Assistant:' text, "
+                                    "the chat template is not used"))
+    else:
+        results, found = template_checks(tokenizer)
+        report.checks += results
+        if all(r.status != "FAIL" for r in results if r.name == "template"):
+            result, info = trajectory_check(tokenizer)
+            result.seconds = timer()
+            report.checks.append(result)
     m["end_of_turn"] = found.get("end_of_turn")
-    if all(r.status != "FAIL" for r in results if r.name == "template") and results[0].name == "template":
-        result, info = trajectory_check(tokenizer)
-        result.seconds = timer()
-        report.checks.append(result)
-    fmt = ChatFormat(tokenizer)
+    fmt = ChatFormat(tokenizer, template_type)
     prompts = [_prompt_ids(tokenizer, fmt, p) for p in (PROMPTS * (1 + samples // len(PROMPTS)))[:samples]]
     eot_id = found.get("end_of_turn_id")
 
@@ -681,7 +705,7 @@ def check_model(model_dir: str | Path, *, dtype: str = "float32", zero_stages: S
                 vllm_now = vllm_new
                 push_gaps.append(gap)
                 m[f"{name}_gap"], m[f"{name}_moved"] = gap, moved
-                ok = gap <= allowed() and moved > 10 * allowed() and stale > allowed()
+                ok = gap <= allowed() and moved > allowed() and stale > allowed()
                 detail = (f"update moved the trainer's logprobs by up to {moved:.2e}; after the push ({len(packed)} "
                           f"buckets, {push_s:.2f} s) vLLM's prompt logprobs are within {gap:.2e} of the trainer's "
                           f"(vLLM before the push: {stale:.2e} away)")
@@ -733,17 +757,24 @@ def check_model(model_dir: str | Path, *, dtype: str = "float32", zero_stages: S
             if logit_gap > 1e3 * bound:
                 problems.append(f"transformers' reload is off by {logit_gap:.2e} in logits")
             saved_gap = None
-            if engine:
+            if engine and fresh_engine:
                 engine.close()
                 engine = None
                 fresh = EngineProcess("vllm", str(saved), work / "vllm_saved.log", **options)
                 saved_gap = _gap(fresh.prompt_logprobs(sequences), trained, lengths)
+            elif engine:
+                # over the pushed weights: a name or shape vLLM's loader cannot place fails, a wrong
+                # value shows in the gap (a weight missing from the files shows in transformers' reload)
+                engine.call("reload_from", str(saved))
+                saved_gap = _gap(engine.prompt_logprobs(sequences), trained, lengths)
+            if saved_gap is not None:
                 m["saved_vllm_gap"] = saved_gap
                 m["logp_gap_max"] = max(m.get("logp_gap_max", 0.0), saved_gap)
                 if saved_gap > allowed():
-                    problems.append(f"a fresh vLLM on the saved folder is off by {saved_gap:.2e}")
+                    problems.append(f"vLLM on the saved folder is off by {saved_gap:.2e}")
+            how = "a fresh vLLM" if fresh_engine else "vLLM's checkpoint loader"
             detail = (f"saved; transformers reloads it (logits within {logit_gap:.2e}, logprobs {hf_gap:.2e})"
-                      + (f", a fresh vLLM too (logprobs within {saved_gap:.2e})" if saved_gap is not None else ""))
+                      + (f", {how} too (logprobs within {saved_gap:.2e})" if saved_gap is not None else ""))
             report.checks.append(Result("save", "FAIL" if problems else "OK",
                                         "; ".join(problems) if problems else detail,
                                         "the saved folder does not hold the trained weights under the names the "
@@ -757,7 +788,8 @@ def check_model(model_dir: str | Path, *, dtype: str = "float32", zero_stages: S
 
     # ---- multi-turn rollouts on vLLM
     rollout_engine = fresh or engine
-    if rollout and rollout_engine is not None and report.status("trajectory") == "OK":
+    if rollout and rollout_engine is not None and report.status("trajectory") in ("OK", None) \
+            and report.status("template") != "FAIL":
         timer = _Timer()
         say("rollout: two-turn trajectories on vLLM")
         try:
@@ -814,7 +846,10 @@ def _rollout_check(engine: EngineProcess, fmt, worker, bound: float, max_tokens:
     if trainer_gaps:
         m["rollout_trainer_gap"] = max(trainer_gaps)
     m["rollout_turns"] = f"{sum(1 for n in turns if n == 2)}/{len(turns)} trajectories reached turn 2"
-    bad = sample_gap > bound or (trainer_gaps and max(trainer_gaps) > bound)
+    # against the trainer only where vLLM computes the model as transformers does (the logprobs
+    # check): otherwise the kernels' difference grows with the context and says nothing new here
+    judge_trainer = m.get("load_gap", 0.0) <= GAP_BOUND[m.get("dtype", "float32")]
+    bad = sample_gap > bound or (judge_trainer and trainer_gaps and max(trainer_gaps) > bound)
     if bad:
         problems.append(f"logprobs over multi-turn trajectories: sampling vs prompt {sample_gap:.2e}, "
                         f"vLLM vs trainer {max(trainer_gaps or [0.0]):.2e}")
