@@ -290,3 +290,64 @@ def test_an_algorithm_by_import_path_gets_the_batch_and_its_options(plugin_dir):
     adv = advantages_for(cfg, trajs, collate(trajs, pad_id=0))
     s = 2.0 * 0.5 / torch.tensor([1.0, 0.0]).std().item()
     assert torch.allclose(adv, torch.tensor([[0, 0, 0, 0, s, s], [0, 0, 0, 0, -s, -s]]), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_plugin_ships_with_the_job_to_a_cluster_node_that_does_not_have_it(tmp_path):
+    """On a Ray cluster started elsewhere (`ray start --head` in another folder), with the driver
+    outside the project too (DVC_ROOT names it, as for a stage), the rollout actor's environment
+    plugin imports because start_ray ships the project's plugin package as a py_module; a driver
+    that connects without it gets ModuleNotFoundError in the actor (what a node without the
+    project's files would get)."""
+    import shutil
+    import tempfile
+
+    import psutil
+
+    from turnrl.training.cluster import rendezvous_port
+    port = rendezvous_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "DVC_ROOT": str(ROOT),
+           "PYTHONPATH": str(ROOT / "src"), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    node, driver_dir = tmp_path / "node", tmp_path / "driver"
+    node.mkdir()
+    driver_dir.mkdir()
+    ray_dir = Path(tempfile.mkdtemp(prefix="trl", dir="/tmp"))   # short: Ray's socket paths must fit 107 bytes
+    node_env = {k: v for k, v in env.items() if k not in ("DVC_ROOT", "PYTHONPATH")}   # a node knows no project
+    start = subprocess.run(["ray", "start", "--head", "--port", str(port), "--num-cpus", "1", "--include-dashboard",
+                            "false", "--temp-dir", str(ray_dir), "--disable-usage-stats"],
+                           cwd=node, env=node_env, capture_output=True, text=True, timeout=180)
+    assert start.returncode == 0, start.stderr[-2000:]
+    driver = textwrap.dedent(f"""
+        import sys
+        import ray
+        from turnrl.config import load_config
+        from turnrl.training.cluster import start_ray
+        cfg = load_config({str(ROOT / "params.yaml")!r}, {EXAMPLE + [f"cluster.address=127.0.0.1:{port}"]!r})
+        if sys.argv[1] == "shipped":
+            start_ray(cfg)
+        else:
+            ray.init(address=cfg.cluster.address)
+
+        @ray.remote(num_cpus=0)
+        def play():
+            from turnrl.envs.configured import env_factory
+            env = env_factory(cfg)()
+            env.reset({{"prompt": "Game 1: I picked a number from 1 to 8. Guess it.", "answer": "5"}})
+            return type(env).__module__, env.step("<guess>4</guess>").observation
+
+        try:
+            print(ray.get(play.remote()))
+        except Exception as exc:
+            print("failed:", type(exc).__name__, repr(getattr(exc, "cause", None))[:200])
+    """)
+    try:
+        runs = {mode: subprocess.run([sys.executable, "-c", driver, mode], cwd=driver_dir, env=env,
+                                     capture_output=True, text=True, timeout=300) for mode in ("shipped", "plain")}
+    finally:   # this node's processes only (`ray stop` would stop every Ray on the machine)
+        for proc in psutil.process_iter(["cmdline"]):
+            if any(str(ray_dir) in arg for arg in proc.info["cmdline"] or []):
+                proc.kill()
+        shutil.rmtree(ray_dir, ignore_errors=True)
+    assert runs["shipped"].returncode == 0, runs["shipped"].stderr[-3000:]
+    assert "('examples.guess.env', 'Higher.')" in runs["shipped"].stdout
+    assert "failed: RayTaskError" in runs["plain"].stdout and "no module named 'examples'" in runs["plain"].stdout, runs["plain"].stdout[-2000:] + runs["plain"].stderr[-2000:]
