@@ -343,3 +343,23 @@ def test_checkpoint_command_end_to_end_twice_on_vllm(tmp_path, tiny_model_dir, m
         assert first["amc23"]["n"] == 4 and len(pd.read_parquet(tmp_path / "out1" / "amc23.parquet")) == 8
     run_info = json.loads((tmp_path / "out1" / "run.json").read_text())
     assert run_info["checkpoint"] == str(Path(tiny_model_dir).resolve()) and run_info["config"]["eval"]["greedy"]
+
+
+def test_checkpoint_command_scores_the_benchmark_file_it_is_given(tmp_path, tiny_model_dir, monkeypatch):
+    """`turnrl evaluate` reads benchmark files itself: a path given with -S is the one scored,
+    whatever the preprocessed data holds (it once scored the old preprocessed copy, silently)."""
+    from turnrl.evaluate_checkpoint import main
+    monkeypatch.delenv("TURNRL_DATA_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    old, new = tmp_path / "old.jsonl", tmp_path / "new.jsonl"
+    old.write_text("".join(json.dumps({"problem": f"What is {i}+1?", "answer": i + 1}) + "\n" for i in range(5)))
+    new.write_text("".join(json.dumps({"problem": f"What is {i}*2?", "answer": 2 * i}) + "\n" for i in range(3)))
+    params = {"data": {"train_examples": 8, "heldout_examples": 2}, "rollout": {"engine": "hf"},
+              "eval": {"benchmarks": [{"name": "mine", "path": str(old)}], "greedy": False, "max_tokens": 8}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    preprocess(Config.model_validate(params), tmp_path / "data" / "processed")
+    code = main([str(tiny_model_dir), "--out", "out", "-S", f"eval.benchmarks=[{{name: mine, path: {new}}}]"])
+    assert code == 0
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["mine"]["n"] == 3                                    # the new file, not the 5 preprocessed
+    assert set(pd.read_parquet(tmp_path / "out" / "mine.parquet")["prompt"]) == {f"What is {i}*2?" for i in range(3)}
