@@ -54,6 +54,8 @@ def run_family(family: str, dtype: str, work: Path) -> dict:
         "saved_vllm_gap": m.get("saved_vllm_gap"),
         "saved_hf_gap": m.get("saved_hf_gap"),
         "rollout_trainer_gap": m.get("rollout_trainer_gap"),
+        "gap_stats": {k: v for k, v in m.items() if ("_gap" in k or k.endswith("_diff")) and v is not None},
+        "rollout_tokens": m.get("rollout_tokens"),
         "end_of_turn": m.get("end_of_turn"),
         "turns_ended_by_model": m.get("turns_ended_by_model"),
         "checks": {c.name: c.status for c in report.checks},
@@ -80,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--result", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="turnrl-compat-"))
+    work.mkdir(parents=True, exist_ok=True)
     if args.one:
         Path(args.result).write_text(json.dumps(run_family(args.one, args.dtype, work)))
         return 0

