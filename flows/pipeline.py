@@ -236,6 +236,94 @@ def dvc_stage(stage: str, project_dir: str, pipeline_key: str) -> dict[str, Any]
     return {"stage": stage, "status": status, "seconds": seconds}
 
 
+# --------------------------------------------------------------------------- artifacts
+RESULTS_KEY, LINK_KEY = "turnrl-results", "turnrl-mlflow-run"
+
+
+def mlflow_parent(project: Path, key: str) -> dict[str, str] | None:
+    """The pipeline's MLflow parent run for `key` in the project's tracking store (params.yaml
+    tracking.uri, else its mlflow.db): {run_id, name, experiment_id, link}, or None."""
+    from turnrl import tracking
+    cfg = parse_config(yaml.safe_load((project / PARAMS_FILE).read_text()), source=PARAMS_FILE)
+    uri = tracking.tracking_uri(cfg, project)
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+        return None
+    for name, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0"), ("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")):
+        os.environ.setdefault(name, value)
+    from mlflow import MlflowClient
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment)
+    run = experiment and tracking.find_parent(client, experiment.experiment_id, key)
+    if not run:
+        return None
+    return {"run_id": run.info.run_id, "name": run.info.run_name, "experiment_id": experiment.experiment_id,
+            "link": tracking.run_link(cfg, experiment.experiment_id, run.info.run_id), "uri": uri}
+
+
+def results_markdown(project: Path, done: list[dict[str, Any]], failed: tuple[str, BaseException] | None,
+                     parent: dict[str, str] | None) -> str:
+    """The flow run's result: failure first (which stage, why), baseline against trained per
+    benchmark (metrics/baseline.json, metrics/eval.json), training, stages, the MLflow run."""
+    import json
+
+    from turnrl.report import summary_table
+    lines = ["# turnrl pipeline", ""]
+    if failed:
+        stage, exc = failed
+        code = getattr(exc, "exit_code", None)
+        kind = ("bad input: params, data or model path; not retried" if code in NO_RETRY_EXITS
+                else f"failed {STAGE_RETRIES + 1} attempts")
+        why = f"exit code {code} ({kind})" if code is not None else type(exc).__name__
+        lines += [f"**Failed at stage `{stage}`**: {why}.", ""]
+        detail = getattr(exc, "detail", "") or str(exc)
+        if detail:
+            lines += ["```", *detail.splitlines()[-15:], "```", ""]
+    metrics = {}
+    for name in ("baseline", "eval", "train"):
+        path = project / "metrics" / f"{name}.json"
+        metrics[name] = json.loads(path.read_text()) if path.exists() else None
+    ran = {d["stage"] for d in done}
+    if metrics["baseline"] or metrics["eval"]:
+        lines += ["## Baseline against trained", ""]
+        if "eval" not in ran or "baseline_eval" not in ran:
+            lines += ["(from the metrics files in the workspace; stages this flow run did not run kept DVC's "
+                      "last results)", ""]
+        lines += summary_table(metrics["baseline"] or {}, metrics["eval"] or {}, ("baseline", "trained")) + [""]
+    if metrics["train"] and "train" in ran:
+        t = metrics["train"]
+        lines += ["## Training", "",
+                  f"{t.get('steps')} steps in {t.get('wall_s', 0):.0f} s (mean step {t.get('step_s_mean') or 0:.2f} s); "
+                  f"reward {t.get('reward_first', 0):.3f} at step 1, {t.get('reward_last5') or 0:.3f} over the last 5", ""]
+    lines += ["## Stages", "", "| stage | status | seconds |", "|---|---|---|"]
+    lines += [f"| `{d['stage']}` | {d['status']} | {d['seconds']} |" for d in done]
+    if failed:
+        lines += [f"| `{failed[0]}` | **failed** | |"]
+    lines += [""]
+    if parent:
+        lines += [f"MLflow: [{parent['name']}]({parent['link']}) (run {parent['run_id']} in {parent['uri']})"]
+    else:
+        lines += ["MLflow: no pipeline run found for this flow run"]
+    return "\n".join(lines)
+
+
+def publish(project: Path, key: str, done: list[dict[str, Any]], failed: tuple[str, BaseException] | None) -> None:
+    """The flow run's artifacts: the result as Markdown and a link to the MLflow parent run."""
+    from prefect.artifacts import create_link_artifact, create_markdown_artifact
+    logger = get_run_logger()
+    try:
+        parent = mlflow_parent(project, key)
+    except Exception as exc:   # noqa: BLE001 - the artifacts must not fail the flow
+        logger.warning("MLflow run of this flow run not found: %s: %s", type(exc).__name__, str(exc)[:300])
+        parent = None
+    what = f"stage {failed[0]} failed" if failed else "baseline against trained, per benchmark"
+    create_markdown_artifact(results_markdown(project, done, failed, parent), key=RESULTS_KEY,
+                             description=f"turnrl pipeline: {what}")
+    if parent:
+        create_link_artifact(parent["link"], link_text=f"MLflow pipeline run {parent['name']}", key=LINK_KEY,
+                             description=f"the MLflow parent run ({parent['run_id']}) of this flow run")
+        logger.info("MLflow pipeline run: %s", parent["link"])
+
+
 # --------------------------------------------------------------------------- the flow
 @flow(name="turnrl-pipeline")
 def pipeline(overrides: dict[str, Any] | None = None, stages: list[str] | None = None,
@@ -246,6 +334,10 @@ def pipeline(overrides: dict[str, Any] | None = None, stages: list[str] | None =
         written into params.yaml as `dvc exp run -S` does, so dvc.lock records them.
     stages: a subset of the dvc.yaml stage names; None runs all of them.
     project_dir: the turnrl project (default: the folder holding flows/).
+
+    Artifacts of the flow run: `turnrl-results` (Markdown: a failed stage and why, baseline
+    against trained per benchmark, training, stages) and `turnrl-mlflow-run` (a link to the
+    MLflow parent run).
     """
     logger = get_run_logger()
     project = Path(project_dir or PROJECT_DIR).resolve()
@@ -262,7 +354,21 @@ def pipeline(overrides: dict[str, Any] | None = None, stages: list[str] | None =
 
     key = f"prefect:{flow_run.id or os.getpid()}"
     logger.info("stages %s in %s; MLflow pipeline key %s", selected, project, key)
-    return [dvc_stage(stage, str(project), key) for stage in selected]
+    done: list[dict[str, Any]] = []
+    failed = None
+    try:
+        for stage in selected:
+            try:
+                done.append(dvc_stage(stage, str(project), key))
+            except BaseException as exc:
+                failed = (stage, exc)
+                raise
+    finally:
+        try:
+            publish(project, key, done, failed)
+        except Exception as exc:   # noqa: BLE001 - a missing artifact must not hide the stage's own result
+            logger.warning("flow run artifacts not created: %s: %s", type(exc).__name__, str(exc)[:300])
+    return done
 
 
 # --------------------------------------------------------------------------- command line

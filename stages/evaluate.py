@@ -5,12 +5,20 @@
 
 With levels.high_model: separate the high-level turns are played by the second model: its
 start (baseline) or models/final/high_level (final).
+
+MLflow: the stage run gets the metrics (`eval/<benchmark>/...`), the settings as params, the
+generations as tables and a sample of them as traces with their correctness; the pipeline's
+parent run gets the headline accuracies (baseline, final, diff per benchmark) and the report's
+table as its description; `eval` registers the final policy when `tracking.register_model`
+names a registry model.
 """
+import json
 import sys
 from pathlib import Path
 
 from turnrl.stage import run_stage, write_json
 
+DATA = Path("data/processed")
 WHICH = {
     "baseline": ("baseline_eval", Path("models/initial"), Path("metrics/baseline.json"), Path("eval/baseline")),
     "final": ("eval", Path("models/final"), Path("metrics/eval.json"), Path("eval/final")),
@@ -18,13 +26,28 @@ WHICH = {
 
 
 def main(cfg, which: str):
+    from turnrl import tracking
     from turnrl.evaluation import evaluate, load_levels, log_to_mlflow
+    from turnrl.preprocess import BENCHMARK_DIR
     _, model, metrics_path, out = WHICH[which]
     # levels.high_model: separate: both models play, the trained high-level model from models/final/high_level
     engine, tokenizer = load_levels(cfg, model, model / "high_level" if which == "final" else None)
-    metrics = evaluate(cfg, engine, tokenizer, Path("data/processed"), out)
+    trajectories = {}
+    metrics = evaluate(cfg, engine, tokenizer, DATA, out, keep=trajectories)
     write_json(metrics_path, metrics)
-    log_to_mlflow(metrics, out, metrics_path.name)
+
+    run = tracking.current_run()
+    tracking.log_datasets(run, {"heldout": (DATA / "heldout.parquet", "evaluation"),
+                                **{b.name: (DATA / BENCHMARK_DIR / f"{b.name}.parquet", "evaluation")
+                                   for b in cfg.eval.benchmarks}})
+    log_to_mlflow(metrics, out, metrics_path.name, trajectories=trajectories, stage=which)
+    other = WHICH["final" if which == "baseline" else "baseline"][2]
+    earlier = json.loads(other.read_text()) if other.exists() else None
+    # baseline_eval: a metrics/eval.json already there is an older model's, not this pipeline's result
+    baseline, final = (metrics, None) if which == "baseline" else (earlier, metrics)
+    tracking.log_headline(run, baseline, final)
+    if which == "final":
+        tracking.register_policy(run, model, baseline or {}, metrics)
 
 
 if __name__ == "__main__":

@@ -9,19 +9,19 @@ OUT = Path("models/initial")
 def main(cfg):
     import shutil
 
-    import mlflow
-
     from turnrl import tracking
     from turnrl.prepare import build_tiny, resolve_checkpoint
+    run = tracking.current_run()
     shutil.rmtree(OUT, ignore_errors=True)
     if cfg.model.path == "tiny":
-        summary = build_tiny(cfg, OUT,
-                             log_metrics=lambda step, m: step % 10 == 0 and tracking.log_metrics(m, step))
-        mlflow.log_artifacts(str(OUT), "model")
+        summary = build_tiny(cfg, OUT, log_metrics=lambda step, m: step % 10 == 0 and tracking.log_metrics(
+            {f"warmstart/{k}": v for k, v in m.items()}, step))
+        write_json("metrics/prepare_model.json", summary)
+        tracking.log_artifacts(run, OUT, "model")
     else:
         summary = resolve_checkpoint(cfg.model.path, OUT)
-    mlflow.log_dict(summary, "model_summary.json")
-    write_json("metrics/prepare_model.json", summary)
+        write_json("metrics/prepare_model.json", summary)
+    tracking.log_dict(run, summary, "model_summary.json")
 
 
 if __name__ == "__main__":

@@ -7,13 +7,14 @@ OUT = Path("data/processed")
 
 
 def main(cfg):
-    import mlflow
-
+    from turnrl import tracking
     from turnrl.preprocess import preprocess
     manifest = preprocess(cfg, OUT)
-    mlflow.log_dict(manifest, "manifest.json")
-    mlflow.log_metrics({f"{k}_n": v["n"] for k, v in manifest.items() if v.get("n") is not None})
-    mlflow.log_metric("bad_rows_dropped", manifest["bad_rows"]["dropped"])
+    run = tracking.current_run()
+    tracking.log_dict(run, manifest, "manifest.json")
+    tracking.log_metrics({f"data/{k}_n": v["n"] for k, v in manifest.items()
+                          if isinstance(v, dict) and v.get("n") is not None})
+    tracking.log_metrics({"data/bad_rows_dropped": manifest["bad_rows"]["dropped"]})
 
 
 if __name__ == "__main__":

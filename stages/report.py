@@ -12,8 +12,7 @@ OUT = Path("report")
 
 
 def main(cfg):
-    import mlflow
-
+    from turnrl import tracking
     from turnrl.report import render
     for path, stage in [(BASELINE, "baseline_eval"), (TRAINED, "eval")]:
         if not path.exists():
@@ -21,7 +20,10 @@ def main(cfg):
     path = render(json.loads(BASELINE.read_text()), json.loads(TRAINED.read_text()), OUT,
                   baseline_gens=Path("eval/baseline"), trained_gens=Path("eval/final"),
                   curves=Path("plots/train.csv"), sources=(str(BASELINE), str(TRAINED)))
-    mlflow.log_artifacts(str(path.parent), "report")
+    run = tracking.current_run()
+    tracking.log_artifacts(run, path.parent, "report")
+    tracking.log_headline(run, json.loads(BASELINE.read_text()), json.loads(TRAINED.read_text()),
+                          extra=f"The full report: artifacts `report/report.md` of the report run ({run.run_id}).")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ def main(cfg):
 
     import mlflow
 
-    from turnrl import plots, tracking
+    from turnrl import plots, tracking, traces
     from turnrl.prepare import model_dir
     from turnrl.preprocess import load_split
     from turnrl.training import health
@@ -47,14 +47,25 @@ def main(cfg):
     from transformers import AutoTokenizer
 
     start = time.perf_counter()
+    run = tracking.current_run()
     source = model_dir(INITIAL)
     tokenizer = AutoTokenizer.from_pretrained(source)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    tracking.log_datasets(run, {"train": (DATA / "train.parquet", "training")})
+    every = cfg.train.checkpoint_every
+    overhead = {"s": 0.0}   # this callback's own time, logged with the next step (MLflow only)
 
     def on_step(step, metrics, trajs):
-        tracking.log_metrics(metrics, step)
+        t0 = time.perf_counter()
+        sent = tracking.log_metrics({**metrics, "tracking_s": overhead["s"]}, step)
         if step == 1 or step % cfg.train.samples_logged_every == 0 or step == cfg.train.steps:
-            mlflow.log_table(sample_table(trajs, decode), f"samples/step_{step:05d}.json")
+            tracking.log_table(run, lambda: sample_table(trajs, decode), f"samples/step_{step:05d}.json")
+        if traces.traced_step(step, cfg.tracking.traces.every, cfg.train.steps):
+            tracking.log_traces(run, traces.rollout_traces(trajs, step, cfg.rollout.n, cfg.tracking.traces.per_step,
+                                                           env=cfg.env.name, algorithm=cfg.algorithm.name))
+        if sent is not None and (step == cfg.train.steps or (every and step % every == 0)):
+            sent.wait(5.0 if run.recorder.outage_since is None else 0.0)   # the checkpoint's steps are in MLflow
+        overhead["s"] = time.perf_counter() - t0
 
     store, resume = checkpoints(cfg)
     if resume is not None:
@@ -63,10 +74,11 @@ def main(cfg):
     where = {}   # ranks, engines, nodes: filled once the actors are up
     try:
         history = train(cfg, source, str(DATA), load_split(DATA, "train"), str(FINAL), on_step=on_step,
-                        checkpoints=store, resume=resume, mlflow_run_id=mlflow.active_run().info.run_id, info=where)
+                        checkpoints=store, resume=resume, mlflow_run_id=run.run_id, info=where)
     except (UnhealthyTraining, EnvironmentFailure) as exc:   # the curves so far still land; checkpoints are kept
         plots.write_csv(exc.history, Path("plots/train.csv"))
-        mlflow.set_tag("turnrl.health", json.dumps(health.summarize(exc.history)["flags"])[:5000])
+        run.recorder.now("tags", "turnrl.health", lambda: mlflow.set_tag(
+            "turnrl.health", json.dumps(health.summarize(exc.history)["flags"])[:5000]))
         print(f"turnrl train: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
     except ActorFailure as exc:   # e.g. a reward function that failed (reward.on_error: fail): its message, not a traceback
@@ -74,7 +86,6 @@ def main(cfg):
               file=sys.stderr)
         raise SystemExit(1) from None
     health_summary = health.summarize(history)
-    mlflow.set_tag("turnrl.health", json.dumps(health_summary["flags"])[:5000] if health_summary["flags"] else "ok")
 
     plots.write_csv(history, Path("plots/train.csv"))
     plots.render_png(history, Path("plots/train_curves.png"),
@@ -105,10 +116,16 @@ def main(cfg):
         "health": health_summary,   # the checks that failed, from which step, for how many steps
     }
     write_json("metrics/train.json", summary)
-    mlflow.log_dict(where, "actors.json")
-    tracking.log_metrics({f"final.{k}": v for k, v in summary.items()})
-    mlflow.log_artifact("plots/train_curves.png", "plots")
-    mlflow.log_artifacts(str(FINAL), "model")
+    # MLflow: after the local results, none of which depends on it
+    run.recorder.now("tags", "turnrl.health", lambda: mlflow.set_tag(
+        "turnrl.health", json.dumps(health_summary["flags"])[:5000] if health_summary["flags"] else "ok"))
+    tracking.log_dict(run, where, "actors.json")
+    tracking.log_metrics({f"summary/{k}": v for k, v in summary.items()})
+    tracking.log_parent(run, metrics={"train/wall_s": summary["wall_s"], "train/step_s_mean": summary["step_s_mean"],
+                                      "train/reward_last5": summary["reward_last5"],
+                                      "train/accuracy_last5": summary["accuracy_last5"]})
+    tracking.log_artifacts(run, "plots/train_curves.png", "plots")
+    tracking.log_policy(run, FINAL)
 
 
 if __name__ == "__main__":

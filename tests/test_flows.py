@@ -164,6 +164,12 @@ Path(f"{name}.json").write_text(json.dumps({
 if mode == "bad":
     print("invalid params", file=sys.stderr)
     sys.exit(2)
+if mode in ("baseline", "eval"):   # what the evaluation stages leave for the flow's result artifact
+    Path("metrics").mkdir(exist_ok=True)
+    accuracy = 0.25 if mode == "baseline" else 0.75
+    Path(f"metrics/{mode}.json").write_text(json.dumps({
+        "task": {"accuracy": accuracy, "n": 32, "protocol": "multi", "mean_response_tokens": 20.0},
+        "math500": {"available": False, "reason": "offline", "accuracy": None, "n": 0}}))
 if mode == "broken" or (mode == "flaky" and count == 1):
     sys.exit(1)
 """
@@ -277,6 +283,45 @@ def test_flow_does_not_retry_bad_input(prefect_harness, fast_retries, tmp_path):
         state.result()
     assert info.value.exit_code == 2
     assert runs(project) == ["a"]
+
+
+def _artifacts(state) -> dict:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    return {a.key: a for a in found}
+
+
+def test_a_flow_run_leaves_the_result_table_as_an_artifact(prefect_harness, tmp_path):
+    project = make_toy_project(tmp_path / "toy", {"preprocess": "ok", "baseline_eval": "baseline", "eval": "eval"})
+    state = pl.pipeline(project_dir=str(project), return_state=True)
+    assert state.is_completed(), state.message
+    found = _artifacts(state)
+    assert set(found) == {pl.RESULTS_KEY}            # no MLflow store in the toy project: no link
+    text = found[pl.RESULTS_KEY].data
+    assert found[pl.RESULTS_KEY].type == "markdown"
+    assert "| `task` | multi | 32 | 25.0% | 75.0% | +50.0 pt |" in text      # baseline, trained, the difference
+    assert "| `math500` | not available |" in text
+    assert "| `eval` | ran |" in text and "Failed" not in text
+
+
+def test_a_failed_stage_artifact_says_which_and_why(prefect_harness, fast_retries, tmp_path):
+    project = make_toy_project(tmp_path / "toy", {"a": "ok", "b": "bad", "c": "ok"})
+    state = pl.pipeline(project_dir=str(project), return_state=True)
+    assert state.is_failed()
+    text = _artifacts(state)[pl.RESULTS_KEY].data
+    assert text.splitlines()[2] == ("**Failed at stage `b`**: exit code 2 (bad input: params, data or model path; "
+                                    "not retried).")
+    assert "invalid params" in text and "| `a` | ran |" in text and "| `b` | **failed** |" in text
+    assert "`c`" not in text
+
+    project = make_toy_project(tmp_path / "toy2", {"a": "broken"})
+    state = pl.pipeline(project_dir=str(project), return_state=True)
+    text = _artifacts(state)[pl.RESULTS_KEY].data
+    assert f"**Failed at stage `a`**: exit code 1 (failed {1 + pl.STAGE_RETRIES} attempts)." in text
 
 
 # --------------------------------------------------------------------------- end to end
@@ -427,6 +472,17 @@ def test_deployment_run_with_overrides(tmp_path):
         assert len(parents) == 1
         parent = client.get_run(parents.pop())
         assert parent.data.tags["turnrl.pipeline_key"] == f"prefect:{run_id}"
+
+        # the flow run's artifacts: the result, and the way to the MLflow run
+        artifacts = {a["key"]: a for a in _api(f"{api}/artifacts/filter",
+                                               {"artifacts": {"flow_run_id": {"any_": [run_id]}}})}
+        assert set(artifacts) == {pl.RESULTS_KEY, pl.LINK_KEY}
+        link = artifacts[pl.LINK_KEY]
+        assert link["type"] == "link"
+        assert f"#/experiments/{parent.info.experiment_id}/runs/{parent.info.run_id}" in link["data"]
+        result = artifacts[pl.RESULTS_KEY]["data"]
+        assert "## Training" in result and f"{SHORT['train.steps']} steps in" in result
+        assert all(f"| `{stage}` | ran |" in result for stage in ran) and parent.info.run_id in result
     finally:
         _kill_tree(worker)
         _kill_tree(server)

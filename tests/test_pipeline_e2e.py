@@ -1,7 +1,10 @@
 """The whole pipeline on the real stack, from a copy of the project as a clean clone has it:
-`dvc repro` with short params (vLLM, DeepSpeed ZeRO-2 in a Ray actor, a local Ray cluster,
-MLflow sqlite store), then the DVC contract: nothing reruns, `dvc exp run -S` reruns what
-depends on the key, a bad value fails at once naming it."""
+`dvc repro` with short params (vLLM, DeepSpeed ZeRO-2 in a Ray actor, a local Ray cluster)
+recording to a real `mlflow server` (sqlite backend, loopback port) through tracking.uri, then
+the DVC contract: nothing reruns, `dvc exp run -S` reruns what depends on the key, a bad value
+fails at once naming it; and what MLflow got, read back through its client: the parent run's
+params and headline metrics, rollouts and evaluation generations as traces with per-turn LLM and
+TOOL spans, data sets as run inputs, the policy as a model that loads, a registered version."""
 from __future__ import annotations
 
 import json
@@ -15,11 +18,12 @@ import pytest
 import yaml
 
 from conftest import copy_project
+from mlflow_server import MlflowServer
 
 SHORT = {
     "data": {"train_examples": 256, "heldout_examples": 32},
     "model": {"warmstart": {"demonstrations": 100, "skill_steps": 20, "prior_steps": 5}},
-    "train": {"steps": 2, "prompts_per_step": 4},
+    "train": {"steps": 3, "prompts_per_step": 4},
     "rollout": {"n": 4},
 }
 STAGES = ["preprocess", "prepare_model", "baseline_eval", "train", "eval", "report"]
@@ -33,12 +37,22 @@ def _merge(base: dict, extra: dict) -> None:
             base[key] = value
 
 
+REGISTERED = "turnrl-e2e"
+
+
 @pytest.fixture(scope="module")
-def project(tmp_path_factory, data_dir):
+def mlflow_server(tmp_path_factory):
+    with MlflowServer(tmp_path_factory.mktemp("mlflow-server")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, data_dir, mlflow_server):
     root = tmp_path_factory.mktemp("pipeline")
     copy_project(root)
     params = yaml.safe_load((root / "params.yaml").read_text())
     _merge(params, SHORT)
+    _merge(params, {"tracking": {"uri": mlflow_server.uri, "register_model": REGISTERED}})
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     return root
 
@@ -83,12 +97,12 @@ def test_repro_writes_every_out_and_the_metrics_contract(project, first_run):
     assert len(pd.read_parquet(project / "eval/final/math500.parquet")) == 500
 
     train = json.loads((project / "metrics/train.json").read_text())
-    assert train["steps"] == 2
+    assert train["steps"] == 3
     # the engine sampled with exactly the trainer's weights: fp32 noise, not a real gap
     assert train["logp_gap_max"] < 1e-3
     assert train["sync_s_mean"] > 0 and train["gen_tokens_per_s_mean"] > 0
     curve = pd.read_csv(project / "plots/train.csv")
-    assert list(curve["step"]) == [1, 2]
+    assert list(curve["step"]) == [1, 2, 3]
     for column in ["reward_mean", "accuracy", "kl_ref", "response_tokens_mean", "step_s", "rollout_s",
                    "train_s", "sync_s", "gen_tokens_per_s", "logp_gap_max"]:
         assert column in curve.columns, column
@@ -110,9 +124,9 @@ def test_final_model_is_a_hugging_face_folder(project, first_run):
 
 
 @pytest.mark.slow
-def test_mlflow_has_one_parent_with_a_child_per_stage(project, first_run):
+def test_mlflow_has_one_parent_with_a_child_per_stage(project, first_run, mlflow_server):
     import mlflow
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    client = mlflow.MlflowClient(tracking_uri=mlflow_server.uri)
     experiment = client.get_experiment_by_name("turnrl")
     runs = client.search_runs([experiment.experiment_id])
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
@@ -120,15 +134,123 @@ def test_mlflow_has_one_parent_with_a_child_per_stage(project, first_run):
     assert len(parents) == 1
     assert sorted(r.data.tags["turnrl.stage"] for r in children) == sorted(STAGES)
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
+    assert {r.info.status for r in runs} == {"FINISHED"}
     train = next(r for r in children if r.data.tags["turnrl.stage"] == "train")
-    assert train.data.params["train.steps"] == "2"
+    assert train.data.params["train.steps"] == "3"
     assert train.data.tags["mlflow.source.git.commit"] != "unknown"
-    assert len(client.get_metric_history(train.info.run_id, "reward_mean")) == 2
+    assert len(client.get_metric_history(train.info.run_id, "rollout/reward_mean")) == 3
+    assert all("/" in name for name in train.data.metrics)                 # every metric in a section
+    assert {"loss/loss", "timing/step_s", "tools/tool_call_rate", "health/no_signal"} <= set(train.data.metrics)
+    assert any(name.startswith("system/") for name in train.data.metrics)  # system metrics
     artifacts = {a.path for a in client.list_artifacts(train.info.run_id)}
-    assert {"model", "samples", "config.json", "plots"} <= artifacts
-    assert "model/config.json" in {a.path for a in client.list_artifacts(train.info.run_id, "model")}
+    assert {"samples", "config.json", "plots"} <= artifacts
     samples = client.list_artifacts(train.info.run_id, "samples")
     assert samples, "no table of sample trajectories"
+
+
+@pytest.mark.slow
+def test_the_parent_run_compares_pipeline_runs(project, first_run, mlflow_server):
+    """Params that identify the run, headline metrics per benchmark, training time, and the
+    report's table as the description, all on the parent."""
+    import mlflow
+    client = mlflow.MlflowClient(tracking_uri=mlflow_server.uri)
+    parent, = client.search_runs([client.get_experiment_by_name("turnrl").experiment_id],
+                                 "tags.`turnrl.pipeline_key` LIKE 'dvc:%'")
+    params, metrics = parent.data.params, parent.data.metrics
+    assert params["env.name"] == "code_tool" and params["algorithm.name"] == "grpo"
+    assert params["train.steps"] == "3" and params["seed"] == "0" and params["rollout.n"] == "4"
+    baseline = json.loads((project / "metrics/baseline.json").read_text())
+    final = json.loads((project / "metrics/eval.json").read_text())
+    for block in ("task", "math500"):
+        assert metrics[f"eval/{block}/accuracy_baseline"] == pytest.approx(baseline[block]["accuracy"])
+        assert metrics[f"eval/{block}/accuracy_final"] == pytest.approx(final[block]["accuracy"])
+        assert metrics[f"eval/{block}/accuracy_diff"] == pytest.approx(final[block]["accuracy"]
+                                                                       - baseline[block]["accuracy"])
+    train = json.loads((project / "metrics/train.json").read_text())
+    assert metrics["train/step_s_mean"] == pytest.approx(train["step_s_mean"]) and metrics["train/wall_s"] > 0
+    description = parent.data.tags["mlflow.note.content"]
+    assert "| `task` |" in description and "| `math500` |" in description and "grpo" in description
+    evaluation = client.search_runs([parent.info.experiment_id], "tags.`turnrl.stage` = 'eval'")[0]
+    assert evaluation.data.params["eval/task/temperature"] == "1.0"            # settings are params ...
+    assert not any(k.endswith(("temperature", "top_p", "seed")) for k in evaluation.data.metrics)  # not metrics
+    assert evaluation.data.metrics["eval/task/accuracy"] == pytest.approx(final["task"]["accuracy"])
+
+
+@pytest.mark.slow
+def test_rollouts_and_generations_are_traces(project, first_run, mlflow_server):
+    import mlflow
+    mlflow.set_tracking_uri(mlflow_server.uri)
+    client = mlflow.MlflowClient()
+    experiment = client.get_experiment_by_name("turnrl").experiment_id
+    by_stage = {r.data.tags["turnrl.stage"]: r for r in client.search_runs([experiment], "tags.`turnrl.stage` != ''")}
+    train_id = by_stage["train"].info.run_id
+    rollouts = mlflow.search_traces(locations=[experiment], run_id=train_id, return_type="list")
+    # tracking.traces: every 5 steps and the first and last: steps 1 and 3, 4 trajectories each
+    assert sorted(int(t.info.tags["step"]) for t in rollouts) == [1] * 4 + [3] * 4
+    for trace in rollouts:
+        spans = trace.data.spans
+        turns = [s for s in spans if s.name.startswith("turn ")]
+        assert turns and len(turns) == int(trace.info.tags["turns"])
+        llm = [s for s in spans if s.span_type == "LLM"]
+        tools = [s for s in spans if s.span_type == "TOOL"]
+        assert len(llm) == len(turns) and all(s.attributes["tokens"] > 0 for s in llm)
+        assert tools and all(s.parent_id in {t.span_id for t in turns} for s in llm + tools)
+        assert all(s.end_time_ns >= s.start_time_ns for s in spans)
+        root = next(s for s in spans if s.parent_id is None)
+        assert {"step", "group", "reward", "advantage", "finish"} <= set(root.attributes)
+        assert trace.info.tags["finish"] == root.attributes["finish"]
+    found = mlflow.search_traces(locations=[experiment], filter_string="tags.step = '3' AND tags.kind = 'rollout'",
+                                 return_type="list")
+    assert len(found) == 4
+    finish = rollouts[0].info.tags["finish"]
+    assert len(mlflow.search_traces(locations=[experiment], filter_string=f"tags.finish = '{finish}'",
+                                    return_type="list")) >= 1
+    rewarded = mlflow.search_traces(locations=[experiment], filter_string="feedback.reward >= 0", return_type="list")
+    assert len(rewarded) >= 8
+    # evaluation generations, baseline and final, a sample per benchmark, correctness as feedback
+    for stage, run in (("baseline", by_stage["baseline_eval"]), ("final", by_stage["eval"])):
+        generations = mlflow.search_traces(locations=[experiment], run_id=run.info.run_id, return_type="list")
+        assert {t.info.tags["benchmark"] for t in generations} == {"task", "math500"}
+        assert {t.info.tags["stage"] for t in generations} == {stage} and len(generations) == 16
+        for trace in generations:
+            correct = [a for a in trace.info.assessments if a.name == "correct"]
+            assert len(correct) == 1 and correct[0].value == (trace.info.tags["correct"] == "true")
+            assert correct[0].rationale
+
+
+@pytest.mark.slow
+def test_data_sets_and_the_model_are_in_their_registries(project, first_run, mlflow_server):
+    import hashlib
+
+    import mlflow
+    mlflow.set_tracking_uri(mlflow_server.uri)
+    client = mlflow.MlflowClient()
+    experiment = client.get_experiment_by_name("turnrl").experiment_id
+    runs = client.search_runs([experiment])
+    by_stage = {r.data.tags.get("turnrl.stage"): r for r in runs}
+    parent = by_stage[None]
+
+    def digests(run):
+        return {i.dataset.name: (i.dataset.digest, {t.key: t.value for t in i.tags}["mlflow.data.context"])
+                for i in run.inputs.dataset_inputs}
+    md5 = {name: hashlib.md5((project / "data/processed" / path).read_bytes()).hexdigest()
+           for name, path in (("train", "train.parquet"), ("heldout", "heldout.parquet"),
+                              ("math500", "benchmarks/math500.parquet"))}
+    assert digests(by_stage["train"]) == {"train": (md5["train"], "training")}
+    assert digests(by_stage["eval"]) == {"heldout": (md5["heldout"], "evaluation"),
+                                         "math500": (md5["math500"], "evaluation")}
+    assert {name for name, _ in digests(parent).items()} == {"train", "heldout", "math500"}
+
+    model, = mlflow.search_logged_models(experiment_ids=[experiment], output_format="list",
+                                         filter_string=f"source_run_id = '{by_stage['train'].info.run_id}'")
+    parts = mlflow.transformers.load_model(f"models:/{model.model_id}", return_type="components")
+    ids = parts["tokenizer"]("Compute 12 * 34.", return_tensors="pt")["input_ids"]
+    assert parts["model"](input_ids=ids).logits.isfinite().all()
+    version, = client.search_model_versions(f"name = '{REGISTERED}'")
+    final = json.loads((project / "metrics/eval.json").read_text())
+    assert version.tags["env"] == "code_tool" and version.tags["algorithm"] == "grpo"
+    assert float(version.tags["accuracy"]) == pytest.approx(final["task"]["accuracy"], abs=1e-4)
+    assert version.run_id == by_stage["train"].info.run_id or version.source.endswith(model.model_id)
 
 
 @pytest.mark.slow
@@ -136,14 +258,14 @@ def test_second_repro_runs_nothing_and_exp_run_reruns_what_depends(project, firs
     again = dvc(project, "repro")
     assert again.returncode == 0 and "Running stage" not in again.stdout, again.stdout
 
-    exp = dvc(project, "exp", "run", "-S", "train.steps=3")
+    exp = dvc(project, "exp", "run", "-S", "train.steps=4")
     assert exp.returncode == 0, exp.stdout[-3000:] + exp.stderr[-3000:]
     ran = [s for s in STAGES if f"Running stage '{s}'" in exp.stdout]
     assert ran[0] == "train" and set(ran) <= {"train", "eval", "report"}, exp.stdout
     # eval depends on the trained weights: DVC reruns it unless they came out byte-identical
     # (a 2-step run of a barely warm-started model can have all-equal rewards, so no update)
     assert "Running stage 'eval'" in exp.stdout or "Stage 'eval' didn't change" in exp.stdout
-    assert json.loads((project / "metrics/train.json").read_text())["steps"] == 3
+    assert json.loads((project / "metrics/train.json").read_text())["steps"] == 4
 
 
 @pytest.mark.slow

@@ -1,28 +1,52 @@
-"""MLflow tracking: parent run per pipeline key, child run per stage, safe metric names."""
+"""MLflow tracking: parent run per pipeline key, child run per stage, metrics in sections,
+trajectories as traces, data sets as inputs, the policy as a model, and a Recorder that never
+holds a stage up. Against a real sqlite store (the default backend); the Recorder's outage
+rule also against a client that fails the way an unreachable server does."""
+import logging
+import os
+import time
+
 import mlflow
 import pytest
 
-from turnrl import tracking
+from turnrl import tracking, traces
 from turnrl.config import Config
 
 
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """One sqlite store for the module (making one takes seconds); each test its experiment."""
+    return f"sqlite:///{tmp_path_factory.mktemp('store') / 'mlflow.db'}"
+
+
+def _config(store, request, **tracking_cfg):
+    experiment = request.node.name.replace("[", "-").replace("]", "")
+    return Config.model_validate({"tracking": {"uri": store, "experiment": experiment, "system_metrics": False,
+                                               **tracking_cfg}})
+
+
 @pytest.fixture
-def cfg(tmp_path, monkeypatch):
+def cfg(store, request, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("DVC_ROOT", raising=False)
-    return Config.model_validate({"tracking": {"experiment": "unit"}})
+    return _config(store, request)
+
+
+def _client(store):
+    return mlflow.MlflowClient(tracking_uri=store)
 
 
 def test_stages_with_one_key_share_a_parent(cfg, tmp_path, monkeypatch):
     monkeypatch.setenv("TURNRL_PIPELINE_KEY", "unit:1")
     for stage in ["preprocess", "train"]:
         with tracking.stage_run(stage, cfg):
-            tracking.log_metrics({"task.pass@1": 0.5, "nan": float("nan"), "text": "x"}, step=1)
+            tracking.log_metrics({"task.pass@1": 0.5, "nan": float("nan"), "text": "x", "reward_mean": 0.25,
+                                  "step_s": 2.0}, step=1)
     monkeypatch.setenv("TURNRL_PIPELINE_KEY", "unit:2")
     with tracking.stage_run("eval", cfg):
         pass
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    runs = client.search_runs([client.get_experiment_by_name("unit").experiment_id])
+    client = _client(cfg.tracking.uri)
+    runs = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
     parents = {r.info.run_id: r for r in runs if "mlflow.parentRunId" not in r.data.tags}
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
     assert len(parents) == 2 and len(children) == 3
@@ -30,9 +54,14 @@ def test_stages_with_one_key_share_a_parent(cfg, tmp_path, monkeypatch):
     assert by_stage["preprocess"].data.tags["mlflow.parentRunId"] == by_stage["train"].data.tags["mlflow.parentRunId"]
     assert by_stage["eval"].data.tags["mlflow.parentRunId"] != by_stage["train"].data.tags["mlflow.parentRunId"]
     train = by_stage["train"].data
-    assert train.metrics == {"task.pass_1": 0.5}          # '@' is not allowed by MLflow; NaN and text skipped
+    # '@' is not allowed by MLflow; NaN and text skipped; each name in its section
+    assert train.metrics == {"train/task.pass_1": 0.5, "rollout/reward_mean": 0.25, "timing/step_s": 2.0}
     assert train.params["train.steps"] == str(cfg.train.steps)
     assert (tmp_path / "mlartifacts").is_dir()
+    # the parent carries what identifies the pipeline run, so runs compare in the runs table
+    parent = parents[by_stage["train"].data.tags["mlflow.parentRunId"]].data.params
+    assert parent["env.name"] == "code_tool" and parent["algorithm.name"] == "grpo" and parent["seed"] == "0"
+    assert {r.info.status for r in runs} == {"FINISHED"}
 
 
 def test_a_failing_stage_marks_its_runs_failed(cfg, monkeypatch, tmp_path):
@@ -40,8 +69,8 @@ def test_a_failing_stage_marks_its_runs_failed(cfg, monkeypatch, tmp_path):
     with pytest.raises(RuntimeError):
         with tracking.stage_run("train", cfg):
             raise RuntimeError("boom")
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    runs = client.search_runs([client.get_experiment_by_name("unit").experiment_id])
+    client = _client(cfg.tracking.uri)
+    runs = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
     assert {r.info.status for r in runs} == {"FAILED"}
 
 
@@ -56,7 +85,7 @@ def test_an_unreachable_server_says_what_to_check(monkeypatch, tmp_path):
 
 
 def test_a_resumed_stage_continues_its_run_under_a_new_pipeline(cfg, monkeypatch, tmp_path):
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = _client(cfg.tracking.uri)
     monkeypatch.setenv("TURNRL_PIPELINE_KEY", "unit:crashed")
     with tracking.stage_run("train", cfg) as run:
         tracking.log_metrics({"reward_mean": 0.1}, step=1)
@@ -66,14 +95,14 @@ def test_a_resumed_stage_continues_its_run_under_a_new_pipeline(cfg, monkeypatch
     client.update_run(crashed_parent, "RUNNING")
 
     monkeypatch.setenv("TURNRL_PIPELINE_KEY", "unit:rerun")
-    longer = Config.model_validate({"tracking": {"experiment": "unit"}, "train": {"steps": 60}})
+    longer = cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": 60})})
     with tracking.stage_run("train", longer, resume_run_id=first) as run:
         assert run.info.run_id == first
         tracking.log_metrics({"reward_mean": 0.2}, step=2)
     resumed = client.get_run(first)
     assert resumed.info.status == "FINISHED" and resumed.data.params["train.steps"] == str(cfg.train.steps)
     assert resumed.data.tags["turnrl.params_changed_on_resume"] == '{"train.steps": "60"}'
-    assert [m.step for m in client.get_metric_history(first, "reward_mean")] == [1, 2]
+    assert [m.step for m in client.get_metric_history(first, "rollout/reward_mean")] == [1, 2]
     assert client.get_run(crashed_parent).info.status == "KILLED"
     new_parent = client.search_runs([resumed.info.experiment_id], "tags.`turnrl.pipeline_key` = 'unit:rerun'")[0]
     assert new_parent.data.tags["turnrl.stage.train"] == f"resumed run {first}"
@@ -82,3 +111,301 @@ def test_a_resumed_stage_continues_its_run_under_a_new_pipeline(cfg, monkeypatch
     with tracking.stage_run("train", cfg, resume_run_id="0" * 32) as run:
         assert run.info.run_id != first
     assert client.get_run(run.info.run_id).data.tags["turnrl.resumed_from_run"] == "0" * 32
+
+
+def test_parent_params_name_the_knobs_changed_from_their_defaults():
+    cfg = Config.model_validate({"train": {"lr": 1e-4}, "algorithm": {"kl_coef": 0.01}, "rollout": {"temperature": 0.7},
+                                 "tracking": {"experiment": "x"}})
+    params = tracking.identifying_params(cfg)
+    assert params["train.lr"] == "0.0001" and params["algorithm.kl_coef"] == "0.01"
+    assert params["rollout.temperature"] == "0.7"
+    assert "train.steps" in params and "env.name" in params            # identifying, changed or not
+    assert "train.zero_stage" not in params and not any(k.startswith("tracking.") for k in params)
+
+
+@pytest.mark.parametrize("key, name", [
+    ("reward_mean", "rollout/reward_mean"), ("accuracy", "rollout/accuracy"), ("turn2_tokens_mean",
+                                                                               "rollout/turn2_tokens_mean"),
+    ("finish_answer_frac", "rollout/finish_answer_frac"), ("env_f1_mean", "rollout/env_f1_mean"),
+    ("reward_fewer_guesses_mean", "rollout/reward_fewer_guesses_mean"),
+    ("loss", "loss/loss"), ("entropy", "loss/entropy"), ("kl_ref", "loss/kl_ref"), ("grad_norm", "loss/grad_norm"),
+    ("clip_fraction", "loss/clip_fraction"), ("ratio_max", "loss/ratio_max"),
+    ("step_s", "timing/step_s"), ("rollout_s", "timing/rollout_s"), ("engine_idle_frac", "timing/engine_idle_frac"),
+    ("gen_tokens_per_s", "timing/gen_tokens_per_s"),
+    ("tool_call_rate", "tools/tool_call_rate"), ("tool_success_rate", "tools/tool_success_rate"),
+    ("tool_calls_mean", "tools/tool_calls_mean"), ("env_tool_ok_mean", "tools/env_tool_ok_mean"),
+    ("advantage_abs_mean", "advantage/advantage_abs_mean"), ("advantage_turn1_std", "advantage/advantage_turn1_std"),
+    ("value_loss", "critic/value_loss"), ("explained_variance", "critic/explained_variance"),
+    ("logp_gap_p99", "logprob_gap/logp_gap_p99"), ("health_no_signal", "health/no_signal"),
+    ("high_loss", "high/loss"), ("mlmt_turn1_kl_mean", "mlmt/turn1_kl_mean"),
+    ("eval/task/accuracy", "eval/task/accuracy"), ("something_new", "train/something_new"),
+])
+def test_metric_sections(key, name):
+    assert tracking.mlflow_name(key) == name
+
+
+# --------------------------------------------------------------------------- traces
+def _trajectory(env, turns, times=True):
+    from transformers import AutoTokenizer
+
+    from turnrl.rollout.chat import ChatFormat
+    from turnrl.rollout.loop import replay
+    global _TOKENIZER
+    if "_TOKENIZER" not in globals():
+        from turnrl.data.synthetic import product_rows
+        from turnrl.tiny import build_tokenizer
+        rows = product_rows(50, seed=0, split="train", exclude=set())
+        _TOKENIZER = build_tokenizer([r["prompt"] + "<code>print(1)</code><answer>1</answer><feedback>x</feedback>"
+                                     for r in rows], 400)
+    example = {"prompt": "Compute 12 * 34.", "answer": "408", "id": "p1"}
+    t = replay(env, ChatFormat(_TOKENIZER), example, turns)
+    if times:   # replay times only the environment; a rollout also times each generation
+        t.turn_times = [(start - 0.5, start - 0.01) for start, _ in t.env_times]
+    return t
+
+
+def test_trace_of_a_tool_trajectory_has_a_turn_span_with_generation_and_tool_call():
+    from turnrl.envs.code_tool import CodeToolEnv
+    t = _trajectory(CodeToolEnv(), ["<code>print(12*)</code>", "<code>print(12*34)</code>", "<answer>408</answer>"])
+    plan = traces.plan(t, name="rollout", tags={"step": 3}, advantage=0.5)
+    spans = plan.spans()
+    turns = [s for s in spans if s.span_type == "CHAIN"]
+    assert [s.name for s in turns] == ["turn 1", "turn 2", "turn 3"]
+    for turn in turns:
+        assert [c.span_type for c in turn.children] == ["LLM", "TOOL"]
+        llm, tool = turn.children
+        assert llm.end_ns <= tool.start_ns and turn.start_ns == llm.start_ns and turn.end_ns == tool.end_ns
+        assert llm.attributes["tokens"] > 0 and llm.attributes["mlflow.chat.tokenUsage"]["output_tokens"] > 0
+    first, second, third = (turn.children[1] for turn in turns)
+    assert (first.name, first.inputs) == ("code", {"arguments": "print(12*)"})
+    assert "SyntaxError" in first.outputs["result"]
+    assert second.outputs["result"] == "<output>408</output>" and second.error is None
+    assert (third.name, third.inputs) == ("answer", {"arguments": "408"}) and third.outputs["result"]["outcome"] == 1.0
+    assert turns[1].children[0].inputs == {"read": first.outputs["result"]}    # what the policy read
+    assert abs((first.end_ns - first.start_ns) / 1e9 - (t.env_times[0][1] - t.env_times[0][0])) < 1e-6
+    reward = spans[-1]
+    assert reward.name == "reward" and reward.outputs["reward"] == 1.0 and reward.outputs["advantage"] == 0.5
+    assert plan.tags == {"finish": "answer", "reward": "1", "turns": "3", "step": "3"}
+    assert plan.root.attributes["advantage"] == 0.5 and plan.root.inputs["task"] == "Compute 12 * 34."
+    assert plan.feedback[0]["name"] == "reward" and plan.feedback[0]["value"] == 1.0
+
+
+def test_a_failed_last_tool_call_and_a_raising_environment_are_errors():
+    from turnrl.envs.code_tool import CodeToolEnv
+    t = _trajectory(CodeToolEnv(), ["<code>print(12*)</code>", "<answer>0</answer>"])
+    tool = traces.plan(t, name="r", tags={}).spans()[3]
+    assert tool.name == "code" and "SyntaxError" in tool.error            # info: tool_ok false, tool_error
+
+    class Broken(CodeToolEnv):
+        def step(self, text):
+            if "answer" in text:
+                raise RuntimeError("grader exploded")
+            return super().step(text)
+
+    from turnrl.rollout.loop import _safe_step
+    env = Broken()
+    t = _trajectory(env, ["<code>print(1)</code>"])
+    env.reset(t.example)
+    result, ran = _safe_step(env, "<answer>1</answer>")     # as the rollout loop records it
+    t.add_turn(1, [5], [0.0], "<answer>1</answer>")
+    t.turn_times.append((ran[0] - 0.1, ran[0]))
+    t.env_times.append(ran)
+    t.record(result)
+    plan = traces.plan(t, name="r", tags={})
+    last_tool = [s for s in plan.spans() if s.span_type == "TOOL"][-1]
+    assert t.finish == "env_error" and "grader exploded" in last_tool.error and "grader exploded" in plan.root.error
+
+
+def test_two_level_turns_and_truncated_turns_trace_too():
+    from turnrl.envs.math_refine import MathRefineEnv
+    t = _trajectory(MathRefineEnv(), ["<answer>400</answer>", "<feedback>Check 2*4.</feedback>", "<answer>408</answer>"])
+    names = [s.name for s in traces.plan(t, name="r", tags={}).spans() if s.span_type in ("CHAIN", "LLM")]
+    assert names == ["turn 1", "generate", "turn 2 (high level)", "generate (high level)", "turn 3", "generate"]
+    # a turn cut by the token budget: a generation without an environment step
+    from turnrl.envs.code_tool import CodeToolEnv
+    t = _trajectory(CodeToolEnv(), ["<code>print(1)</code>"])
+    t.add_turn(1, [5, 6], [0.0, 0.0], "<code>pri")
+    t.turn_times.append((time.time() - 0.2, time.time()))
+    t.turn_rewards.append(0.0)
+    t.finish = "truncated"
+    turn2 = [s for s in traces.plan(t, name="r", tags={}).spans() if s.name == "turn 2"][0]
+    assert [c.span_type for c in turn2.children] == ["LLM"]
+
+
+def test_sampling_and_group_advantages():
+    assert traces.traced_step(1, 5, 40) and traces.traced_step(10, 5, 40) and traces.traced_step(40, 5, 40)
+    assert not traces.traced_step(7, 5, 40) and not traces.traced_step(1, 0, 40)
+    assert traces.sample_indices(32, 4) == [0, 8, 16, 24] and traces.sample_indices(3, 8) == [0, 1, 2]
+    adv = traces.group_advantages([1, 0, 0, 0, 1, 1, 1, 1], 4)
+    assert adv[0] == pytest.approx(1.5, rel=1e-4) and adv[1] == pytest.approx(-0.5, rel=1e-4)
+    assert adv[4:] == [0.0] * 4                        # a group with one reward: no signal
+
+
+def test_traces_are_searchable_by_step_reward_and_finish(cfg, tmp_path, monkeypatch):
+    from turnrl.envs.code_tool import CodeToolEnv
+    good = _trajectory(CodeToolEnv(), ["<code>print(12*34)</code>", "<answer>408</answer>"])
+    bad = _trajectory(CodeToolEnv(), ["<answer>400</answer>"])
+    monkeypatch.setenv("TURNRL_PIPELINE_KEY", "unit:traces")
+    with tracking.stage_run("train", cfg) as run:
+        for step in (1, 2):
+            tracking.log_traces(run, traces.rollout_traces([good, bad, bad, good], step, 2, 4, env="code_tool"))
+        tracking.log_traces(run, traces.evaluation_traces([good, bad], "task", "final", 8,
+                                                          reason=lambda t: "exact"))
+    mlflow.set_tracking_uri(cfg.tracking.uri)
+    exp = run.experiment_id
+
+    def search(text=None, **kw):
+        return mlflow.search_traces(locations=[exp], filter_string=text, return_type="list", **kw)
+    assert len(search(run_id=run.run_id)) == 10                      # linked to the stage run
+    assert len(search("tags.kind = 'rollout' AND tags.step = '2'")) == 4
+    assert len(search("tags.kind = 'rollout' AND tags.finish = 'answer' AND tags.reward = '1'")) == 4
+    assert len(search("feedback.reward >= 1")) == 5
+    assert len(search("feedback.correct = 'true'")) == 1
+    trace = search("tags.kind = 'evaluation' AND tags.correct = 'false'")[0]
+    spans = {s.name: s for s in trace.data.spans}
+    assert {"generate", "answer", "reward"} <= set(spans) and spans["generate"].span_type == "LLM"
+    assert spans["answer"].span_type == "TOOL" and trace.info.tags["benchmark"] == "task"
+    correct = [a for a in trace.info.assessments if a.name == "correct"][0]
+    assert correct.value is False and correct.rationale == "exact"
+
+
+# --------------------------------------------------------------------------- recorder
+def test_the_recorder_gives_up_on_an_outage_once_and_never_blocks(tmp_path, caplog):
+    """An outage (what an unreachable server raises) while steps keep coming: submit never
+    waits, the call is retried for retry_s, then one warning, and the rest is dropped and
+    counted; a refused request (4xx) drops that item only."""
+    import requests
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+    rec = tracking.Recorder(f"sqlite:///{tmp_path / 'x.db'}", retry_s=1.0, stage="train")
+    sent, attempts = [], []
+
+    def ok(step):
+        return lambda client: sent.append(step)
+
+    def refused(client):
+        raise MlflowException("bad value", error_code=INVALID_PARAMETER_VALUE)
+
+    def unreachable(client):
+        attempts.append(time.monotonic())
+        raise requests.exceptions.ConnectionError("Connection refused")
+
+    with caplog.at_level(logging.INFO, logger="turnrl.tracking"):
+        rec.submit("metrics", "step 1", ok(1))
+        rec.submit("params", "p", refused)
+        assert rec.flush(5) and sent == [1] and rec.refused == {"params": 1}
+        start = time.perf_counter()
+        rec.submit("metrics", "step 2", unreachable)
+        for step in range(3, 8):
+            rec.submit("metrics", f"step {step}", ok(step))
+            rec.submit("traces", f"trace {step}", ok(step))
+        assert time.perf_counter() - start < 0.1                 # the stage never waited
+        deadline = time.monotonic() + 10
+        while not rec.down and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rec.down and 0.9 <= attempts[-1] - attempts[0] <= 1.5 and len(attempts) >= 2
+        rec.submit("metrics", "step 8", ok(8))
+        assert rec.now("model", "the policy", lambda: 1 / 0) is None     # dropped without trying
+        rec.close()
+    assert sent == [1]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2                                  # the refused item, the outage
+    assert "refused to record params" in warnings[0].getMessage()
+    assert "did not answer for 1 s" in warnings[1].getMessage() and "step 2" in warnings[1].getMessage()
+    assert rec.dropped_summary() == "metrics of 7 steps (2-8); 5 traces; model: the policy"
+    assert "not recorded to MLflow" in caplog.records[-1].getMessage()
+
+
+def test_a_short_outage_is_ridden_out(tmp_path):
+    import requests
+    rec = tracking.Recorder(f"sqlite:///{tmp_path / 'x.db'}", retry_s=10.0)
+    calls = []
+
+    def flaky(client):
+        calls.append(1)
+        if len(calls) < 3:
+            raise requests.exceptions.ConnectionError("refused")
+
+    rec.submit("metrics", "step 1", flaky)
+    assert rec.flush(10) is True or rec._pending == 0
+    rec.close()
+    assert len(calls) == 3 and not rec.down and not rec.dropped
+
+
+def test_repeated_warnings_are_shown_once():
+    f = tracking.OnceFilter()
+    record = lambda msg, level=logging.WARNING: logging.LogRecord("vllm.x", level, "f", 1, msg, (), None)  # noqa: E731
+    assert f.filter(record("RotaryEmbedding: Failed to load weights"))
+    assert not f.filter(record("RotaryEmbedding: Failed to load weights"))
+    assert f.filter(record("took 0.05 seconds", logging.INFO)) and f.filter(record("took 0.07 seconds", logging.INFO))
+    assert f.filter(record("step 3 unhealthy")) and not f.filter(record("step 4 unhealthy"))
+    assert f.filter(record("engine died", logging.ERROR)) and f.filter(record("engine died", logging.ERROR))
+
+
+def test_system_metrics_on_the_stage_run(store, request, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TURNRL_PIPELINE_KEY", "unit:system")
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.5")
+    runs = {}
+    for on in (True, False):
+        cfg = _config(store, request, system_metrics=on)
+        with tracking.stage_run(f"stage-{on}", cfg) as run:
+            time.sleep(1.6)
+        runs[on] = _client(store).get_run(run.run_id).data.metrics
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(runs[True])
+    assert not any(k.startswith("system/") for k in runs[False])
+
+
+# --------------------------------------------------------------------------- data and the model
+def test_data_sets_are_run_inputs_with_their_dvc_md5(cfg, tmp_path, monkeypatch):
+    import hashlib
+
+    import pandas as pd
+    (tmp_path / "data/processed").mkdir(parents=True)
+    pd.DataFrame({"prompt": ["a", "b"], "answer": ["1", "2"]}).to_parquet(tmp_path / "data/processed/train.parquet")
+    (tmp_path / "dvc.lock").write_text("schema: '2.0'\nstages:\n  preprocess:\n    cmd: x\n    outs:\n"
+                                       "    - path: data/processed\n      md5: abc123.dir\n")
+    monkeypatch.setenv("TURNRL_PIPELINE_KEY", "unit:data")
+    with tracking.stage_run("train", cfg) as run:
+        tracking.log_datasets(run, {"train": ("data/processed/train.parquet", "training"),
+                                    "missing": ("data/processed/nothing.parquet", "evaluation")})
+    client = _client(cfg.tracking.uri)
+    md5 = hashlib.md5((tmp_path / "data/processed/train.parquet").read_bytes()).hexdigest()
+    for run_id in (run.run_id, run.parent_id):
+        inputs = client.get_run(run_id).inputs.dataset_inputs
+        assert [(i.dataset.name, i.dataset.digest) for i in inputs] == [("train", md5)]
+        tags = {t.key: t.value for t in inputs[0].tags}
+        assert tags == {"mlflow.data.context": "training", "dvc.md5": md5, "dvc.out_md5": "abc123.dir"}
+
+
+@pytest.mark.parametrize("copy", [True, False], ids=["copy", "reference"])
+def test_the_policy_is_a_transformers_model_that_loads_and_registers(store, request, tmp_path, monkeypatch,
+                                                                       tiny_model_dir, copy):
+    import shutil
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TURNRL_PIPELINE_KEY", f"unit:model:{copy}")
+    shutil.copytree(tiny_model_dir, tmp_path / "models/final")
+    cfg = _config(store, request, model_copy_max_mb=1000 if copy else 0, register_model=f"turnrl-unit-{copy}")
+    with tracking.stage_run("train", cfg) as run:
+        model_id = tracking.log_policy(run, "models/final")
+    with tracking.stage_run("eval", cfg) as evaluation:
+        version = tracking.register_policy(evaluation, "models/final", {"task": {"accuracy": 0.25}},
+                                           {"task": {"accuracy": 0.75}, "math500": {"accuracy": 0.1}})
+    mlflow.set_tracking_uri(store)
+    logged = mlflow.get_logged_model(model_id)
+    assert logged.source_run_id == run.run_id and logged.tags["turnrl.storage"] == ("copy" if copy else
+                                                                                  f"reference to {tmp_path}/models/final")
+    parts = mlflow.transformers.load_model(f"models:/{model_id}", return_type="components")
+    assert type(parts["model"]).__name__ == "Qwen2ForCausalLM" and parts["tokenizer"] is not None
+    ids = parts["tokenizer"]("Compute 1 * 2.", return_tensors="pt")["input_ids"]
+    assert parts["model"](input_ids=ids).logits.isfinite().all()
+    requirements = mlflow.pyfunc.get_model_dependencies(f"models:/{model_id}")
+    assert "torchvision" not in open(requirements).read()
+    artifacts = mlflow.artifacts.download_artifacts(f"models:/{model_id}")
+    weights = [p for p in os.listdir(artifacts) + os.listdir(os.path.join(artifacts, "model"))
+               if p.endswith(".safetensors")] if os.path.isdir(os.path.join(artifacts, "model")) else []
+    assert bool(weights) is copy                         # a reference holds no second copy of the weights
+    assert version.name == f"turnrl-unit-{copy}" and version.tags["env"] == "code_tool" and \
+        version.tags["algorithm"] == "grpo" and version.tags["accuracy"] == "0.7500"
+    assert version.tags["accuracy_diff.task"] == "+0.5000" and version.tags["accuracy.math500"] == "0.1000"

@@ -398,9 +398,30 @@ class ClusterCfg(_Section):
     ready_timeout_s: float = Field(600.0, gt=0, description="wait this long for the cluster to place every actor")
 
 
+class TracesCfg(_Section):
+    """A sample of rollouts and evaluation generations as MLflow traces (a span per turn)."""
+    every: int = Field(5, ge=0, description=(
+        "trace a sample of the rollouts of every N-th training step (and of steps 1 and the last); 0: none"))
+    per_step: int = Field(4, ge=1, description="trajectories traced per sampled step, spread over its groups")
+    per_benchmark: int = Field(8, ge=0, description=(
+        "evaluation generations traced per benchmark (the task included) in baseline_eval and eval; 0: none"))
+
+
 class TrackingCfg(_Section):
     uri: str = Field("", description="empty: sqlite:///mlflow.db in the project; else any MLflow tracking URI")
     experiment: str = Field("turnrl", min_length=1)
+    traces: TracesCfg = TracesCfg()
+    system_metrics: bool = Field(True, description="CPU, memory (and GPU) of each stage run, every 10 s")
+    log_model: bool = Field(True, description="the final policy as an MLflow transformers model of the train run")
+    model_copy_max_mb: float = Field(2048, ge=0, description=(
+        "a bigger final model is logged as a reference to models/final (its path and content hash), not copied"))
+    register_model: str = Field("", description=(
+        "a Model Registry name: each pipeline run's eval adds a version of the final policy; empty: none"))
+    retry_s: float = Field(30.0, ge=0, description=(
+        "an unreachable tracking server is retried this long, then the stage goes on without it (one warning)"))
+    ui_url: str = Field("", description=(
+        "the MLflow UI's address for links (Prefect artifacts); empty: tracking.uri if http(s), "
+        "else http://127.0.0.1:5000 (`mlflow ui`)"))
 
 
 class Config(_Section):

@@ -142,6 +142,8 @@ def records(trajs: Sequence[Trajectory], decode: Callable, decoding: str, benchm
 class _Run:
     """The pieces every block shares: engine, chat format, config, output folder."""
 
+    keep: dict | None = None   # block name -> its (sampled-decoding) trajectories, when given
+
     def __init__(self, cfg: Config, engine, tokenizer, data_dir: Path, out_dir: Path):
         from turnrl.envs.configured import env_factory
         from turnrl.rewards.functions import RewardFunctions
@@ -194,6 +196,8 @@ class _Run:
             if values and None not in values and len(set(values)) > 1:
                 block[f"by_{key}"] = breakdown(trajs, key, k)
         sources.write_parquet(rows, self.out_dir / f"{name}.parquet")
+        if self.keep is not None:   # the trajectories themselves, for traces (log_to_mlflow)
+            self.keep[name] = trajs
         return block
 
 
@@ -243,12 +247,13 @@ def check_data(cfg: Config, data_dir: Path) -> dict:
 
 
 def evaluate(cfg: Config, engine, tokenizer, data_dir: Path, out_dir: Path,
-             benchmarks: Benchmarks | None = None) -> dict:
+             benchmarks: Benchmarks | None = None, keep: dict | None = None) -> dict:
     """Evaluate the task and every benchmark of `eval.benchmarks` on `engine` (or {"low": policy,
     "high": the high-level model}, see `load_levels`); write the per-problem generations to
     `out_dir/<block>.parquet`; return the metrics (block -> dict). `data_dir` is the preprocess
     stage's output (data/processed: the held-out split, the environment's data files);
-    `benchmarks` reads each benchmark (default: as preprocessed there)."""
+    `benchmarks` reads each benchmark (default: as preprocessed there); `keep`, if given, gets
+    each block's trajectories by block name (for traces)."""
     from turnrl.preprocess import load_split
 
     data_dir, out_dir = Path(data_dir), Path(out_dir)
@@ -258,6 +263,7 @@ def evaluate(cfg: Config, engine, tokenizer, data_dir: Path, out_dir: Path,
     for stale in out_dir.glob("*.parquet"):   # generations of blocks no longer configured
         stale.unlink()
     run = _Run(cfg, engine, tokenizer, data_dir, out_dir)
+    run.keep = keep
 
     metrics: dict = {"task": run.block("task", load_split(data_dir, "heldout"), "multi")}
     for bench in cfg.eval.benchmarks:
@@ -292,17 +298,46 @@ def flat_metrics(metrics: dict) -> dict[str, float]:
     return out
 
 
-def log_to_mlflow(metrics: dict, out_dir: Path, metrics_name: str) -> None:
-    """Log the metrics (as a dict artifact and as numbers) and each generations parquet as a
-    table (`generations/<block>.json`) to the active MLflow run."""
+#: Block keys that describe how a block was evaluated: MLflow params, not metrics.
+SETTINGS = ("temperature", "top_p", "samples_per_problem", "seed", "max_turns", "max_tokens", "protocol", "env",
+            "grader", "available", "reason")
+
+
+def log_to_mlflow(metrics: dict, out_dir: Path, metrics_name: str, trajectories: dict | None = None,
+                  stage: str | None = None) -> None:
+    """Log an evaluation to the active MLflow run: the metrics as a dict artifact and as
+    numbers in sections (`eval/<block>/accuracy`, ...), the settings each block was evaluated
+    with as params (`eval/<block>/temperature`, ...), each generations parquet as a table
+    (`generations/<block>.json`) and, given the `trajectories` by block (`evaluate(keep=)`), a
+    sample of each block as traces with their correctness as feedback (`tracking.traces.
+    per_benchmark`; `stage`: baseline or final, a tag of the traces)."""
     import mlflow
     import pandas as pd
 
     from turnrl import tracking
-    mlflow.log_dict(metrics, metrics_name)
-    tracking.log_metrics(flat_metrics(metrics))
+    from turnrl import traces as tracing
+    run = tracking.current_run()
+    settings = {f"eval/{block}/{key}": value for block, values in metrics.items() if isinstance(values, dict)
+                for key, value in values.items() if key in SETTINGS}
+    numbers = {f"eval/{k.replace('.', '/', 1)}": v for k, v in flat_metrics(metrics).items()
+               if k.split(".", 1)[1] not in SETTINGS}
+    if run is None:   # outside a stage run (a bare active run)
+        mlflow.log_dict(metrics, metrics_name)
+        mlflow.log_params({k: tracking._param(v) for k, v in settings.items()})
+        tracking.log_metrics(numbers)
+        for table in sorted(Path(out_dir).glob("*.parquet")):
+            mlflow.log_table(pd.read_parquet(table), f"generations/{table.stem}.json")
+        return
+    tracking.log_dict(run, metrics, metrics_name)
+    run.recorder.submit("params", "evaluation settings", lambda c: c.log_batch(
+        run.run_id, params=[mlflow.entities.Param(k, tracking._param(v)) for k, v in settings.items()]))
+    tracking.log_metrics(numbers)
     for table in sorted(Path(out_dir).glob("*.parquet")):
-        mlflow.log_table(pd.read_parquet(table), f"generations/{table.stem}.json")
+        tracking.log_table(run, pd.read_parquet(table), f"generations/{table.stem}.json")
+    per_block = run.cfg.tracking.traces.per_benchmark
+    for block, trajs in (trajectories or {}).items():
+        tracking.log_traces(run, tracing.evaluation_traces(trajs, block, stage or "evaluation", per_block,
+                                                           reason=grading_reason, env=run.cfg.env.name))
 
 
 def load_engine(cfg: Config, model_folder: str | Path):

@@ -233,6 +233,13 @@ def _summary(blocks: list[str], a: dict, b: dict, labels: tuple[str, str]) -> li
     return _table(header, rows)
 
 
+def summary_table(baseline: dict, trained: dict, labels: tuple[str, str] = ("baseline", "trained")) -> list[str]:
+    """The report's summary table (Markdown lines): per benchmark, accuracy of both and the
+    difference, pass@k, tokens. Used for the MLflow pipeline run's description."""
+    blocks = [k for k in dict.fromkeys([*baseline, *trained]) if isinstance(baseline.get(k, trained.get(k)), dict)]
+    return _summary(blocks, baseline, trained, labels)
+
+
 def _block_section(name: str, x: dict, y: dict, labels: tuple[str, str], gens: tuple[list | None, list | None],
                    image: str | None) -> list[str]:
     la, lb = labels
