@@ -96,8 +96,8 @@ def scripted_turns(row: dict) -> list[str]:
 
 def train_rows(count: int = 512, seed: int = 0) -> list[dict]:
     """The code_tool task's synthetic training rows, as the preprocess stage makes them."""
-    from turnrl.data.synthetic import task
-    rows, _ = task("code_tool").splits(count, 64, seed)
+    from turnrl.data.synthetic import TASKS
+    rows, _ = TASKS["code_tool"].splits(count, 64, seed)
     return rows
 
 

@@ -14,6 +14,10 @@ Suites (`--suites`, comma-separated):
   sweep    step time against prompts x group size (--sweep), a fitted slope, both frameworks
   rollout  rollout tokens/s against group size and turns, vLLM and hf engines
   pipeline `dvc repro` of the embedded pipeline in a fresh copy, timed per stage
+  latency  a slow tool (a loopback HTTP tool, 0 and 0.5 s a call): turnrl's `tools` environment
+           against TRL's tool loop (benchmarks/latency.py); run alone (`--suites latency`), the
+           last line is its summary: tool_latency_s, turnrl_step_s, turnrl_step_s_no_latency,
+           trl_step_s, tool_turns and the targets
 
 Every case runs in its own process (a fresh interpreter, so no framework warms another's
 caches) with its peak memory sampled over the whole process tree (Ray's processes included).
@@ -43,7 +47,7 @@ if str(ROOT) not in sys.path:          # `benchmarks` and `turnrl` from this che
 from benchmarks import results as R    # noqa: E402  (pure functions, no heavy imports)
 from benchmarks.models import ModelSpec  # noqa: E402
 
-ALL_SUITES = ("grpo", "tool", "parts", "engines", "large", "sweep", "rollout", "pipeline")
+ALL_SUITES = ("grpo", "tool", "parts", "engines", "large", "sweep", "rollout", "pipeline", "latency")
 QUICK_SUITES = ("grpo", "tool", "parts")
 STAGES = ("preprocess", "prepare_model", "baseline_eval", "train", "eval", "report")
 
@@ -104,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.run_case:
         return args
-    default = QUICK_SUITES if args.quick else tuple(s for s in ALL_SUITES if s != "pipeline")
+    default = QUICK_SUITES if args.quick else tuple(s for s in ALL_SUITES if s not in ("pipeline", "latency"))
     suites = [s.strip() for s in args.suites.split(",") if s.strip()] if args.suites else list(default)
     unknown = [s for s in suites if s not in ALL_SUITES]
     if unknown:
@@ -207,6 +211,9 @@ def plan(args: argparse.Namespace) -> list[dict]:
                           "turns_list": args.rollout_turn_list, "steps": 2, "warmup": 1})
     if "pipeline" in args.suites:
         cases.append({"name": "pipeline/dvc-repro", "suite": "pipeline", "kind": "pipeline", "model": None})
+    if "latency" in args.suites:
+        from benchmarks import latency
+        cases.extend(latency.cases(args))
     wanted = [w for w in args.only.split(",") if w]
     return [c for c in cases if not wanted or any(w in c["name"] for w in wanted)]
 
@@ -355,6 +362,15 @@ def run_case_here(spec_file: str) -> None:
         result = turnrl_side.run_rollout_sweep(case)
     elif kind == "pipeline":
         result = run_pipeline(Path(case["work_dir"]))
+    elif kind == "latency-build":
+        from benchmarks import latency
+        result = {"model_dir": str(latency.ensure_model(case["models_dir"]))}
+    elif kind == "latency-turnrl":
+        from benchmarks import latency
+        result = latency.run_turnrl(case)
+    elif kind == "latency-trl":
+        from benchmarks import latency
+        result = latency.run_trl(case)
     else:
         raise ValueError(f"unknown case kind {kind!r}")
     Path(case["result_path"]).write_text(json.dumps(result))
@@ -449,6 +465,9 @@ def assemble(args: argparse.Namespace, cases: list[dict], outcomes: dict[str, di
         if parts and cs.get(loop_name):
             out["breakdown"][suite] = {**R.overhead(cs[loop_name], parts),
                                        "parts": {k: parts[k] for k in R.TURNRL_PARTS if k in parts}}
+    if any(c["suite"] == "latency" for c in cases):
+        from benchmarks import latency
+        out["latency"] = latency.summary(cs)
     for framework in ("turnrl", "trl"):
         members = [c for c in cases if c["suite"] == "sweep" and c["name"] in cs
                    and c["kind"] == ("loop" if framework == "turnrl" else "trl")]
@@ -477,6 +496,13 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     say(f"{len(cases)} cases ({', '.join(args.suites)}); load average {info['load_avg_start']}; work dir {work}")
     outcomes: dict[str, dict] = {}
+    if any(c["suite"] == "latency" for c in cases):   # its model, built once in a process of its own (cached)
+        build = {"name": "build/latency-model", "kind": "latency-build", "suite": "build", "model": None,
+                 "models_dir": str(models), "threads": 1}
+        say(f"{build['name']} (not timed) ...")
+        built = run_child(build, work, args.case_timeout, threads=1)
+        if "error" in built:
+            say(f"{build['name']}: FAILED {built['error'][:300]}")
     for case in cases:
         if case.get("model") and not (models / ModelSpec(**case["model"]).name / "config.json").exists():
             # built in a process of its own, so no case's memory or time includes the build
@@ -500,9 +526,18 @@ def main(argv: list[str] | None = None) -> int:
               "settings": {k: v for k, v in vars(args).items() if k not in ("run_case",)},
               **assemble(args, cases, outcomes), "raw": outcomes}
     (work / "results.json").write_text(json.dumps(report, indent=2, default=str))
-    (work / "results.md").write_text(R.markdown(report))
+    tables = R.markdown(report)
+    if report.get("latency"):
+        from benchmarks import latency
+        tables += "\n" + latency.markdown(report["latency"])
+    (work / "results.md").write_text(tables)
     say(f"results: {work / 'results.json'} (tables: results.md)")
-    line = R.headline(report)
+    if args.suites == ["latency"]:     # the latency suite alone: its own summary is the line
+        line = dict(report.get("latency", {}))
+    else:
+        line = R.headline(report)
+        if report.get("latency"):
+            line["latency"] = report["latency"]
     line["threads"] = args.threads
     line["load_avg_1min"] = [round(info["load_avg_start"][0], 2), round(report["machine"]["load_avg_end"][0], 2)]
     if report["errors"]:
