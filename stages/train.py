@@ -52,24 +52,24 @@ def main(cfg):
     tokenizer = AutoTokenizer.from_pretrained(source)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
     tracking.log_datasets(run, {"train": (DATA / "train.parquet", "training")})
-    every = cfg.train.checkpoint_every
     overhead = {"s": 0.0}   # this callback's own time, logged with the next step (MLflow only)
 
     def on_step(step, metrics, trajs):
         t0 = time.perf_counter()
-        sent = tracking.log_metrics({**metrics, "tracking_s": overhead["s"]}, step)
+        tracking.log_metrics({**{k: v for k, v in metrics.items() if k != "step"}, "tracking_s": overhead["s"]},
+                                    step)
         if step == 1 or step % cfg.train.samples_logged_every == 0 or step == cfg.train.steps:
             tracking.log_table(run, lambda: sample_table(trajs, decode), f"samples/step_{step:05d}.json")
         if traces.traced_step(step, cfg.tracking.traces.every, cfg.train.steps):
             tracking.log_traces(run, traces.rollout_traces(trajs, step, cfg.rollout.n, cfg.tracking.traces.per_step,
                                                            env=cfg.env.name, algorithm=cfg.algorithm.name))
-        if sent is not None and (step == cfg.train.steps or (every and step % every == 0)):
-            sent.wait(5.0 if run.recorder.outage_since is None else 0.0)   # the checkpoint's steps are in MLflow
         overhead["s"] = time.perf_counter() - t0
 
     store, resume = checkpoints(cfg)
     if resume is not None:
         mlflow.set_tag("turnrl.resumed_from_step", resume.step)
+        # steps the crashed run had not sent before it died (metrics are sent in the background)
+        tracking.backfill_steps(run, resume.state["history"])
     shutil.rmtree(FINAL, ignore_errors=True)
     where = {}   # ranks, engines, nodes: filled once the actors are up
     try:

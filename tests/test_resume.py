@@ -194,7 +194,7 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(tiny_model_dir, t
     assert [r.info.run_id for r in runs] == [killed_run]
     assert runs[0].info.status == "FINISHED" and runs[0].data.tags["turnrl.resumed_from_step"] == str(resumed_at)
     # (a step the killed run logged after its last checkpoint is logged again, with the same value)
-    assert {m.step for m in client.get_metric_history(killed_run, "reward_mean")} == {1, 2, 3, 4, 5}
+    assert {m.step for m in client.get_metric_history(killed_run, "rollout/reward_mean")} == {1, 2, 3, 4, 5}
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,6 +79,8 @@ def test_training_goes_on_when_the_tracking_server_dies(tiny_model_dir, tmp_path
 
     assert code == 0, out[-4000:]
     assert killed_at is not None and "Traceback" not in out
+    # quiet logs: vLLM's warning after each weight push once, its per-push INFO lines not at all
+    assert out.count("RotaryEmbedding: Failed to load weights") == 1 and "Reloading weights inplace" not in out
     # every local result
     curve = (root / "plots/train.csv").read_text().splitlines()
     assert len(curve) == STEPS + 1
@@ -98,7 +101,8 @@ def test_training_goes_on_when_the_tracking_server_dies(tiny_model_dir, tmp_path
     tail = ended - seen[STEPS]
     print(f"\nstep gaps (s) before the kill {[round(g, 1) for g in before]}, after {[round(g, 1) for g in after]}; "
           f"last step to exit {tail:.1f} s; whole stage {ended - start:.0f} s")
-    assert max(after) < max(3 * max(gaps[:1] + before), 20), gaps
+    print("the warning:", warnings[0].strip(), "\nat the end:", summary[0].strip())
+    assert max(after) < 3 * statistics.median(gaps) + 5, gaps
     assert tail < 60
     # what reached the server before it died is in its store
     from mlflow import MlflowClient

@@ -35,6 +35,7 @@ import re
 import subprocess
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -104,14 +105,15 @@ def git_commit() -> str:
 class OnceFilter(logging.Filter):
     """Lets a warning through the first time only: a message repeated every step (vLLM's
     `RotaryEmbedding: Failed to load weights` after each weight push) is shown once. Messages
-    are compared with their numbers masked. INFO and below pass unchanged."""
+    are compared with their numbers masked. INFO and below, errors, and turnrl's own warnings
+    (each says something new, e.g. a health check failing again) pass unchanged."""
 
     def __init__(self, name: str = "") -> None:
         super().__init__(name)
         self.seen: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.WARNING or record.levelno >= logging.ERROR:
+        if record.levelno < logging.WARNING or record.levelno >= logging.ERROR or record.name.startswith("turnrl"):
             return True
         try:
             key = f"{record.name}:{re.sub(r'[0-9.]+', '#', record.getMessage())}"
@@ -159,6 +161,9 @@ def quiet_logs() -> None:
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, OnceFilter) for f in handler.filters):
             handler.addFilter(OnceFilter())
+    # MLflow's hints when it infers a table's or a data set's schema: about its own conventions, every time
+    warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer column", module="mlflow")
+    warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted", module="mlflow")
     for name in ("mlflow.tracing.fluent", "mlflow.tracking._tracking_service.client", "alembic.runtime.migration",
                  "mlflow.store.db.utils", "mlflow.system_metrics.system_metrics_monitor"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -228,6 +233,20 @@ def _is_outage(exc: BaseException) -> bool:
         or "urllib3" in type(exc).__module__ or "sqlalchemy" in type(exc).__module__
 
 
+def _reason(exc: BaseException) -> str:
+    """An outage's cause in a few words (MLflow wraps the HTTP client's error in a long message)."""
+    text = " ".join(str(exc).split())
+    for needle, words in (("Connection refused", "connection refused"), ("timed out", "timed out"),
+                          ("Read timed out", "timed out"), ("Name or service not known", "unknown host"),
+                          ("Connection reset", "connection reset"), ("Remote end closed", "connection closed")):
+        if needle in text:
+            return words
+    found = re.search(r"response code (\d+)|status code (\d+)|HTTP (\d{3})", text)
+    if found:
+        return f"HTTP {next(g for g in found.groups() if g)}"
+    return f"{type(exc).__name__}: {text[:160]}"
+
+
 class _ThreadWarnings(logging.Handler):
     """Collects the warnings the Recorder's own thread logs (MLflow's trace exporter reports a
     failed export as a warning instead of raising; urllib3 warns on every retry) and keeps them
@@ -273,6 +292,7 @@ class Recorder:
         self.refused: dict[str, int] = {}
         self.sent = 0
         self.busy_s = 0.0                      # time the background thread spent sending
+        self.cpu_s = 0.0                       # ... and the CPU time it used (what it can take from training)
         self._cond = threading.Condition()
         self._pending = 0                      # submitted, not yet handled
         self._closed = False
@@ -364,13 +384,14 @@ class Recorder:
             if item is None:
                 return
             kind, what, fn, done = item
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             if self.down:
                 with self._cond:
                     self._drop(kind, what)
             else:
                 self._attempt(kind, what, lambda: fn(self.client))
             self.busy_s += time.perf_counter() - start
+            self.cpu_s += time.thread_time() - cpu
             done.set()
             with self._cond:
                 self._pending -= 1
@@ -407,7 +428,7 @@ class Recorder:
                     self.outage_since = self.outage_since or now
                     since = self.outage_since
                 if now - since >= self.retry_s:
-                    self._give_up(f"{type(exc).__name__}: {str(exc)[:200]}", kind, what)
+                    self._give_up(_reason(exc), kind, what)
                     return None
                 time.sleep(max(0.05, min(delay, self.retry_s - (now - since))))
                 delay = min(delay * 2, 8.0)
@@ -631,6 +652,14 @@ def stage_run(stage: str, cfg: Config, resume_run_id: str | None = None) -> Iter
     finally:
         if system is not None:
             system.stop()
+        if rec.run_id:   # what recording cost this stage: the Recorder thread's time, read when sent (last)
+            from mlflow.entities import Metric
+
+            def cost(client, run_id=rec.run_id):
+                stamp = int(time.time() * 1000)
+                client.log_batch(run_id, metrics=[Metric(f"timing/mlflow_{k}", float(v), stamp, 0) for k, v in (
+                    ("thread_busy_s", rec.busy_s), ("thread_cpu_s", rec.cpu_s), ("items_sent", rec.sent))])
+            rec.submit("metrics", "recording cost", cost, priority=9)
         rec.close()
         _recorder = _stage = None
         _end_runs(rec, status)
@@ -673,6 +702,26 @@ def log_metrics(metrics: dict[str, float], step: int | None = None, sections: bo
     clean = _clean({mlflow_name(k) if sections else k: v for k, v in metrics.items()})
     if clean:
         mlflow.log_metrics(clean, step=step)
+
+
+def backfill_steps(run: StageRun, history: list[dict], probe: str = "reward_mean") -> None:
+    """Per-step metrics of `history` (a resumed checkpoint's) that the run does not have yet:
+    a crashed stage may die with steps still queued. Which steps are there is read from the
+    history of `probe` (queued, in the Recorder's thread)."""
+    from mlflow.entities import Metric
+
+    def fill(client):
+        have = {m.step for m in client.get_metric_history(run.run_id, mlflow_name(probe))}
+        stamp = int(time.time() * 1000)
+        for row in history:
+            step = row.get("step")
+            if step is None or step in have:
+                continue
+            batch = [Metric(k, v, stamp, int(step)) for k, v in _clean(
+                {mlflow_name(k): v for k, v in row.items() if k != "step"}).items()]
+            for i in range(0, len(batch), 900):
+                client.log_batch(run.run_id, metrics=batch[i:i + 900])
+    run.recorder.submit("metrics", "the checkpoint's steps", fill, priority=0)
 
 
 def log_parent(run: StageRun, *, metrics: dict[str, float] | None = None, params: dict[str, Any] | None = None,
@@ -765,7 +814,7 @@ def log_datasets(run: StageRun, sets: dict[str, tuple[str | Path, str]], parent:
         try:
             frame = pd.read_parquet(path)
             digest = file_md5(path)
-            dataset = mlflow.data.from_pandas(frame, source=str(path.resolve()), name=name, digest=digest[:36])
+            dataset = mlflow.data.from_pandas(frame, source=path.resolve().as_uri(), name=name, digest=digest[:36])
             tags = [InputTag("mlflow.data.context", context), InputTag("dvc.md5", digest)]
             out = dvc_out_md5(path)
             if out:
@@ -874,9 +923,14 @@ def log_policy(run: StageRun, folder: str | Path, *, name: str = "policy") -> st
             tokenizer = AutoTokenizer.from_pretrained(folder)
             card = ModelCard(f"---\nlicense: other\n---\n# turnrl policy\n\n{cfg.algorithm.name} on {cfg.env.name}, "
                              f"{cfg.train.steps} steps, from {cfg.model.path}.\n")
-            info = mlflow.transformers.log_model({"model": model, "tokenizer": tokenizer}, name=name,
-                                                 task="text-generation", pip_requirements=model_requirements(),
-                                                 model_card=card, tags=tags)
+            quiet = logging.getLogger("mlflow.transformers")
+            level, quiet.level = quiet.level, logging.ERROR   # "Unable to find license information": it is ours
+            try:
+                info = mlflow.transformers.log_model({"model": model, "tokenizer": tokenizer}, name=name,
+                                                     task="text-generation", pip_requirements=model_requirements(),
+                                                     model_card=card, tags=tags)
+            finally:
+                quiet.setLevel(level)
         else:
             from mlflow.models import Model
             info = Model.log(artifact_path=None, name=name, flavor=_ReferenceFlavor(folder, revision),
