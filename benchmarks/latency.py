@@ -418,6 +418,7 @@ def run_trl(case: dict[str, Any]) -> dict[str, Any]:
                       **{f"{k}_s": v for k, v in parts[index].items()},
                       "tool_calls": float(state["calls"][index]),
                       "tool_turns_mean": state["calls"][index] / group,
+                      "tool_calls_mean": state["calls"][index] / group,    # results.turns: 1 + calls
                       "gen_tokens": log.get("completions/mean_length", float("nan")) * group,
                       "reward_mean": log.get("reward", float("nan"))})
     return {"framework": "trl", "steps": steps, "niceness": tree_niceness()}

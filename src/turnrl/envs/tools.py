@@ -58,9 +58,9 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Annotated, Any, Callable, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from turnrl.data import synthetic
 from turnrl.envs.base import EnvSpec, StepResult
@@ -740,13 +740,18 @@ class MCPServerSpec(BaseModel):
         return self
 
 
+def _plain(specs: list[BaseModel]) -> list[dict]:
+    return [spec.model_dump() for spec in specs]
+
+
 class ToolsOptions(BaseModel):
     """`env.options` of `tools`."""
     model_config = ConfigDict(extra="forbid")
     functions: list[str] = Field(default_factory=lambda: ["turnrl.envs.tools:calculator"], description=(
         "Python functions by import path (module:function), each a tool; schema from type hints and docstring"))
-    http: list[HTTPToolSpec] = Field(default_factory=list)
-    mcp: list[MCPServerSpec] = Field(default_factory=list)
+    # checked as specs, kept as plain dicts (the resolved options print as YAML and hash as params)
+    http: Annotated[list[HTTPToolSpec], AfterValidator(_plain)] = Field(default_factory=list)
+    mcp: Annotated[list[MCPServerSpec], AfterValidator(_plain)] = Field(default_factory=list)
     parser: str = Field("hermes", description="how calls are read from a turn: hermes (qwen), llama3, mistral, or "
                                               "module:function")
     grader: str = Field("math", description="the final answer: math (math-verify), exact, or module:function")
