@@ -10,6 +10,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # Tests never download: with network a "data set unreachable" test would fetch it, and without
 # network the hub attempt would wait for its timeouts (~20 s per test) before failing.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# As turnrl sets it (src/turnrl/__init__.py), before anything here loads torch: two test workers
+# share two cores, and spinning OpenMP threads stall each other.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 # The files that take longest, longest first (seconds measured with two workers: pipeline_e2e

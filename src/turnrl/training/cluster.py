@@ -381,7 +381,8 @@ def _start(cfg: Config, model_dir: str, data_dir: str, pg, slots: list[Slot], hi
     def options(slot: Slot, env: dict[str, str]) -> dict:
         threads = str(threads_per_actor(cfg, slot))
         return {"num_cpus": slot.cpus, "num_gpus": slot.gpus, "scheduling_strategy": strategy(slot),
-                "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false", **env}}}
+                "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
+                                             "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), **env}}}
 
     address_task = ray.remote(num_cpus=0)(_free_port_here)
 
