@@ -338,7 +338,13 @@ def build(family: str | Family, out_dir: str | Path, *, seed: int = 0, warmstart
     model = build_model(fam, tokenizer, seed)
     if warmstart_steps:
         rows = _sft_rows(fam, tokenizer, conversations(200, seed=seed))
-        warm_start(model, rows, warmstart_steps, batch_size=16, lr=3e-3, seed=seed, desc=f"{fam.name} warm start")
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)   # a model this small gains nothing from two; with the cores shared, two spin
+        try:
+            warm_start(model, rows, warmstart_steps, batch_size=16, lr=3e-3, seed=seed,
+                       desc=f"{fam.name} warm start")
+        finally:
+            torch.set_num_threads(threads)
     model.generation_config = GenerationConfig(
         bos_token_id=model.config.bos_token_id, pad_token_id=model.config.pad_token_id,
         eos_token_id=[tokenizer.convert_tokens_to_ids(t) for t in fam.stop_tokens])

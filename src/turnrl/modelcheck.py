@@ -48,14 +48,20 @@ from typing import Any, Sequence
 
 import torch
 
-#: Largest |logp(vLLM) - logp(trainer)| over the tokens of the sampled sequences that passes
-#: (see GAP_BOUND_REASON; the bf16 figure is set from benchmarks/compat.py's measurements).
-GAP_BOUND = {"float32": 1e-4, "bfloat16": 0.25, "float16": 0.05}
+#: Largest |logp(vLLM) - logp(trainer)| over the tokens of the checked sequences that passes, and
+#: (bf16) the largest mean over them. Reasons in GAP_BOUND_REASON; the bf16 figures come from
+#: benchmarks/compat.py --dtype bfloat16 (nine families, README).
+GAP_BOUND = {"float32": 1e-4, "bfloat16": 0.5, "float16": 0.1}
+MEAN_BOUND = {"float32": 1e-4, "bfloat16": 0.02, "float16": 0.005}
 GAP_BOUND_REASON = {
-    "float32": "the same fp32 arithmetic in a different order; the issue's bound",
-    "bfloat16": "bf16 keeps 8 bits of mantissa: every projection rounds its output to ~0.4%, and the two stacks "
-                "round at different places (vLLM fuses qkv and gate/up, adds residuals in its own order)",
-    "float16": "fp16 rounds at ~0.05%",
+    "float32": "the same fp32 arithmetic in a different order (fused projections, other kernels) leaves ~1e-6 to "
+               "1e-5; the issue's bound",
+    "bfloat16": "bf16 keeps 8 bits of mantissa: a logit between 8 and 16 is stored to 0.0625, between 16 and 32 to "
+                "0.125, so two stacks that round at different places (vLLM fuses qkv and gate/up, accumulates in "
+                "its own order) routinely differ by ~0.1 on a token. Measured on the miniatures: mean 0.004-0.013, "
+                "p99 0.035-0.10, max 0.05-0.32 nats over 1-2k tokens; bound: max 0.5, mean 0.02 (1.5x the "
+                "largest seen), while a stale or misrouted push moved them by 1-8 nats",
+    "float16": "fp16 keeps 11 bits: about 8x tighter than bf16 (not measured here)",
 }
 
 MARK_A = "\u2063MARKA\u2063"   # placeholders no tokenizer merges with their neighbours
@@ -564,7 +570,7 @@ def check_model(model_dir: str | Path, *, dtype: str = "float32", zero_stages: S
     work = Path(work_dir or tempfile.mkdtemp(prefix="turnrl-modelcheck-"))
     work.mkdir(parents=True, exist_ok=True)
     report = Report(model_dir, dtype)
-    bound = GAP_BOUND[dtype]
+    bound, mean_bound = GAP_BOUND[dtype], MEAN_BOUND[dtype]
     # bf16 weights round an Adam step of 1e-4 away on most entries (their spacing near 0.05 is 2.4e-4)
     lr = lr if lr is not None else (1e-4 if dtype == "float32" else 1e-3)
     m = report.metrics
@@ -631,8 +637,8 @@ def check_model(model_dir: str | Path, *, dtype: str = "float32", zero_stages: S
     if "hf" in engines:
         timer = _Timer()
         try:
-            from turnrl.rollout.engines import HFEngine
-            hf = HFEngine(model_dir, dtype=dtype, seed=seed)
+            from turnrl.rollout.engines import make_engine
+            hf = make_engine("hf", model_dir, dtype=dtype, seed=seed)
             hf_samples = hf.generate(prompts, max_tokens=[max_tokens] * len(prompts), stop=(), temperature=1.0,
                                      top_p=1.0, seeds=[seed] * len(prompts))
             hf_gap = 0.0
@@ -681,6 +687,9 @@ def check_model(model_dir: str | Path, *, dtype: str = "float32", zero_stages: S
         computes the model differently on load (reported once, by the logprobs check), twice
         that gap: these checks then judge the weights' way into vLLM, not vLLM's kernels."""
         return max(bound, 2 * m.get("load_gap", 0.0))
+
+    def mean_allowed() -> float:
+        return max(mean_bound, 2 * m.get("load_gap_mean", 0.0))
     for stage in zero_stages:
         timer = _Timer()
         name = f"zero{stage}"
@@ -694,11 +703,12 @@ def check_model(model_dir: str | Path, *, dtype: str = "float32", zero_stages: S
                 load_gap = _gap(vllm_now, before, lengths, record=(m, "load_gap"))
                 sample_gap = float(((before - engine_logp).abs() * loss_mask).max()) if vllm_samples else 0.0
                 m["load_gap"], m["sample_gap"] = load_gap, sample_gap
-                ok = max(load_gap, sample_gap) <= bound
+                ok = max(load_gap, sample_gap) <= bound and m["load_gap_mean"] <= mean_bound
                 report.checks.append(Result(
                     "logprobs", "OK" if ok else "FAIL",
                     f"before any update, vLLM against the trainer: prompt logprobs max gap {load_gap:.2e}, "
-                    f"sampling logprobs {sample_gap:.2e} (bound {bound:g})",
+                    f"sampling logprobs {sample_gap:.2e}; mean {m['load_gap_mean']:.1e} (bounds {bound:g}, mean "
+                    f"{mean_bound:g})",
                     "" if ok else "vLLM computes a different model than transformers from the same folder: check "
                     "the config (rope scaling, soft-capping, sliding window, norms) against vLLM's implementation"))
             if engine and stage != zero_stages[0]:
@@ -719,7 +729,8 @@ def check_model(model_dir: str | Path, *, dtype: str = "float32", zero_stages: S
                 vllm_now = vllm_new
                 push_gaps.append(gap)
                 m[f"{name}_gap"], m[f"{name}_moved"] = gap, moved
-                ok = gap <= allowed() and moved > allowed() and stale > allowed()
+                ok = gap <= allowed() and m[f"{name}_gap_mean"] <= mean_allowed() and moved > allowed() \
+                    and stale > allowed()
                 detail = (f"update moved the trainer's logprobs by up to {moved:.2e}; after the push ({len(packed)} "
                           f"buckets, {push_s:.2f} s) vLLM's prompt logprobs are within {gap:.2e} of the trainer's "
                           f"(vLLM before the push: {stale:.2e} away)")
@@ -784,8 +795,9 @@ def check_model(model_dir: str | Path, *, dtype: str = "float32", zero_stages: S
             if saved_gap is not None:
                 m["saved_vllm_gap"] = saved_gap
                 m["logp_gap_max"] = max(m.get("logp_gap_max", 0.0), saved_gap)
-                if saved_gap > allowed():
-                    problems.append(f"vLLM on the saved folder is off by {saved_gap:.2e}")
+                if saved_gap > allowed() or m["saved_vllm_gap_mean"] > mean_allowed():
+                    problems.append(f"vLLM on the saved folder is off by {saved_gap:.2e} (mean "
+                                    f"{m['saved_vllm_gap_mean']:.1e})")
             how = "a fresh vLLM" if fresh_engine else "vLLM's checkpoint loader"
             detail = (f"saved; transformers reloads it (logits within {logit_gap:.2e}, logprobs {hf_gap:.2e})"
                       + (f", {how} too (logprobs within {saved_gap:.2e})" if saved_gap is not None else ""))
@@ -873,8 +885,10 @@ def _rollout_check(engine: EngineProcess, fmt, worker, bound: float, max_tokens:
     m["rollout_turns"] = f"{sum(1 for n in turns if n == 2)}/{len(turns)} trajectories reached turn 2"
     # against the trainer only where vLLM computes the model as transformers does (the logprobs
     # check): otherwise the kernels' difference grows with the context and says nothing new here
-    judge_trainer = m.get("load_gap", 0.0) <= GAP_BOUND[m.get("dtype", "float32")]
-    bad = sample_gap > bound or (judge_trainer and trainer_gaps and max(trainer_gaps) > bound)
+    dtype = m.get("dtype", "float32")
+    judge_trainer = m.get("load_gap", 0.0) <= GAP_BOUND[dtype]
+    bad = sample_gap > bound or (judge_trainer and trainer_gaps and (
+        max(trainer_gaps) > bound or m["rollout_trainer_gap_mean"] > MEAN_BOUND[dtype]))
     if bad:
         problems.append(f"logprobs over multi-turn trajectories: sampling vs prompt {sample_gap:.2e}, "
                         f"vLLM vs trainer {max(trainer_gaps or [0.0]):.2e}")
