@@ -397,7 +397,9 @@ class _MCPServer:
 
         async def hold() -> None:
             try:
-                async with Client(self.target(), read_timeout_seconds=self.spec.connect_timeout_s) as client:
+                # no read timeout of the session's own: each call is bounded by timeout_s, the
+                # handshake and listing by connect_timeout_s (below)
+                async with Client(self.target()) as client:
                     self.client = client
                     listed = await client.list_tools()
                     tools = [MCPTool(self, t.name, t.description or "", dict(t.input_schema or {}))
