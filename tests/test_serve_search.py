@@ -1,7 +1,6 @@
 """`turnrl serve-search`: the BM25 index over HTTP, and the search environment using it through
 `env.options.endpoint`. The service is the real command, started and stopped on loopback."""
 import json
-import os
 import re
 import signal
 import subprocess

@@ -9,12 +9,11 @@ import textwrap
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
 from turnrl import envs
-from turnrl.envs.tools import (ParsedTurn, ToolCall, calculator, close_toolboxes, make_tools_env, parse_hermes,
+from turnrl.envs.tools import (ToolCall, calculator, close_toolboxes, make_tools_env, parse_hermes,
                                parse_llama3, parse_mistral, resolve_parser)
 from turnrl.plugins import PluginError
 

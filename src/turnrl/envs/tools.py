@@ -48,7 +48,6 @@ import ast
 import asyncio
 import atexit
 import concurrent.futures
-import copy
 import functools
 import inspect
 import json
