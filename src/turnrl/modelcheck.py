@@ -60,7 +60,7 @@ GAP_BOUND_REASON = {
                 "0.125, so two stacks that round at different places (vLLM fuses qkv and gate/up, accumulates in "
                 "its own order) routinely differ by ~0.1 on a token. Measured on the miniatures: mean 0.004-0.013, "
                 "p99 0.035-0.10, max 0.05-0.32 nats over 1-2k tokens; bound: max 0.5, mean 0.02 (1.5x the "
-                "largest seen), while a stale or misrouted push moved them by 1-8 nats",
+                "largest seen), while the push bugs the matrix found left vLLM 2.6-7.7 nats away",
     "float16": "fp16 keeps 11 bits: about 8x tighter than bf16 (not measured here)",
 }
 
