@@ -64,7 +64,7 @@ class Scorer:
     logprobs: Callable[[dict], "torch.Tensor"]             # the policy's current weights
     reference_logprobs: Callable[[dict], "torch.Tensor"]   # the frozen starting weights
     high: tuple[Callable, Callable] | None = None           # a second model playing the high level: its pair
-    eos_id: int | None = None                               # the tokenizer's end-of-turn id
+    eos_id: int | None = None                               # the chat template's end-of-turn token
 
 
 @dataclass(frozen=True)

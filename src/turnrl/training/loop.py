@@ -278,7 +278,10 @@ def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict]
     eos_id = None
     if algorithm.prepare is not None:   # e.g. MLMT's conversation without the feedback closes a message with it
         from transformers import AutoTokenizer
-        eos_id = AutoTokenizer.from_pretrained(model_dir).eos_token_id
+
+        from turnrl.rollout.chat import ChatFormat
+        # the token that closes an assistant turn (Gemma's <end_of_turn>, not its eos)
+        eos_id = ChatFormat(AutoTokenizer.from_pretrained(model_dir), cfg.model.template_type).end_of_turn_id
     overlap = cfg.train.overlap_rollout
     next_rollout: list = []   # overlap: this step's rollout, started during the last step's update
     loading: list = []        # overlap: the last weight pushes, which the engines run after that rollout
