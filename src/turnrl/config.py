@@ -62,12 +62,65 @@ class WarmStart(_Section):
     lr: float = Field(1e-3, gt=0)
 
 
+#: Modules LoRA does not adapt here: the embeddings and the LM head (often one tied tensor).
+LORA_EXCLUDED = ("lm_head", "embed_tokens", "embed_out", "wte", "wpe", "word_embeddings", "output")
+
+
+class LoraCfg(_Section):
+    """LoRA adapters (peft) trained instead of all weights. The rollout engines get the merged
+    weights W + (alpha / r) B A after every update, under the base model's names; models/final is the
+    merged model, its adapter/ folder the adapters (turnrl.training.workers)."""
+    r: int = Field(0, ge=0, description="the adapters' rank; 0: off (full fine-tuning, the default)")
+    alpha: float = Field(32.0, gt=0, description="scale: the update is (alpha / r) B A")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description=(
+        "dropout on the adapters' input while training (0: the update's forward is the sampling policy's)"))
+    target_modules: list[str] | str = Field("all-linear", description=(
+        "the linear layers that get adapters: all-linear (every linear layer but the LM head), or their names, "
+        "e.g. [q_proj, k_proj, v_proj, o_proj]"))
+
+    @model_validator(mode="after")
+    def _check(self) -> "LoraCfg":
+        targets = self.target_modules
+        if isinstance(targets, str):
+            if targets != "all-linear":
+                raise ValueError(f"target_modules = {targets!r}: must be all-linear or a list of module names, "
+                                 "e.g. [q_proj, v_proj]")
+            return self
+        if self.r and not targets:
+            raise ValueError("target_modules is empty: name the linear layers to adapt (e.g. [q_proj, v_proj]) or "
+                             "use all-linear; r: 0 turns LoRA off")
+        if any(not t or not t.strip() for t in targets):
+            raise ValueError(f"target_modules = {targets!r}: a module name is empty")
+        excluded = [t for t in targets if t.split(".")[-1] in LORA_EXCLUDED]
+        if excluded:
+            raise ValueError(f"target_modules names {excluded}: LoRA here adapts linear layers inside the model, not "
+                             "the embeddings or the LM head (often one tied tensor, which merged pushes cannot "
+                             "split); remove them, or train every weight with r: 0")
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"target_modules = {targets!r}: a module is listed twice")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.r > 0
+
+
 class ModelCfg(_Section):
     path: str = Field("tiny", min_length=1, description="'tiny', a local HF folder, or a hub id")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     template_type: Literal["chat", "base"] = "chat"
     tiny: TinyModel = TinyModel()
     warmstart: WarmStart = WarmStart()
+    lora: LoraCfg = Field(default_factory=LoraCfg, description=(
+        "LoRA adapters instead of full fine-tuning: {r, alpha, dropout, target_modules}; r 0 or {} is off"))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_lora(cls, data: Any) -> Any:
+        # `lora:` with nothing under it is YAML null: off, as {} is
+        if isinstance(data, dict) and "lora" in data and data["lora"] is None:
+            data = {**data, "lora": {}}
+        return data
 
 
 # --------------------------------------------------------------------------- data

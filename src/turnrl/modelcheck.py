@@ -18,9 +18,12 @@ What is checked, in order (later checks are skipped when an earlier one they nee
     logprobs     vLLM's logprobs (sampling and prompt logprobs of the sampled sequences) equal the
                  trainer's (DeepSpeed) before any update, within GAP_BOUND[dtype]
     zero2, zero3 one DeepSpeed update at that ZeRO stage changes the weights; pushed into vLLM in the
-                 packed buckets training uses, vLLM's prompt logprobs equal the trainer's again
+                 packed buckets training uses, vLLM's prompt logprobs equal the trainer's again.
+                 With `lora` (model.lora) the update trains LoRA adapters and what is pushed is the
+                 merged weights under the base model's names
     save         PolicyWorker.save writes a folder that transformers and vLLM (a fresh engine, or
-                 the running one's checkpoint loader) load with the trainer's logprobs
+                 the running one's checkpoint loader) load with the trainer's logprobs; with LoRA
+                 also its adapter/ folder, which peft loads over the starting model with them
     rollout      multi-turn rollouts on vLLM through `run_rollouts`: token in, token out, the
                  engine's sampling logprobs equal its own prompt logprobs of the whole trajectory,
                  and the trainer's
@@ -555,13 +558,14 @@ def check_model(model_dir: str | Path, *, dtype: str = "float32", zero_stages: S
                 samples: int = 6, max_tokens: int = 24, seed: int = 0, lr: float | None = None,
                 engines: Sequence[str] = ("vllm", "hf"), save: bool = True, rollout: bool = True,
                 work_dir: str | Path | None = None, bucket_mb: int = 1, template_type: str = "chat",
-                fresh_engine: bool = True, progress=None) -> Report:
+                fresh_engine: bool = True, lora: dict | None = None, progress=None) -> Report:
     """Run the checks on `model_dir` (see the module's docstring) and return the report.
     `bucket_mb` is small on purpose: a miniature's weights then cross in several buckets.
     `template_type: base` (model.template_type) skips the chat-template checks.
     `fresh_engine`: the saved folder is loaded by a new vLLM engine (as `turnrl evaluate` would);
     False: reloaded into the running one through vLLM's checkpoint loader (saves an engine
-    start, ~10-20 s; config.json is then not re-read)."""
+    start, ~10-20 s; config.json is then not re-read). `lora`: model.lora's keys ({r, alpha,
+    dropout, target_modules}; r > 0): the updates train LoRA adapters."""
     from transformers import AutoTokenizer
 
     from turnrl.rollout.chat import ChatFormat
@@ -575,6 +579,9 @@ def check_model(model_dir: str | Path, *, dtype: str = "float32", zero_stages: S
     lr = lr if lr is not None else (1e-4 if dtype == "float32" else 1e-3)
     m = report.metrics
     m["gap_bound"], m["dtype"] = bound, dtype
+    lora = dict(lora) if lora and lora.get("r") else None
+    if lora:
+        m["lora"] = lora
     config = json.loads((Path(model_dir) / "config.json").read_text())
     text_config = config.get("text_config", config)
     m["model_type"] = config.get("model_type")
@@ -695,7 +702,7 @@ def check_model(model_dir: str | Path, *, dtype: str = "float32", zero_stages: S
         name = f"zero{stage}"
         say(f"{name}: one update")
         try:
-            cfg = Config.model_validate({"seed": seed, "model": {"dtype": dtype},
+            cfg = Config.model_validate({"seed": seed, "model": {"dtype": dtype, **({"lora": lora} if lora else {})},
                                          "train": {"zero_stage": stage, "lr": lr, "grad_clip": 1.0}})
             worker = PolicyWorker(model_dir, cfg.model_dump(), master_port=rendezvous_port())
             before = worker.logprobs(batch)
@@ -731,7 +738,8 @@ def check_model(model_dir: str | Path, *, dtype: str = "float32", zero_stages: S
                 m[f"{name}_gap"], m[f"{name}_moved"] = gap, moved
                 ok = gap <= allowed() and m[f"{name}_gap_mean"] <= mean_allowed() and moved > allowed() \
                     and stale > allowed()
-                detail = (f"update moved the trainer's logprobs by up to {moved:.2e}; after the push ({len(packed)} "
+                what = f"a LoRA update (r={lora['r']}; merged weights pushed)" if lora else "update"
+                detail = (f"{what} moved the trainer's logprobs by up to {moved:.2e}; after the push ({len(packed)} "
                           f"buckets, {push_s:.2f} s) vLLM's prompt logprobs are within {gap:.2e} of the trainer's "
                           f"(vLLM before the push: {stale:.2e} away)")
                 if allowed() > bound:
@@ -781,6 +789,13 @@ def check_model(model_dir: str | Path, *, dtype: str = "float32", zero_stages: S
                 problems.append(f"transformers' reload is off by {hf_gap:.2e} in logprobs")
             if logit_gap > 1e3 * bound:
                 problems.append(f"transformers' reload is off by {logit_gap:.2e} in logits")
+            adapter_gap = None
+            if lora:
+                adapter_gap = _adapter_gap(model_dir, saved, dtype, ids, attn, trained, lengths)
+                m["saved_adapter_gap"] = adapter_gap
+                if adapter_gap > bound:
+                    problems.append(f"peft's reload of the adapters over the starting model is off by "
+                                    f"{adapter_gap:.2e} in logprobs")
             saved_gap = None
             if engine and fresh_engine:
                 engine.close()
@@ -800,7 +815,9 @@ def check_model(model_dir: str | Path, *, dtype: str = "float32", zero_stages: S
                                     f"{m['saved_vllm_gap_mean']:.1e})")
             how = "a fresh vLLM" if fresh_engine else "vLLM's checkpoint loader"
             detail = (f"saved; transformers reloads it (logits within {logit_gap:.2e}, logprobs {hf_gap:.2e})"
-                      + (f", {how} too (logprobs within {saved_gap:.2e})" if saved_gap is not None else ""))
+                      + (f", {how} too (logprobs within {saved_gap:.2e})" if saved_gap is not None else "")
+                      + (f"; peft loads its adapter/ over the starting model (logprobs within {adapter_gap:.2e})"
+                         if adapter_gap is not None else ""))
             report.checks.append(Result("save", "FAIL" if problems else "OK",
                                         "; ".join(problems) if problems else detail,
                                         "the saved folder does not hold the trained weights under the names the "
@@ -834,6 +851,21 @@ def check_model(model_dir: str | Path, *, dtype: str = "float32", zero_stages: S
     if gaps:
         m["logp_gap_max"] = max(gaps)
     return report
+
+
+def _adapter_gap(model_dir: str, saved: Path, dtype: str, ids: torch.Tensor, attn: torch.Tensor,
+                 trained: torch.Tensor, lengths: list[int]) -> float:
+    """max |logp| gap between the trainer and peft's model: the starting folder with the saved
+    adapter/ folder loaded over it (as a user would load the adapters)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from turnrl.training.workers import ADAPTER_DIR, token_logprobs
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    model = PeftModel.from_pretrained(base, str(saved / ADAPTER_DIR)).eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn).logits.float()
+    return _gap([[0.0] + r.tolist()[1:] for r in token_logprobs(logits, ids)], trained, lengths)
 
 
 class _ProxyEngine:

@@ -1,7 +1,8 @@
 """The roles of a training run, each a plain class that runs as a Ray actor:
 
 - `PolicyWorker`: one rank of the policy's DeepSpeed group (ZeRO stage from params). Computes
-  token logprobs, runs the policy-gradient update, hands out its weights as named tensors.
+  token logprobs, runs the policy-gradient update, hands out its weights as named tensors. With
+  `model.lora` it trains LoRA adapters (peft) and hands out the merged weights (see `lora_model`).
 - `CriticWorker`: one rank of PPO's critic, a DeepSpeed group of its own.
 - `RolloutWorker`: a rollout engine (vLLM, or transformers) plus the environments. Runs the
   multi-turn loop for its share of a step's prompts and takes new weights without restarting.
@@ -23,6 +24,7 @@ import math
 import os
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -30,7 +32,7 @@ import torch
 
 from turnrl.algos import (entropy_from_logits, explained_variance, kl_estimate, kl_loss, logprobs_from_logits,
                           masked_mean, policy_loss, value_loss)
-from turnrl.config import Config
+from turnrl.config import Config, LoraCfg
 from turnrl.training.checkpoint import step_seed
 
 
@@ -89,8 +91,10 @@ def _deepspeed_engine(model: torch.nn.Module, cfg: Config, lr: float, rank: int,
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
     train = cfg.train
-    # A torch optimizer avoids DeepSpeed's JIT-built Adam kernels (minutes of gcc on CPU).
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=train.weight_decay, betas=(0.9, 0.99))
+    # A torch optimizer avoids DeepSpeed's JIT-built Adam kernels (minutes of gcc on CPU). Only
+    # what trains (with LoRA: the adapters; the base weights are frozen and get no optimizer state).
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                                  weight_decay=train.weight_decay, betas=(0.9, 0.99))
     # Linear warmup over optimizer steps (a factor of 1 throughout with warmup_steps 0); its
     # state is part of every checkpoint.
     warmup = train.warmup_steps
@@ -144,6 +148,7 @@ class _TrainerRank:
     rank: int
     world_size: int
     TAG = "engine"   # DeepSpeed's checkpoint tag inside a checkpoint folder
+    frozen_base = False   # LoRA: checkpoints hold the adapters and their optimizer state, not the frozen base
 
     def where(self) -> dict[str, Any]:
         return {**actor_location(), "rank": self.rank}
@@ -199,11 +204,14 @@ class _TrainerRank:
     def save_checkpoint(self, folder: str) -> None:
         """Every rank: DeepSpeed writes this rank's shard (weights, optimizer, scheduler) and
         we add its generator states."""
-        self.engine.save_checkpoint(folder, tag=self.TAG, save_latest=False)
+        self.engine.save_checkpoint(folder, tag=self.TAG, save_latest=False,
+                                    exclude_frozen_parameters=self.frozen_base)
         torch.save(rng_state(), Path(folder).parent / f"rng_{Path(folder).name}_rank{self.rank}.pt")
 
     def load_checkpoint(self, folder: str) -> None:
-        path, _ = self.engine.load_checkpoint(folder, tag=self.TAG)
+        # LoRA: the frozen base weights are not in the checkpoint; they are the starting model's,
+        # which this rank loaded (the checkpoint's fingerprint covers that folder's content)
+        path, _ = self.engine.load_checkpoint(folder, tag=self.TAG, load_module_strict=not self.frozen_base)
         if path is None:
             raise FileNotFoundError(f"{folder}: no DeepSpeed checkpoint '{self.TAG}' for rank {self.rank}")
         set_rng_state(torch.load(Path(folder).parent / f"rng_{Path(folder).name}_rank{self.rank}.pt",
@@ -221,13 +229,29 @@ class PolicyWorker(_TrainerRank):
         torch.set_flush_denormal(True)   # subnormal floats slow CPU training down several-fold
         dtype = getattr(torch, self.cfg.model.dtype)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        self.lora = self.cfg.model.lora if self.cfg.model.lora.enabled else None
+        if self.lora is not None:
+            model = lora_model(model, self.lora, self.cfg.seed)
+            self.frozen_base = True
         self.engine = _deepspeed_engine(model, self.cfg, self.cfg.train.lr, rank, world_size, master_addr, master_port)
         self.zero_stage = self.cfg.train.zero_stage
         # The frozen starting policy: KL to it is reported every step and, with
         # algorithm.kl_coef > 0, added to the loss. Loaded once; it only computes logprobs.
-        self.reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(
-            self.engine.device).eval().requires_grad_(False)
+        # With LoRA it is the base model itself with the adapters switched off (exactly the
+        # starting weights, which the base keeps frozen): no second copy of the model.
+        self.reference = None if self.lora is not None else AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype).to(self.engine.device).eval().requires_grad_(False)
+        self._exports: dict[bool, list[Export]] = {}
         self.transfer = None   # vLLM's NCCL weight transfer (GPUs), see init_weight_transfer
+
+    def where(self) -> dict[str, Any]:
+        out = super().where()
+        if self.lora is not None:
+            trained = sum(getattr(p, "ds_numel", p.numel()) for p in self.engine.module.parameters() if p.requires_grad)
+            total = sum(getattr(p, "ds_numel", p.numel()) for p in self.engine.module.parameters())
+            out["lora"] = {"r": self.lora.r, "alpha": self.lora.alpha, "trained_parameters": trained,
+                           "parameters": total, "modules": sorted(lora_layers(self.engine.module))}
+        return out
 
     def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -239,7 +263,12 @@ class PolicyWorker(_TrainerRank):
 
     @torch.no_grad()
     def _reference_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = self.reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        if self.reference is None:   # LoRA: the base model, adapters off
+            self.engine.eval()
+            with self.engine.module.disable_adapter():
+                logits = self._forward(batch)
+        else:
+            logits = self.reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         return token_logprobs(logits, batch["input_ids"])
 
     def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -336,18 +365,26 @@ class PolicyWorker(_TrainerRank):
                 "kl_ref": masked_mean(kl_estimate(logp, ref_logp, kind=kind), mask).item()}
 
     # ----------------------------------------------------------------------- weights out
-    def _param_buckets(self, bucket_bytes: int) -> list[list[tuple[str, torch.nn.Parameter]]]:
-        """The parameters in order, grouped into buckets of at most bucket_bytes (or one tensor).
+    def exports(self, remove_duplicate: bool = False) -> list["Export"]:
+        """The weights the engines get, in order (see `export_plan`)."""
+        if remove_duplicate not in self._exports:
+            self._exports[remove_duplicate] = export_plan(self.engine.module, remove_duplicate)
+        return self._exports[remove_duplicate]
+
+    def _param_buckets(self, bucket_bytes: int) -> list[list["Export"]]:
+        """The weights in order, grouped into buckets of at most bucket_bytes (or one tensor).
         Tied weights come under each of their names (lm_head.weight too: the engine may hold it
-        apart from the embedding)."""
+        apart from the embedding). With LoRA: the base model's weights under its own names, an
+        adapted layer's weight merged (W + (alpha / r) B A); the adapters themselves are not sent."""
         buckets: list[list] = [[]]
         size = 0
-        for name, param in self.engine.module.named_parameters(remove_duplicate=False):
+        for export in self.exports():
+            param = export.param
             nbytes = getattr(param, "ds_numel", param.numel()) * param.element_size()
             if buckets[-1] and size + nbytes > bucket_bytes:
                 buckets.append([])
                 size = 0
-            buckets[-1].append((name, param))
+            buckets[-1].append(export)
             size += nbytes
         return buckets
 
@@ -362,33 +399,56 @@ class PolicyWorker(_TrainerRank):
         """The weights as `pack_tensors` buffers, one per bucket (yielded on rank 0 only; every
         rank must run the generator to the end under ZeRO-3, whose gathers are collectives)."""
         for bucket in self._param_buckets(bucket_mb << 20):
-            with self._gathered(list({id(p): p for _, p in bucket}.values())):
+            with self._gathered(list({id(p): p for e in bucket for p in e.sources()}.values())):
                 if self.rank == 0:
-                    yield pack_tensors([(name, p.detach()) for name, p in bucket])
+                    yield pack_tensors([(e.name, e.value()) for e in bucket])
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """Full weights as CPU tensors (gathered from all ranks under ZeRO-3: all ranks call)."""
+        """Full weights as CPU tensors (gathered from all ranks under ZeRO-3: all ranks call),
+        under the base model's names; with LoRA merged, without the adapters."""
         module = self.engine.module
+        root = module.get_base_model() if self.lora is not None else module
+        merged = {e.name: e for e in self.exports() if e.lora is not None}
         # Tied weights stay one tensor under both names: save_pretrained then writes one (the
         # embedding), as the checkpoint had it. Separate copies made it write lm_head.weight too,
         # which vLLM's Gemma 2 (no lm_head) refuses to load.
         copies: dict[int, torch.Tensor] = {}
         out = {}
         with self._gathered(list(module.parameters())):
-            for name, value in module.state_dict(keep_vars=True).items():
+            for name, value in root.state_dict(keep_vars=True).items():
+                name = base_name(name)
+                if name is None:   # an adapter's own tensor
+                    continue
+                if name in merged:
+                    out[name] = merged[name].value().cpu().clone()
+                    continue
                 if id(value) not in copies:
                     copies[id(value)] = value.detach().cpu().clone()
                 out[name] = copies[id(value)]
         return out
 
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapters' tensors under peft's names (gathered under ZeRO-3: all ranks call)."""
+        module = self.engine.module
+        params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        with self._gathered([p for _, p in params]):
+            return {n: p.detach().cpu().clone() for n, p in params}
+
     def save(self, out_dir: str, tokenizer_dir: str) -> str:
         """Save an HF folder (weights + tokenizer) that transformers and vLLM load; all ranks
-        call, rank 0 writes."""
+        call, rank 0 writes. With LoRA the folder is the merged model, and `ADAPTER_DIR` in it
+        peft's adapter folder (`PeftModel.from_pretrained(base, out_dir + "/adapter")`)."""
         from transformers import AutoTokenizer
         weights = self.named_weights()
+        adapters = self.adapter_weights() if self.lora is not None else None
         if self.rank == 0:
-            self.engine.module.save_pretrained(out_dir, state_dict=weights, safe_serialization=True)
+            module = self.engine.module
+            root = module.get_base_model() if self.lora is not None else module
+            root.save_pretrained(out_dir, state_dict=weights, safe_serialization=True)
             AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
+            if adapters is not None:
+                module.save_pretrained(str(Path(out_dir) / ADAPTER_DIR), state_dict=adapters,
+                                       save_embedding_layers=False)
         return out_dir
 
     def init_weight_transfer(self, master_address: str, master_port: int, world_size: int, engines: list) -> None:
@@ -440,20 +500,118 @@ def unpack_tensors(packed: tuple[Any, list]) -> Iterator[tuple[str, torch.Tensor
 
 def _gathering_source(rank: PolicyWorker):
     """vLLM's WeightSource over a DeepSpeed module: full shapes up front, each parameter
-    gathered (ZeRO-3) while it is sent."""
+    gathered (ZeRO-3) while it is sent (with LoRA: merged, as in `PolicyWorker._param_buckets`)."""
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
     class GatheringSource(WeightSource):
         def metadata(self) -> list:
-            return [ParamMeta(name, p.dtype, tuple(getattr(p, "ds_shape", p.shape)))
-                    for name, p in rank.engine.module.named_parameters()]
+            return [ParamMeta(e.name, e.param.dtype, tuple(getattr(e.param, "ds_shape", e.param.shape)))
+                    for e in rank.exports(remove_duplicate=True)]
 
         def __iter__(self):
-            for name, param in rank.engine.module.named_parameters():
-                with rank._gathered([param]):
-                    yield name, param.data
+            for e in rank.exports(remove_duplicate=True):
+                with rank._gathered(e.sources()):
+                    yield e.name, e.value()
 
     return GatheringSource()
+
+
+# --------------------------------------------------------------------------- LoRA
+ADAPTER_DIR = "adapter"   # peft's adapter folder inside a saved (merged) LoRA model
+
+
+class LoraTargetError(ValueError):
+    """model.lora.target_modules does not fit the model."""
+
+
+def lora_model(model: torch.nn.Module, lora: LoraCfg, seed: int) -> torch.nn.Module:
+    """`model` with LoRA adapters (peft) on `lora.target_modules`; everything else frozen. B
+    starts at zero, so the model computes what it did. A is drawn from `seed` alone: every
+    rank starts from the same adapters (the global generator is left as it was)."""
+    from peft import LoraConfig, get_peft_model
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
+                        target_modules=lora.target_modules, task_type="CAUSAL_LM")
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            # adapters in the model's dtype (peft would keep bf16 models' adapters in fp32)
+            peft_model = get_peft_model(model, config, autocast_adapter_dtype=False)
+        except ValueError as exc:
+            raise LoraTargetError(f"model.lora.target_modules = {lora.target_modules!r}: {exc} The model's linear "
+                                  f"layers: {', '.join(linear)}") from None
+    from peft.tuners.lora import Linear as LoraLinear
+    output = peft_model.get_base_model().get_output_embeddings()
+    for name, layer in lora_layers(peft_model).items():
+        if type(layer) is not LoraLinear or layer.get_base_layer() is output:
+            raise LoraTargetError(f"model.lora.target_modules = {lora.target_modules!r} adapts {name} "
+                                  f"({type(layer.get_base_layer()).__name__}): turnrl adapts linear layers inside the "
+                                  f"model only, not embeddings or the LM head; its linear layers: {', '.join(linear)}")
+    return peft_model
+
+
+def lora_layers(module: torch.nn.Module) -> dict[str, Any]:
+    """The peft LoRA layers of `module` by name (inside the base model: no `base_model.model.`)."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return {}
+    root = module.get_base_model() if hasattr(module, "get_base_model") else module
+    return {n: m for n, m in root.named_modules() if isinstance(m, LoraLayer)}
+
+
+def base_name(name: str) -> str | None:
+    """A parameter's name inside peft's wrapped base model -> the base model's own name
+    (`...q_proj.base_layer.weight` -> `...q_proj.weight`); None for an adapter's own tensors
+    (`lora_A`, `lora_B`, ...). Names without peft's parts come back unchanged."""
+    parts = name.split(".")
+    if any(p.startswith("lora_") for p in parts):
+        return None
+    return ".".join(p for p in parts if p != "base_layer")
+
+
+def merged_weight(weight: torch.Tensor, layer: Any, adapter: str = "default") -> torch.Tensor:
+    """W + (alpha / r) B A for a peft LoRA linear layer (in fp32, then the weight's dtype)."""
+    a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+    delta = (b.detach().float() @ a.detach().float()) * layer.scaling[adapter]
+    if layer.fan_in_fan_out:
+        delta = delta.T
+    return (weight.detach().float() + delta).to(weight.dtype)
+
+
+@dataclass
+class Export:
+    """One tensor the rollout engines get: `param` under `name` (the base model's name), or with
+    `lora` that layer's merged weight."""
+    name: str
+    param: torch.nn.Parameter
+    lora: Any = None
+
+    def sources(self) -> list[torch.nn.Parameter]:
+        """What must be gathered (ZeRO-3) to compute `value`."""
+        if self.lora is None:
+            return [self.param]
+        return [self.param, self.lora.lora_A["default"].weight, self.lora.lora_B["default"].weight]
+
+    def value(self) -> torch.Tensor:
+        return self.param.detach() if self.lora is None else merged_weight(self.param, self.lora)
+
+
+def export_plan(module: torch.nn.Module, remove_duplicate: bool = False) -> list[Export]:
+    """The weights an engine loads, for a plain model (its parameters) or a peft LoRA model (the
+    base model's parameters under their own names, adapted weights merged, adapters left out)."""
+    layers = lora_layers(module)
+    if not layers:
+        return [Export(n, p) for n, p in module.named_parameters(remove_duplicate=remove_duplicate)]
+    out = []
+    for name, param in module.get_base_model().named_parameters(remove_duplicate=remove_duplicate):
+        target = base_name(name)
+        if target is None:
+            continue
+        owner, _, leaf = name.rpartition(".")
+        layer = layers.get(owner.removesuffix(".base_layer")) if owner.endswith(".base_layer") else None
+        out.append(Export(target, param, layer if leaf == "weight" else None))
+    return out
 
 
 class CriticWorker(_TrainerRank):
