@@ -71,7 +71,7 @@ class LoraCfg(_Section):
     weights W + (alpha / r) B A after every update, under the base model's names; models/final is the
     merged model, its adapter/ folder the adapters (turnrl.training.workers)."""
     r: int = Field(0, ge=0, description="the adapters' rank; 0: off (full fine-tuning, the default)")
-    alpha: float = Field(32.0, gt=0, description="scale: the update is (alpha / r) B A")
+    alpha: float = Field(16.0, gt=0, description="scale: the update is (alpha / r) B A")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description=(
         "dropout on the adapters' input while training (0: the update's forward is the sampling policy's)"))
     target_modules: list[str] | str = Field("all-linear", description=(
