@@ -89,6 +89,40 @@ def _defined(module: Any) -> list[str]:
     return sorted(own)[:20]
 
 
+class Registry:
+    """Names for plugins of one kind (environments, algorithms): each a registered object, or
+    the import path of one loaded on first use; a name that is not registered but is an import
+    path is loaded too. `convert(obj, name, key)` turns what was found into the kind's object
+    (checking it); the result is kept per name."""
+
+    def __init__(self, kind: str, example: str, convert: Callable[[Any, str, str], Any],
+                 entries: dict[str, Any] | None = None):
+        self.kind, self.example, self.convert = kind, example, convert
+        self.entries: dict[str, Any] = dict(entries or {})
+        self.resolved: dict[str, Any] = {}
+
+    def register(self, name: str, obj: Any) -> None:
+        self.entries[name] = obj
+        self.resolved.pop(name, None)
+
+    def names(self) -> list[str]:
+        return sorted(self.entries)
+
+    def resolve(self, name: str, key: str) -> Any:
+        if name in self.resolved:
+            return self.resolved[name]
+        if name in self.entries:
+            entry = self.entries[name]
+            obj = load_object(entry, key) if isinstance(entry, str) else entry
+        elif is_import_path(name):
+            obj = load_object(name, key)
+        else:
+            raise PluginError(f"{key} = {name!r}: not a registered {self.kind} ({', '.join(self.names())}) nor an "
+                              f"import path 'package.module:name' (the object after the colon), e.g. {self.example}")
+        self.resolved[name] = self.convert(obj, name, key)
+        return self.resolved[name]
+
+
 def check_call(fn: Any, key: str, what: str, positional: int = 0, keywords: tuple[str, ...] = (),
                extra_keywords: bool = False) -> None:
     """PluginError unless `fn` is callable with `positional` positional arguments and the

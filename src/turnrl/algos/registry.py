@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from turnrl.plugins import PluginError, check_call, is_import_path, load_object
+from turnrl.plugins import Registry, check_call
 
 if TYPE_CHECKING:
     import torch
@@ -75,41 +75,32 @@ class Algorithm:
     name: str = ""
 
 
-# name -> Algorithm, or the import path of one (the built-ins: turnrl.algos.builtin)
-_REGISTRY: dict[str, Algorithm | str] = {
-    name: f"turnrl.algos.builtin:{name.upper()}"
-    for name in ("grpo", "dr_grpo", "rloo", "mt_grpo", "ms_grpo", "ms_po", "mlmt", "ppo")
-}
-_RESOLVED: dict[str, Algorithm] = {}
-
-
-def register(name: str, algorithm: Algorithm | Callable | str) -> None:
-    """Add an algorithm under `name`: an Algorithm, a bare advantage function, or an import path."""
-    _REGISTRY[name] = algorithm
-    _RESOLVED.pop(name, None)
-
-
-def names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def resolve(name: str, key: str = "algorithm.name") -> Algorithm:
-    """The Algorithm `name` stands for; PluginError naming `key` if it is unknown or unusable."""
-    if name in _RESOLVED:
-        return _RESOLVED[name]
-    if name in _REGISTRY:
-        entry = _REGISTRY[name]
-        obj = load_object(entry, key) if isinstance(entry, str) else entry
-    elif is_import_path(name):
-        obj = load_object(name, key)
-    else:
-        raise PluginError(f"{key} = {name!r}: not a registered algorithm ({', '.join(names())}) nor an import path "
-                          "'package.module:name' (the object after the colon), e.g. my_algos.module:advantages")
+def _as_algorithm(obj: Any, name: str, key: str) -> Algorithm:
     if not isinstance(obj, Algorithm):
         obj = Algorithm(advantages=obj)
     where = f"{key} = {name!r}"
     check_call(obj.advantages, where, "advantages(inputs, cfg) -> advantages [B, T]", positional=2)
     if obj.prepare is not None:
         check_call(obj.prepare, where, "prepare(trajs, batch, scorer, cfg) -> (extras, metrics)", positional=4)
-    algorithm = _RESOLVED[name] = Algorithm(obj.advantages, obj.critic, obj.prepare, obj.name or name)
-    return algorithm
+    return Algorithm(obj.advantages, obj.critic, obj.prepare, obj.name or name)
+
+
+# name -> Algorithm, or the import path of one (the built-ins: turnrl.algos.builtin)
+_REGISTRY = Registry("algorithm", "my_algos.module:advantages", _as_algorithm, {
+    name: f"turnrl.algos.builtin:{name.upper()}"
+    for name in ("grpo", "dr_grpo", "rloo", "mt_grpo", "ms_grpo", "ms_po", "mlmt", "ppo")
+})
+
+
+def register(name: str, algorithm: Algorithm | Callable | str) -> None:
+    """Add an algorithm under `name`: an Algorithm, a bare advantage function, or an import path."""
+    _REGISTRY.register(name, algorithm)
+
+
+def names() -> list[str]:
+    return _REGISTRY.names()
+
+
+def resolve(name: str, key: str = "algorithm.name") -> Algorithm:
+    """The Algorithm `name` stands for; PluginError naming `key` if it is unknown or unusable."""
+    return _REGISTRY.resolve(name, key)

@@ -16,29 +16,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from turnrl.envs.base import LEVELS, Env, EnvContext, EnvSpec, StepResult
-from turnrl.plugins import PluginError, is_import_path, load_object, validate_options
-
-# name -> EnvSpec, a factory, or the import path of either (imported on first use)
-_REGISTRY: dict[str, EnvSpec | Callable[..., Env] | str] = {
-    "code_tool": "turnrl.envs.code_tool:ENV",
-    "search": "turnrl.envs.search:ENV",
-    "math_refine": "turnrl.envs.math_refine:ENV",
-    "intervention": "turnrl.envs.intervention:ENV",
-    "math_answer": "turnrl.envs.single_answer:ENV",
-    "tools": "turnrl.envs.tools:ENV",
-}
-_RESOLVED: dict[str, EnvSpec] = {}
-
-
-def register(name: str, spec: EnvSpec | Callable[..., Env] | str) -> None:
-    """Add an environment under `name`: an EnvSpec, a factory, or an import path to either."""
-    _REGISTRY[name] = spec
-    _RESOLVED.pop(name, None)
-
-
-def names() -> list[str]:
-    return sorted(_REGISTRY)
-
+from turnrl.plugins import PluginError, Registry, validate_options
 
 def _as_spec(obj: Any, name: str, key: str) -> EnvSpec:
     if isinstance(obj, EnvSpec):
@@ -49,21 +27,30 @@ def _as_spec(obj: Any, name: str, key: str) -> EnvSpec:
                       "returning an environment)")
 
 
+# name -> EnvSpec, a factory, or the import path of either (imported on first use)
+_REGISTRY = Registry("environment", "my_tasks.guess:make_env", _as_spec, {
+    "code_tool": "turnrl.envs.code_tool:ENV",
+    "search": "turnrl.envs.search:ENV",
+    "math_refine": "turnrl.envs.math_refine:ENV",
+    "intervention": "turnrl.envs.intervention:ENV",
+    "math_answer": "turnrl.envs.single_answer:ENV",
+    "tools": "turnrl.envs.tools:ENV",
+})
+
+
+def register(name: str, spec: EnvSpec | Callable[..., Env] | str) -> None:
+    """Add an environment under `name`: an EnvSpec, a factory, or an import path to either."""
+    _REGISTRY.register(name, spec)
+
+
+def names() -> list[str]:
+    return _REGISTRY.names()
+
+
 def resolve(name: str, key: str = "env.name") -> EnvSpec:
     """The EnvSpec `name` stands for (a registered name or an import path). PluginError,
     naming `key`, when it cannot be found or imported."""
-    if name in _RESOLVED:
-        return _RESOLVED[name]
-    if name in _REGISTRY:
-        entry = _REGISTRY[name]
-        obj = load_object(entry, key) if isinstance(entry, str) else entry
-    elif is_import_path(name):
-        obj = load_object(name, key)
-    else:
-        raise PluginError(f"{key} = {name!r}: not a registered environment ({', '.join(names())}) nor an import "
-                          "path 'package.module:name' (the object after the colon), e.g. my_tasks.guess:make_env")
-    spec = _RESOLVED[name] = _as_spec(obj, name, key)
-    return spec
+    return _REGISTRY.resolve(name, key)
 
 
 def check_options(spec: EnvSpec, options: dict[str, Any], key: str = "env.options") -> dict[str, Any]:
