@@ -64,7 +64,6 @@ def report(results: list[dict], rows: list[Row], seeds: list[int]) -> str:
              "| row | params | gain, mean ± sd | per seed | baseline → trained (mean) | vs full (mean gain) | "
              "step s (mean) | sync s (mean) | margin |",
              "|---|---|---|---|---|---|---|---|---|"]
-    full_gains = [full[s]["gain_pts"] for s in sorted(full)]
     for row in rows:
         done = sorted((r for r in results if r["row"] == row.name and "gain_pts" in r), key=lambda r: r["seed"])
         if not done:

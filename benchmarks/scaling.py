@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         row["load"] = (load_before + os.getloadavg()[0]) / 2
         rows.append((setup, row))
         print(f"{setup}: {row}", file=sys.stderr, flush=True)
-    print(f"| ranks x engines | step s | rollout s | train s | sync s | other s | engines idle | trainer idle "
-          f"| gen tok/s | max logp gap | load avg |")
+    print("| ranks x engines | step s | rollout s | train s | sync s | other s | engines idle | trainer idle "
+          "| gen tok/s | max logp gap | load avg |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for setup, r in rows:
         print(f"| {setup} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | {r['train_s']:.2f} | {r['sync_s']:.2f} "

@@ -77,8 +77,8 @@ def main(cfg):
                         checkpoints=store, resume=resume, mlflow_run_id=run.run_id, info=where)
     except (UnhealthyTraining, EnvironmentFailure) as exc:   # the curves so far still land; checkpoints are kept
         plots.write_csv(exc.history, Path("plots/train.csv"))
-        run.recorder.now("tags", "turnrl.health", lambda: mlflow.set_tag(
-            "turnrl.health", json.dumps(health.summarize(exc.history)["flags"])[:5000]))
+        flags = json.dumps(health.summarize(exc.history)["flags"])[:5000]   # `exc` is unbound after the except
+        run.recorder.now("tags", "turnrl.health", lambda: mlflow.set_tag("turnrl.health", flags))
         print(f"turnrl train: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
     except ActorFailure as exc:   # e.g. a reward function that failed (reward.on_error: fail): its message, not a traceback

@@ -4,7 +4,7 @@ import pytest
 
 from turnrl.envs.intervention import INTERVENTION, InterventionEnv, find_answer
 from turnrl.rollout.chat import ChatFormat
-from turnrl.rollout.loop import Budgets, Sample, run_rollouts
+from turnrl.rollout.loop import Budgets, run_rollouts
 
 from conftest import ScriptedEngine
 

@@ -8,7 +8,7 @@ import pytest
 from turnrl.envs import search as search_mod
 from turnrl.envs.search import SearchEnv, SearchIndex, build_index, clear_index_cache, parse_action
 from turnrl.rollout.chat import ChatFormat
-from turnrl.rollout.loop import Budgets, Sample, run_rollouts
+from turnrl.rollout.loop import Budgets, run_rollouts
 
 from conftest import ScriptedEngine
 

@@ -148,7 +148,6 @@ def test_metric_sections(key, name):
 
 # --------------------------------------------------------------------------- traces
 def _trajectory(env, turns, times=True):
-    from transformers import AutoTokenizer
 
     from turnrl.rollout.chat import ChatFormat
     from turnrl.rollout.loop import replay

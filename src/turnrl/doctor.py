@@ -179,7 +179,7 @@ def check_ray(cfg: Config) -> Check:
         return Check("ray", "FAIL", detail, f"not enough {' and '.join(short)}: add nodes, or lower "
                      "cluster.trainer_ranks / rollout_engines / *_cpus / *_gpus")
     if c.strategy == "STRICT_SPREAD" and len(bundles) > len(nodes):
-        return Check("ray", "FAIL", detail, f"STRICT_SPREAD needs a node per bundle: use SPREAD or add nodes")
+        return Check("ray", "FAIL", detail, "STRICT_SPREAD needs a node per bundle: use SPREAD or add nodes")
     return Check("ray", "OK", detail)
 
 
