@@ -9,9 +9,9 @@ task with a warm-started tiny model, in a scratch project; the variants:
 
 - `off`: per-step metrics and sample tables only (what was logged before issue 24):
   `tracking.traces.every: 0`, `system_metrics: false`, `log_model: false`.
-- `on`: the defaults: traces of 4 trajectories every 5 steps (and the first and last), system
-  metrics every 10 s, data sets as inputs, the final model.
-- `every`: traces of 4 trajectories at every step (5x the default's tracing).
+- `on`: the defaults (tracking.* of this checkout): traces of 4 trajectories every 10 steps (and
+  of the first and last), system metrics every 10 s, data sets as inputs, the final model.
+- `every`: traces of 4 trajectories at every step.
 
 Per run it reads: the loop's step time (`step_s` in plots/train.csv, which the Recorder's
 thread slows down if it takes CPU from the actors), the time `on_step` blocks the loop
@@ -83,7 +83,8 @@ def run_once(base: Path, scratch: Path, variant: str, steps: int, uri: str, inde
     shutil.copytree(base / "models", project / "models")
     params = yaml.safe_load((base / "params.yaml").read_text())
     params["train"].update(steps=steps, checkpoint_every=0)
-    tracking = {**params["tracking"], "uri": uri, "experiment": f"tracking-cost-{variant}"}
+    from turnrl.config import Config   # this checkout's defaults, whatever params.yaml the base was made with
+    tracking = {**Config().tracking.model_dump(), "uri": uri, "experiment": f"tracking-cost-{variant}"}
     for key, value in VARIANTS[variant].items():
         tracking[key] = {**tracking[key], **value} if isinstance(value, dict) else value
     params["tracking"] = tracking
@@ -112,7 +113,8 @@ def run_once(base: Path, scratch: Path, variant: str, steps: int, uri: str, inde
     metrics = run.data.metrics
     traces = len(mlflow.search_traces(locations=[run.info.experiment_id], run_id=run.info.run_id,
                                       return_type="list"))
-    return {"variant": variant, "index": index, "load_before": load, "load_after": os.getloadavg()[0],
+    return {"variant": variant, "index": index, "tracking": tracking, "load_before": load,
+            "load_after": os.getloadavg()[0],
             "wall_s": wall, "step_s": step_s, "on_step_s": on_step,
             "thread_busy_s": metrics.get("timing/mlflow_thread_busy_s"),
             "thread_cpu_s": metrics.get("timing/mlflow_thread_cpu_s"),

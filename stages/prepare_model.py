@@ -15,7 +15,7 @@ def main(cfg):
     shutil.rmtree(OUT, ignore_errors=True)
     if cfg.model.path == "tiny":
         summary = build_tiny(cfg, OUT, log_metrics=lambda step, m: step % 10 == 0 and tracking.log_metrics(
-            {f"warmstart/{k}": v for k, v in m.items()}, step))
+            {f"warmstart/{k.removeprefix('warmstart_')}": v for k, v in m.items()}, step))
         write_json("metrics/prepare_model.json", summary)
         tracking.log_artifacts(run, OUT, "model")
     else:

@@ -453,7 +453,7 @@ class ClusterCfg(_Section):
 
 class TracesCfg(_Section):
     """A sample of rollouts and evaluation generations as MLflow traces (a span per turn)."""
-    every: int = Field(5, ge=0, description=(
+    every: int = Field(10, ge=0, description=(
         "trace a sample of the rollouts of every N-th training step (and of steps 1 and the last); 0: none"))
     per_step: int = Field(4, ge=1, description="trajectories traced per sampled step, spread over its groups")
     per_benchmark: int = Field(8, ge=0, description=(

@@ -379,6 +379,7 @@ class Recorder:
 
     # ----------------------------------------------------------------- the thread
     def _work(self) -> None:
+        background_priority()
         while True:
             item = self.queue.get()[2]
             if item is None:
@@ -475,6 +476,15 @@ class Recorder:
         self._hidden.clear()
 
 
+def background_priority(nice: int = 19) -> None:
+    """Lower the calling thread's CPU priority (Linux: per thread): recording then runs on the
+    cores' idle time and gives way to the training actors when they need it."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError):
+        pass
+
+
 _recorder: Recorder | None = None
 _stage: "StageRun | None" = None
 
@@ -505,6 +515,7 @@ class SystemMetrics:
         self.thread.start()
 
     def _loop(self) -> None:
+        background_priority()
         while not self.stop_event.wait(self.interval):
             try:
                 self.monitor.collect_metrics()
