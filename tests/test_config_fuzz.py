@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from turnrl.config import Config, ConfigError, load_config, parse_config
 
-from conftest import ROOT, print_past_capture
+from conftest import print_past_capture
 
 EXAMPLES = int(os.environ.get("TURNRL_FUZZ_EXAMPLES", "200"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])

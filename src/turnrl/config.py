@@ -560,6 +560,30 @@ def _describe(err: dict, source: str) -> str:
     return f"{source}: {key} = {_value_text(err.get('input'))}: {msg}"
 
 
+# pydantic names the member of a union a value failed as a part of its location
+# (model.lora.target_modules.'list[str]'): not a key a user wrote
+_UNION_TAG = re.compile(r"(str|int|float|bool|none|(list|dict|tuple|set|literal|function-\w+)\[.*\]|[A-Z]\w*)")
+
+
+def _merge_union_errors(errors: list[dict]) -> list[dict]:
+    """One error per key: a value that fails every member of a union (`list[str] | str`) gives
+    one line that says what each member needs, at the key as written in params.yaml."""
+    merged: dict[tuple, dict] = {}
+    for err in errors:
+        loc = tuple(err["loc"])
+        if err["type"] != "extra_forbidden":
+            loc = tuple(p for p in loc if not (isinstance(p, str) and _UNION_TAG.fullmatch(p)))
+        if loc in merged and merged[loc]["type"] != "extra_forbidden":
+            first = merged[loc]
+            msg = err["msg"].removeprefix("Value error, ")
+            if msg not in first["msg"]:
+                first["msg"] = f"{first['msg']}; or {msg}"
+                first["type"] = "union"   # literal_error's own wording no longer fits two messages
+            continue
+        merged[loc] = {**err, "loc": loc}
+    return list(merged.values())
+
+
 def parse_config(data: Any, source: str = "params.yaml", plugins: bool = True) -> Config:
     """Validate params; with `plugins`, also import and check what they name (`check_plugins`)."""
     if data is None:
@@ -569,8 +593,8 @@ def parse_config(data: Any, source: str = "params.yaml", plugins: bool = True) -
     try:
         cfg = Config.model_validate(data)
     except ValidationError as exc:
-        lines = [_describe(e, source) for e in exc.errors()]
-        raise ConfigError("\n".join(lines)) from None
+        lines = [_describe(e, source) for e in _merge_union_errors(exc.errors())]
+        raise ConfigError("\n".join(dict.fromkeys(lines))) from None
     if plugins:
         problems = check_plugins(cfg)
         if problems:
