@@ -270,6 +270,28 @@ def test_traces_are_searchable_by_step_reward_and_finish(cfg, tmp_path, monkeypa
     assert correct.value is False and correct.rationale == "exact"
 
 
+def test_stages_seeded_alike_make_distinct_trace_ids(cfg, monkeypatch):
+    """Each stage seeds Python's random with cfg.seed; trace ids must not follow it (the
+    baseline's and the final evaluation's traces once got the same ids and overwrote each other)."""
+    import random
+
+    from turnrl.envs.code_tool import CodeToolEnv
+    monkeypatch.delenv("MLFLOW_TRACE_USE_ISOLATED_RANDOM_ID_GENERATOR", raising=False)
+    mlflow.tracing.reset()   # the tracer provider reads the setting when it is made
+    traj = _trajectory(CodeToolEnv(), ["<answer>408</answer>"])
+    ids = []
+    for stage, key in (("baseline_eval", "unit:ids-a"), ("eval", "unit:ids-b")):
+        monkeypatch.setenv("TURNRL_PIPELINE_KEY", key)
+        random.seed(cfg.seed)
+        with tracking.stage_run(stage, cfg) as run:
+            tracking.log_traces(run, traces.evaluation_traces([traj, traj], "task", stage, 8))
+        mlflow.set_tracking_uri(cfg.tracking.uri)
+        ids += [t.info.trace_id for t in mlflow.search_traces(locations=[run.experiment_id], run_id=run.run_id,
+                                                               return_type="list")]
+    assert len(ids) == 4 and len(set(ids)) == 4
+    mlflow.tracing.reset()
+
+
 # --------------------------------------------------------------------------- recorder
 def test_the_recorder_gives_up_on_an_outage_once_and_never_blocks(tmp_path, caplog):
     """An outage (what an unreachable server raises) while steps keep coming: submit never

@@ -47,9 +47,15 @@ log = logging.getLogger(__name__)
 
 # MLflow's HTTP client retries a failed request 7 times with exponential backoff (about four
 # minutes per call); the Recorder does its own retrying, so each attempt should fail fast.
-HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",
+# Set (unless set already) when a stage opens its run.
+MLFLOW_ENV_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",
                  # traces are exported by the Recorder's thread itself, so it sees their failures
                  "MLFLOW_ENABLE_ASYNC_TRACE_LOGGING": "false",
+                 # trace and span ids from a private generator: OpenTelemetry's default draws them
+                 # from the global `random`, which every stage seeds alike, so the baseline and the
+                 # final evaluation made the same trace ids and the server kept one of each pair
+                 # (and drawing them would move the training's random stream)
+                 "MLFLOW_TRACE_USE_ISOLATED_RANDOM_ID_GENERATOR": "true",
                  "MLFLOW_DISABLE_TELEMETRY": "true"}
 
 
@@ -605,7 +611,7 @@ def stage_run(stage: str, cfg: Config, resume_run_id: str | None = None) -> Iter
     pipeline's parent run gets a tag pointing at it. If it is not in this store, a new run
     is made and tagged `turnrl.resumed_from_run` instead."""
     global _recorder, _stage
-    for key, value in HTTP_DEFAULTS.items():
+    for key, value in MLFLOW_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     quiet_logs()
     import mlflow
