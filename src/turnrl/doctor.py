@@ -252,7 +252,8 @@ def check_model(cfg: Config) -> list[Check]:
     with tempfile.TemporaryDirectory(prefix="turnrl-doctor-") as work:
         report = modelcheck.check_model(folder, dtype=cfg.model.dtype, zero_stages=(cfg.train.zero_stage,),
                                         engines=engines, samples=4, max_tokens=16, seed=cfg.seed, work_dir=work,
-                                        template_type=cfg.model.template_type, fresh_engine=False)
+                                        template_type=cfg.model.template_type, fresh_engine=False,
+                                        lora=cfg.model.lora.model_dump() if cfg.model.lora.enabled else None)
     checks = [Check(f"model {c.name}", c.status, c.detail, c.fix, c.seconds) for c in report.checks]
     gaps = {k: v for k, v in report.metrics.items() if k.endswith("_gap") and v is not None}
     if gaps:
