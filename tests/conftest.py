@@ -1,6 +1,7 @@
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,15 @@ def copy_project(dest: Path) -> None:
     subprocess.run([*git, "add", "-A"], cwd=dest, check=True)
     subprocess.run([*git, "commit", "-q", "-m", "e2e copy"], cwd=dest, check=True)
 
+
+def run_dvc(project: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """`dvc ARGS` in a project copy, as a user runs it: this venv's tools on PATH, the copy's
+    sources first, no analytics, and no pipeline key inherited from a test's environment."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": str(project / "src"), "DVC_NO_ANALYTICS": "1", "RAY_USAGE_STATS_ENABLED": "0",
+           "MLFLOW_DISABLE_TELEMETRY": "true"}
+    env.pop("TURNRL_PIPELINE_KEY", None)
+    return subprocess.run(["dvc", *args], cwd=project, env=env, capture_output=True, text=True, timeout=timeout)
 
 class ScriptedEngine:
     """Answers each call with the next scripted turn for every prompt: a stand-in for the

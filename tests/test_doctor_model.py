@@ -129,15 +129,18 @@ def test_an_architecture_vllm_cannot_load_fails_and_points_at_the_hf_engine(base
 
 
 @pytest.mark.slow
-def test_turnrl_doctor_checks_a_checkpoint_folder(base, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_turnrl_doctor_checks_a_checkpoint_folder(base, tmp_path, monkeypatch, capsys, lora):
     """`turnrl doctor -S model.path=FOLDER` on a Qwen2.5-style miniature: every model check runs
-    and passes (about 40 s on 2 cores: two vLLM starts, one DeepSpeed update)."""
+    and passes (about 40 s on 2 cores: two vLLM starts, one DeepSpeed update); with
+    `-S model.lora.r=4` the update trains adapters and the merged weights are pushed."""
     params = Path(__file__).resolve().parents[1] / "params.yaml"
     monkeypatch.setattr(doctor, "CHECKS", [doctor.check_model])     # the environment checks: test_doctor.py
     folder = _variant(base["qwen2"], tmp_path)
-    code = doctor.main([str(params), "-S", f"model.path={folder}"])
+    code = doctor.main([str(params), "-S", f"model.path={folder}", *(["-S", "model.lora.r=4"] if lora else [])])
     out = capsys.readouterr().out
     assert code == 0, out
+    assert ("a LoRA update (r=4" in out) == lora, out
     for name in ("template", "end_of_turn", "trajectory", "vllm", "hf", "logprobs", "zero2", "save", "rollout"):
         assert any(line.split()[:3] == ["OK", "model", name] for line in out.splitlines()), (name, out)
     assert "largest logprob gap" in out and "all checks passed" in out

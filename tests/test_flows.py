@@ -466,11 +466,14 @@ def test_deployment_run_with_overrides(tmp_path):
 
         client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
         experiments = [e.experiment_id for e in client.search_experiments()]
-        stage_runs = client.search_runs(experiments, f"params.`train.steps` = '{SHORT['train.steps']}'")
-        assert {r.data.tags.get("turnrl.stage") for r in stage_runs} == set(ran)
+        runs = client.search_runs(experiments, f"params.`train.steps` = '{SHORT['train.steps']}'")
+        stage_runs = [r for r in runs if "turnrl.stage" in r.data.tags]
+        assert {r.data.tags["turnrl.stage"] for r in stage_runs} == set(ran)
         parents = {r.data.tags.get("mlflow.parentRunId") for r in stage_runs}
         assert len(parents) == 1
         parent = client.get_run(parents.pop())
+        # the parent carries the identifying params too (it is the one other run that matched)
+        assert [r.info.run_id for r in runs if r not in stage_runs] == [parent.info.run_id]
         assert parent.data.tags["turnrl.pipeline_key"] == f"prefect:{run_id}"
 
         # the flow run's artifacts: the result, and the way to the MLflow run
@@ -478,7 +481,8 @@ def test_deployment_run_with_overrides(tmp_path):
                                                {"artifacts": {"flow_run_id": {"any_": [run_id]}}})}
         assert set(artifacts) == {pl.RESULTS_KEY, pl.LINK_KEY}
         link = artifacts[pl.LINK_KEY]
-        assert link["type"] == "link"
+        # create_link_artifact stores a markdown link (Prefect 3.7: type "markdown", data "[text](url)")
+        assert link["data"].startswith("[MLflow pipeline run ") and link["data"].endswith(")")
         assert f"#/experiments/{parent.info.experiment_id}/runs/{parent.info.run_id}" in link["data"]
         result = artifacts[pl.RESULTS_KEY]["data"]
         assert "## Training" in result and f"{SHORT['train.steps']} steps in" in result

@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import copy_project
+from conftest import copy_project, run_dvc
 from mlflow_server import MlflowServer
 
 SHORT = {
@@ -58,18 +54,12 @@ def project(tmp_path_factory, data_dir, mlflow_server):
     return root
 
 
-def dvc(project: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": str(project / "src"), "DVC_NO_ANALYTICS": "1", "RAY_USAGE_STATS_ENABLED": "0",
-           "MLFLOW_DISABLE_TELEMETRY": "true"}
-    env.pop("TURNRL_PIPELINE_KEY", None)
-    return subprocess.run(["dvc", *args], cwd=project, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def first_run(project):
     start = time.perf_counter()
-    proc = dvc(project, "repro")
+    proc = run_dvc(project, "repro")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc, time.perf_counter() - start
 
@@ -261,10 +251,10 @@ def test_data_sets_and_the_model_are_in_their_registries(project, first_run, mlf
 
 @pytest.mark.slow
 def test_second_repro_runs_nothing_and_exp_run_reruns_what_depends(project, first_run):
-    again = dvc(project, "repro")
+    again = run_dvc(project, "repro")
     assert again.returncode == 0 and "Running stage" not in again.stdout, again.stdout
 
-    exp = dvc(project, "exp", "run", "-S", "train.steps=4")
+    exp = run_dvc(project, "exp", "run", "-S", "train.steps=4")
     assert exp.returncode == 0, exp.stdout[-3000:] + exp.stderr[-3000:]
     ran = [s for s in STAGES if f"Running stage '{s}'" in exp.stdout]
     assert ran[0] == "train" and set(ran) <= {"train", "eval", "report"}, exp.stdout
@@ -278,7 +268,7 @@ def test_second_repro_runs_nothing_and_exp_run_reruns_what_depends(project, firs
 def test_a_bad_value_fails_fast_naming_the_key(project, first_run):
     start = time.perf_counter()
     params = (project / "params.yaml").read_text()
-    bad = dvc(project, "exp", "run", "-S", "train.steps=-3")
+    bad = run_dvc(project, "exp", "run", "-S", "train.steps=-3")
     (project / "params.yaml").write_text(params)   # `exp run -S` leaves the bad value in the workspace
     assert bad.returncode != 0
     assert "train.steps = -3" in bad.stdout + bad.stderr
@@ -300,7 +290,7 @@ def test_real_data_runs_through_the_pipeline(project, first_run, setting):
     Only `eval` and what it depends on run (baseline_eval is the same code as eval, and
     report is covered by the first repro): two fewer engine starts per setting."""
     sets = [arg for kv in REAL_DATA[setting] for arg in ("-S", kv)]
-    proc = dvc(project, "exp", "run", "eval", *sets, "-S", "data.heldout_examples=16", "-S", "eval.benchmarks=[]",
+    proc = run_dvc(project, "exp", "run", "eval", *sets, "-S", "data.heldout_examples=16", "-S", "eval.benchmarks=[]",
                "-S", "eval.greedy=false", "-S", "train.steps=2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for stage in ["preprocess", "prepare_model", "train", "eval"]:

@@ -22,7 +22,7 @@ from turnrl.plugins import PluginError, options_model, validate_options
 from turnrl.rewards.functions import RewardFunctionError, RewardFunctions
 from turnrl.rollout.loop import Trajectory
 
-from conftest import ROOT, ScriptedEngine, copy_project
+from conftest import ROOT, ScriptedEngine, copy_project, run_dvc
 
 EXAMPLE = ["env.name=examples.guess.env:ENV", "data.train_set=examples/guess/train.jsonl",
            "data.heldout_set=examples/guess/heldout.jsonl", "reward.functions=[examples.guess.rewards:fewer_guesses]"]
@@ -219,12 +219,6 @@ def test_benchmark_files_with_list_and_boxed_answers_graded_by_math_verify(tmp_p
 
 
 # ----------------------------------------------------------------------------- the example through the pipeline
-def _dvc(project: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": str(project / "src"), "DVC_NO_ANALYTICS": "1", "RAY_USAGE_STATS_ENABLED": "0",
-           "MLFLOW_DISABLE_TELEMETRY": "true"}
-    env.pop("TURNRL_PIPELINE_KEY", None)
-    return subprocess.run(["dvc", *args], cwd=project, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.slow
@@ -246,7 +240,7 @@ def test_the_example_task_package_through_the_pipeline(tmp_path):
     bench = "eval.benchmarks=[{name: guess_wide, path: examples/guess/bench_wide.jsonl, " \
             "fields: {prompt: question, answer: target}}]"
     sets = [*EXAMPLE, "++env.options.max_guesses=4", bench]
-    proc = _dvc(project, "exp", "run", *[a for kv in sets for a in ("-S", kv)])
+    proc = run_dvc(project, "exp", "run", *[a for kv in sets for a in ("-S", kv)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     baseline = json.loads((project / "metrics/baseline.json").read_text())
     final = json.loads((project / "metrics/eval.json").read_text())
@@ -261,7 +255,7 @@ def test_the_example_task_package_through_the_pipeline(tmp_path):
     assert demos["env"] == "examples.guess.env:ENV" and demos["demonstrations"] > 0
 
     # a bad option fails at once, naming it, before any stage works
-    proc = _dvc(project, "exp", "run", *[a for kv in [*EXAMPLE, "++env.options.max_guesses=-1"] for a in ("-S", kv)])
+    proc = run_dvc(project, "exp", "run", *[a for kv in [*EXAMPLE, "++env.options.max_guesses=-1"] for a in ("-S", kv)])
     assert proc.returncode != 0
     assert "env.options.max_guesses = -1: must be greater than 0" in proc.stdout + proc.stderr
 

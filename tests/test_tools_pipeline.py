@@ -3,26 +3,16 @@ env.name=tools -S data.train_set=gsm8k_train ...` from a clean copy of the proje
 model warm-started on the tools environment's calculator demonstrations, trained two steps."""
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import copy_project
+from conftest import copy_project, run_dvc
 
 SETS = ["env.name=tools", "data.train_set=gsm8k_train", "data.heldout_set=gsm8k_test",
         "++env.options.functions=[examples.tools.calc:calculator]"]
 
 
-def _dvc(project: Path, *args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": str(project / "src"), "DVC_NO_ANALYTICS": "1", "RAY_USAGE_STATS_ENABLED": "0",
-           "MLFLOW_DISABLE_TELEMETRY": "true"}
-    env.pop("TURNRL_PIPELINE_KEY", None)
-    return subprocess.run(["dvc", *args], cwd=project, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.slow
@@ -38,7 +28,7 @@ def test_gsm8k_with_a_users_function_as_the_tool_through_the_pipeline(tmp_path, 
                              rejoin="ready")
     params["eval"].update(greedy=False, limit=8, benchmarks=[])
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    proc = _dvc(project, "exp", "run", *[a for kv in SETS for a in ("-S", kv)])
+    proc = run_dvc(project, "exp", "run", *[a for kv in SETS for a in ("-S", kv)], timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     demos = json.loads((project / "metrics/prepare_model.json").read_text())
