@@ -292,6 +292,30 @@ def test_stages_seeded_alike_make_distinct_trace_ids(cfg, monkeypatch):
     mlflow.tracing.reset()
 
 
+def test_a_stage_that_traced_exits_without_a_traceback(tmp_path):
+    """MLflow's isolated trace-id generator, collected at interpreter exit, printed "Exception
+    ignored in ... __del__" with a traceback at the end of every stage's log."""
+    import subprocess
+    import sys
+    script = (
+        "from turnrl import tracking, traces\n"
+        "from turnrl.config import Config\n"
+        "from turnrl.envs.code_tool import CodeToolEnv\n"
+        "from tests.test_tracking import _trajectory\n"
+        f"cfg = Config.model_validate({{'tracking': {{'uri': 'sqlite:///{tmp_path}/m.db', 'system_metrics': False}}}})\n"
+        "t = _trajectory(CodeToolEnv(), ['<answer>408</answer>'])\n"
+        "with tracking.stage_run('eval', cfg) as run:\n"
+        "    tracking.log_traces(run, traces.evaluation_traces([t], 'task', 'eval', 8))\n"
+        "print('traced', flush=True)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "TURNRL_PIPELINE_KEY": "unit:exit"}
+    env.pop("MLFLOW_TRACE_USE_ISOLATED_RANDOM_ID_GENERATOR", None)   # the stage's own default
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "traced" in done.stdout, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-3000:]
+
+
 # --------------------------------------------------------------------------- recorder
 def test_the_recorder_gives_up_on_an_outage_once_and_never_blocks(tmp_path, caplog):
     """An outage (what an unreachable server raises) while steps keep coming: submit never

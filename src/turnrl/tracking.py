@@ -680,6 +680,16 @@ def stage_run(stage: str, cfg: Config, resume_run_id: str | None = None) -> Iter
         rec.close()
         _recorder = _stage = None
         _end_runs(rec, status)
+        _release_tracer()
+
+
+def _release_tracer() -> None:
+    """Drop MLflow's tracer provider once the stage's traces are sent (the next trace makes a
+    new one). Its isolated id generator unregisters itself in `__del__` from a module global;
+    collected at interpreter exit, after that global became None, it printed a traceback
+    ("Exception ignored in ... __del__") at the end of every stage's log."""
+    import mlflow.tracing.provider
+    mlflow.tracing.provider.reset()
 
 
 def _end_runs(rec: Recorder, status: str) -> None:
