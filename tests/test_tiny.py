@@ -51,3 +51,16 @@ def test_warm_start_learns_only_the_masked_in_tokens():
     sequences = [(ids, [0] * half + [1] * (len(ids) - half))] * 32
     losses = warm_start(model, sequences, steps=40, batch_size=8, lr=3e-3, seed=0)
     assert losses[-1] < 0.3 * losses[0]
+
+
+def test_warm_start_progress_bar_keeps_to_its_interval(monkeypatch, capsys):
+    """Under Prefect a stage's output is logged a line per tqdm refresh: the flow sets
+    TQDM_MININTERVAL, and the loss in the postfix must not force a refresh on every step (the
+    warm start logged 1,200 lines a phase)."""
+    monkeypatch.setenv("TQDM_MININTERVAL", "60")
+    tok = build_tokenizer(["abc 123"], 300)
+    model = build_model(tok, TinyModel(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1), seed=0)
+    ids = tok("abc 123 abc 123", add_special_tokens=False)["input_ids"]
+    warm_start(model, [(ids, [1] * len(ids))] * 8, steps=60, batch_size=4, lr=3e-3, seed=0)
+    updates = capsys.readouterr().err.count("\r")
+    assert 1 <= updates <= 20, updates   # a few refreshes (tqdm's own timing), not one per step (60)

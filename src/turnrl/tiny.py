@@ -110,7 +110,7 @@ def warm_start(model, sequences: list[tuple[list[int], list[int]]], steps: int, 
         opt.step()
         sched.step()
         losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)   # shown at the next refresh: TQDM_MININTERVAL holds
         if log is not None and (step + 1) % 10 == 0:
             log(step + 1, {"warmstart_loss": losses[-1]})
     model.eval()
