@@ -368,7 +368,8 @@ def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict]
         for check in recovered:
             log.info("step %d: %s no longer failing", step, check)
         history.append(metrics)
-        bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", gap=f"{metrics['logp_gap_max']:.1e}")
+        # shown with the next step's count, not as a refresh of its own: a line per step in a flow's log
+        bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", gap=f"{metrics['logp_gap_max']:.1e}", refresh=False)
         if on_step is not None:
             on_step(step, metrics, trajs)
         stop = bool(failing) and cfg.train.on_unhealthy == "stop"
