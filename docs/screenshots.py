@@ -186,21 +186,46 @@ def mlflow_pages(browser: Browser, url: str, out: Path, experiment: str) -> None
     train = children["train"]
     base = f"{url}/#/experiments/{exp.experiment_id}"
 
+    # the UI keeps the runs table's view in localStorage: show the columns pipeline runs are
+    # compared by (by default it shows none of them)
+    columns = ([f"params.`{k}`" for k in ("env.name", "algorithm.name", "seed", "train.steps")]
+               + [f"metrics.`{k}`" for k in sorted(parent.data.metrics) if k.startswith("eval/") or k ==
+                  "train/step_s_mean"])
+    view = {"orderByKey": "attributes.start_time", "orderByAsc": False, "startTime": "ALL",
+            "lifecycleFilter": "Active", "selectedColumns": columns}
+    browser.open(f"{url}/", settle=1)
+    state_key = 'MLflowLocalStorage-1.1-ExperimentPage-["%s"]-ReactComponentState' % exp.experiment_id
+    browser.js(f"localStorage.setItem({json.dumps(state_key)}, {json.dumps(json.dumps(view))})")
+
+    def close_assistant():   # the assistant panel opens by itself and takes a third of the page
+        browser.js("""(() => { const b = [...document.querySelectorAll('button[aria-label="Close"]')]
+            .find(e => e.closest('div') && document.body.innerText.includes('MLflow Assistant'));
+            if (b) b.click(); })()""")
+        browser.click_text("Got it", "button")   # the traces page's feature tip
+        time.sleep(1)
+
     # the runs table: parent runs only, with their headline columns
     browser.open(f"{base}/runs", wait_text=parent.info.run_name, settle=3)
+    close_assistant()
     browser.shot(out / "mlflow-runs.png")
     if len(parents) >= 2:
         ids = json.dumps([p.info.run_id for p in parents[:2]])
         browser.open(f"{url}/#/compare-runs?runs={urllib.request.quote(ids)}&experiments="
                      f"{urllib.request.quote(json.dumps([exp.experiment_id]))}",
                      wait_text=["eval/task/accuracy_final"], settle=3)
+        close_assistant()
         browser.shot(out / "mlflow-compare.png", height=1400)
     browser.open(f"{base}/runs/{parent.info.run_id}", wait_text=["accuracy baseline", "env.name"], settle=3)
+    close_assistant()
+    browser.click_text("Show more", "button, a, span")   # the description's report table, unfolded
+    time.sleep(1)
     browser.shot(out / "mlflow-parent-run.png", height=1500)
     browser.open(f"{base}/runs/{train.info.run_id}/model-metrics", wait_text=["rollout", "timing"], settle=6)
+    close_assistant()
     browser.shot(out / "mlflow-train-metrics.png", height=1300)
     browser.open(f"{base}/runs/{train.info.run_id}/system-metrics", wait_text=["cpu_utilization_percentage"],
                  settle=6)
+    close_assistant()
     browser.shot(out / "mlflow-system-metrics.png")
 
     mlflow.set_tracking_uri(url)
@@ -208,10 +233,12 @@ def mlflow_pages(browser: Browser, url: str, out: Path, experiment: str) -> None
                                     order_by=["timestamp_ms DESC"])
     # a rollout that used the tool and was rewarded, with the most turns
     pick = max(rollouts, key=lambda t: (int(t.info.tags.get("turns", 0)), t.info.tags.get("reward") == "1"))
-    browser.open(f"{base}/traces", wait_text=["rollout"], settle=4)
+    browser.open(f"{base}/traces", wait_text=["Traces", "Rows per page"], settle=4)
+    close_assistant()
     browser.shot(out / "mlflow-traces.png")
     browser.open(f"{base}/traces?selectedEvaluationId={pick.info.trace_id}", wait_text=["turn 1", "generate"],
                  settle=4)
+    close_assistant()
     browser.click_text("code") or browser.click_text("search") or browser.click_text("turn 1")
     time.sleep(2)
     browser.shot(out / "mlflow-trace.png", height=1100)
@@ -220,6 +247,7 @@ def mlflow_pages(browser: Browser, url: str, out: Path, experiment: str) -> None
     if registered:
         name = registered[0].name
         browser.open(f"{url}/#/models/{urllib.request.quote(name)}", wait_text=[name, "Version"], settle=3)
+        close_assistant()
         browser.shot(out / "mlflow-registered-model.png")
 
 
@@ -232,9 +260,10 @@ def prefect_pages(browser: Browser, api: str, ui: str, out: Path) -> None:
                                       "flow_runs": {"state": {"type": {"any_": ["COMPLETED"]}}}})
     run = runs[0]
     artifacts = post("/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}})
-    browser.open(f"{ui}/runs/flow-run/{run['id']}", wait_text=["train"], settle=4)
-    browser.click_text("Artifacts")
-    time.sleep(3)
+    browser.open(f"{ui}/runs/flow-run/{run['id']}", wait_text=["train", "Artifacts"], settle=4)
+    browser.click_text("Artifacts", "li.p-tab, [role=tab], button")   # Prefect's tabs are list items
+    browser.wait_for(["turnrl-results"])
+    time.sleep(2)
     browser.shot(out / "prefect-flow-run.png")
     result = next(a for a in artifacts if a["key"] == "turnrl-results")
     browser.open(f"{ui}/artifacts/artifact/{result['id']}", wait_text=["Baseline against trained"], settle=3)
@@ -271,7 +300,9 @@ def main(argv: list[str] | None = None) -> int:
             port = free_port()
             prefect_ui = f"http://127.0.0.1:{port}"
             services.append(Service([str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port",
-                                     str(port)], {**env, "PREFECT_HOME": str(project / ".prefect")},
+                                     str(port)], {**env, "PREFECT_HOME": str(project / ".prefect"),
+                                                 # the UI calls this API (else the default port 4200)
+                                                 "PREFECT_UI_API_URL": f"{prefect_ui}/api"},
                                     Path(tempfile.gettempdir()) / "turnrl-screenshots-prefect.log"))
             wait_http(f"{prefect_ui}/api/health", 240)
         browser = Browser()
