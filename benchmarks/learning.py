@@ -107,6 +107,10 @@ def copy_project(dest: Path) -> None:
 
 
 def run_one(project: Path, row: Row, seed: int, extra: list[str]) -> dict:
+    # `dvc exp run` leaves the experiment's params in the workspace's params.yaml: start every run
+    # from the committed file, or a row inherits the keys of the row before it (a LoRA row's
+    # model.lora and train.lr stayed for the next full fine-tuning row, which DVC then skipped)
+    subprocess.run(["git", "checkout", "HEAD", "--", "params.yaml"], cwd=project, check=True)
     cmd = ["dvc", "exp", "run", *row.args(project),
            *[a for kv in [f"seed={seed}", *COMMON, *extra] for a in ("-S", kv)]]
     start = time.perf_counter()
