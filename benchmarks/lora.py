@@ -10,9 +10,9 @@ benchmarks/learning.py makes them):
     nohup python benchmarks/lora.py > lora.log 2>&1 &          # hours on 2 cores: run it in the background
 
 env code_tool, algorithm grpo, 20 steps (as the README's code_tool rows), everything else the
-default. DVC reuses a seed's preprocess, warm start and baseline across the rows (the warm start does not depend on
-model.lora), so every row of a seed starts from the same model and is scored against the same
-baseline. Results go to a JSON file after every run (an interrupted benchmark resumes where it
+default. DVC reuses a seed's preprocess, warm start and baseline across the rows (the warm
+start does not depend on model.lora), so every row of a seed starts from the same model and is
+scored against the same baseline. Results go to a JSON file after every run (an interrupted benchmark resumes where it
 stopped); LORA.md is rewritten from it each time.
 
 Margin (stated before the runs): LoRA's mean gain over the seeds is within 10 points of full
