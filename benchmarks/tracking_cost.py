@@ -20,6 +20,8 @@ wall time. The cost of tracking per step, two ways:
 
 - measured: (step_s + on_step) of `on` over `off`, medians over the steps after the first of
   all repeats (noisy on a shared machine: read the spread);
+- paired: each repeat's (step_s + on_step) median against the `off` run just before it, mean +- std
+  over the repeats (drift of the machine between repeats cancels);
 - accounted: on_step + the Recorder thread's CPU per step, over `off`'s step: what tracking can
   add if every CPU second it uses were taken from the critical path (an upper bound on 2 cores).
 
@@ -146,6 +148,11 @@ def summarize(results: list[dict], steps: int) -> dict:
             s["measured_pct"] = 100 * ((s["step_s_median"] + s["on_step_s_median"]) / base - 1)
             s["accounted_pct"] = 100 * (s["on_step_s_mean"] + s["thread_cpu_s_per_step"]
                                         - out["off"]["on_step_s_mean"] - out["off"]["thread_cpu_s_per_step"]) / base
+            # each repeat against the `off` run just before it: machine drift between repeats cancels
+            pairs = [100 * (v / o - 1) for v, o in zip(s["loop_s_per_run"], out["off"]["loop_s_per_run"])]
+            s["paired_pct"] = pairs
+            s["paired_pct_mean"] = statistics.mean(pairs)
+            s["paired_pct_std"] = statistics.stdev(pairs) if len(pairs) > 1 else 0.0
     return out
 
 
@@ -188,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "nproc": os.cpu_count()}, indent=1))
     for variant, s in summary.items():
         print(f"{variant:6s} step {s['step_s_median']:.3f} s + on_step {s['on_step_s_median']:.4f} s; thread cpu "
-              f"{s['thread_cpu_s_per_step']:.4f} s/step; measured {s.get('measured_pct', 0):+.1f}%, accounted "
+              f"{s['thread_cpu_s_per_step']:.4f} s/step; measured {s.get('measured_pct', 0):+.1f}%, paired "
+              f"{s.get('paired_pct_mean', 0):+.1f} +- {s.get('paired_pct_std', 0):.1f}%, accounted "
               f"{s.get('accounted_pct', 0):+.2f}%")
     print(f"wrote {path}")
     return 0

@@ -199,8 +199,10 @@ def mlflow_pages(browser: Browser, url: str, out: Path, experiment: str) -> None
 
     def close_assistant():   # the assistant panel opens by itself and takes a third of the page
         browser.js("""(() => { const b = [...document.querySelectorAll('button[aria-label="Close"]')]
-            .find(e => e.closest('div') && document.body.innerText.includes('MLflow Assistant'));
-            if (b) b.click(); })()""")
+            .find(e => { for (let p = e.parentElement; p; p = p.parentElement)
+                           if (p.innerText && p.innerText.includes('MLflow Assistant')) return p.offsetWidth < innerWidth;
+                         return false; });
+            if (b) b.click(); })()""")   # the Close button inside the assistant's panel, not the page's
         browser.click_text("Got it", "button")   # the traces page's feature tip
         time.sleep(1)
 

@@ -77,3 +77,16 @@ def test_a_stage_with_a_bad_value_exits_2_within_seconds(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "train.steps = -3" in proc.stderr
     assert elapsed < 15
+
+
+def test_config_cli_prints_the_resolved_config_and_explains_itself(tmp_path, capsys):
+    from turnrl.config import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0 and "usage: python -m turnrl.config" in capsys.readouterr().out
+    assert main([str(ROOT / "params.yaml")]) == 0
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    assert resolved["env"]["name"] == "code_tool" and "options" in resolved["env"]
+    bad = tmp_path / "params.yaml"
+    bad.write_text("train: {steps: -3}\n")
+    assert main([str(bad)]) == 2 and "train.steps" in capsys.readouterr().err

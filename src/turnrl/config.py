@@ -694,10 +694,15 @@ def load_config(path: str | Path = "params.yaml", overrides: list[str] | tuple[s
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m turnrl.config [params.yaml]`: validate and print the resolved config."""
+    import argparse
     import sys
-    args = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m turnrl.config",
+                                     description="Validate a params file and print the resolved config "
+                                                 "(every key, defaults filled in).")
+    parser.add_argument("params", nargs="?", default="params.yaml", help="the params file (default: params.yaml)")
+    args = parser.parse_args(argv)
     try:
-        cfg = load_config(args[0] if args else "params.yaml")
+        cfg = load_config(args.params)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
