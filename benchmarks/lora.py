@@ -103,7 +103,9 @@ def report(results: list[dict], rows: list[Row], seeds: list[int]) -> str:
         lines.append(f"| {r['row']} | {r['seed']} | {r['baseline']:.3f} | {r['trained']:.3f} | {greedy} | "
                      f"{r['gain_pts']:+.1f} | {flags} | {r['wall_s']:.0f} |")
     commits = sorted({r.get("commit", "unknown") for r in results})
-    lines += ["", f"Measured at commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}."]
+    lines += ["", f"Measured at commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}. The step and sync times "
+              "come from runs at different machine loads (some beside other benchmarks): they do not compare the "
+              "rows' speed."]
     return "\n".join(lines) + "\n"
 
 
