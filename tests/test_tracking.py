@@ -58,6 +58,9 @@ def test_stages_with_one_key_share_a_parent(cfg, tmp_path, monkeypatch):
     logged = {k: v for k, v in train.metrics.items() if not k.startswith("timing/mlflow_")}  # the Recorder's own cost
     assert logged == {"train/task.pass_1": 0.5, "rollout/reward_mean": 0.25, "timing/step_s": 2.0}
     assert train.metrics["timing/mlflow_items_sent"] >= 1
+    by_kind = {k: v for k, v in train.metrics.items() if k.startswith("timing/mlflow_thread_cpu_s/")}
+    assert "timing/mlflow_thread_cpu_s/metrics" in by_kind      # what the thread's CPU went to, by kind
+    assert sum(by_kind.values()) == pytest.approx(train.metrics["timing/mlflow_thread_cpu_s"], abs=1e-6)
     assert train.params["train.steps"] == str(cfg.train.steps)
     assert (tmp_path / "mlartifacts").is_dir()
     # the parent carries what identifies the pipeline run, so runs compare in the runs table

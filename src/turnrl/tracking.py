@@ -299,6 +299,7 @@ class Recorder:
         self.sent = 0
         self.busy_s = 0.0                      # time the background thread spent sending
         self.cpu_s = 0.0                       # ... and the CPU time it used (what it can take from training)
+        self.cpu_by_kind: dict[str, float] = {}   # ... split by what was sent (traces, metrics, ...)
         self._cond = threading.Condition()
         self._pending = 0                      # submitted, not yet handled
         self._closed = False
@@ -398,7 +399,9 @@ class Recorder:
             else:
                 self._attempt(kind, what, lambda: fn(self.client))
             self.busy_s += time.perf_counter() - start
-            self.cpu_s += time.thread_time() - cpu
+            used = time.thread_time() - cpu
+            self.cpu_s += used
+            self.cpu_by_kind[kind] = self.cpu_by_kind.get(kind, 0.0) + used
             done.set()
             with self._cond:
                 self._pending -= 1
@@ -674,8 +677,10 @@ def stage_run(stage: str, cfg: Config, resume_run_id: str | None = None) -> Iter
 
             def cost(client, run_id=rec.run_id):
                 stamp = int(time.time() * 1000)
-                client.log_batch(run_id, metrics=[Metric(f"timing/mlflow_{k}", float(v), stamp, 0) for k, v in (
-                    ("thread_busy_s", rec.busy_s), ("thread_cpu_s", rec.cpu_s), ("items_sent", rec.sent))])
+                totals = [("thread_busy_s", rec.busy_s), ("thread_cpu_s", rec.cpu_s), ("items_sent", rec.sent)]
+                by_kind = [(f"thread_cpu_s/{kind.replace(' ', '_')}", used) for kind, used in rec.cpu_by_kind.items()]
+                client.log_batch(run_id, metrics=[Metric(f"timing/mlflow_{k}", float(v), stamp, 0)
+                                                  for k, v in totals + by_kind])
             rec.submit("metrics", "recording cost", cost, priority=9)
         rec.close()
         _recorder = _stage = None
