@@ -304,7 +304,8 @@ class HealthCfg(_Section):
     entropy_low: float = Field(0.1, gt=0, description="collapse: entropy below this x its mean over the first window")
     entropy_high: float = Field(5.0, gt=1, description="explosion: entropy above this x its mean over the first window")
     truncated_frac: float = Field(0.5, gt=0, le=1, description="share of trajectories cut by a token budget")
-    kl_ref_max: float = Field(1.0, gt=0, description="mean per-token KL to the starting model (kl_ref)")
+    kl_ref_max: float = Field(1.0, gt=0, description=(
+        "mean per-token KL to the starting model (kl_ref), `window` steps in a row"))
     logp_gap_p99_max: float = Field(0.5, gt=0, description=(
         "p99 over sampled tokens of |logp engine - logp trainer|"))
 

@@ -9,7 +9,7 @@
 | `entropy_collapse` | entropy's mean over the last `window` steps < `entropy_low` x its mean over the first `window` | the policy stopped exploring |
 | `entropy_explosion` | that mean > `entropy_high` x the first `window`'s | the policy is falling apart into noise |
 | `truncation` | more than `truncated_frac` of trajectories cut by a token budget, `window` steps in a row | responses pinned at the budget: no answer, reward 0 |
-| `kl_runaway` | `kl_ref` (mean per-token KL to the starting model) > `kl_ref_max` | the policy drifted far from its start |
+| `kl_runaway` | `kl_ref` (mean per-token KL to the starting model) > `kl_ref_max`, `window` steps in a row | the policy drifted far from its start (a one-step spike, one rare token in the batch, is not a drift) |
 | `logp_gap` | the p99 of abs(logp engine - logp trainer) over sampled tokens > `logp_gap_p99_max` | the engine samples from another policy than the one trained (a broken weight push, or stale weights) |
 | `non_finite` | NaN or Inf in a loss, gradient norm, KL or entropy | the update is garbage |
 
@@ -112,9 +112,10 @@ class HealthMonitor:
             flag("truncation", f"{cut[-1]:.0%} of trajectories cut by a token budget (over {c.truncated_frac:.0%} "
                                f"for {c.window} steps; response tokens {metrics.get('response_tokens_mean', 0):.1f})")
 
-        kl = metrics.get("kl_ref")
-        if kl is not None and math.isfinite(kl) and kl > c.kl_ref_max:
-            flag("kl_runaway", f"kl_ref {kl:.3f} > {c.kl_ref_max} (mean per-token KL to the starting model)")
+        kl = [m.get("kl_ref", math.nan) for m in h[-c.window:]]
+        if len(kl) == c.window and all(math.isfinite(k) and k > c.kl_ref_max for k in kl):
+            flag("kl_runaway", f"kl_ref {kl[-1]:.3f} > {c.kl_ref_max} for {c.window} steps in a row "
+                               f"(mean per-token KL to the starting model)")
 
         gap = metrics.get("logp_gap_p99")
         if gap is not None and math.isfinite(gap) and gap > c.logp_gap_p99_max:
