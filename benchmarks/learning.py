@@ -185,7 +185,9 @@ def report(results: list[dict], rows: list[Row], seeds: list[int]) -> str:
         lines.append(f"| {row.name} | `{row.env}` | `{row.algorithm}` | {how} | {mean_sd(gains)} | {per_seed or '-'} | "
                      f"{acc} | {verdict(gains, len(seeds))} |")
     commits = sorted({r.get("commit", "unknown") for r in results})
-    lines += ["", f"Measured at commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}.",
+    lines += ["", f"Measured at commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}. Health flags are "
+              "those each run raised under its commit's checks (until 6078e9d `kl_runaway` fired on a single "
+              "step's KL; it now needs `train.health.window` steps in a row).",
               "", "## Per seed", "",
               "| row | seed | baseline | trained | greedy: baseline → trained | gain | health flags | run (s) |",
               "|---|---|---|---|---|---|---|---|"]

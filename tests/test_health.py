@@ -101,8 +101,8 @@ def test_kl_and_logprob_gap_running_away():
 
 
 def test_a_one_step_kl_spike_is_not_a_runaway():
-    """mt_grpo's seeds 0 and 1 (benchmarks/LEARNING.md): kl_ref 0.07, 2.77, 0.07 -- one step, one
-    rare token in the batch -- while the run gained +75 points; `on_unhealthy: stop` would have ended it."""
+    """mt_grpo's seeds 0 and 1 (benchmarks/LEARNING.md): kl_ref 0.07, 2.77, 0.07 -- one step --
+    while the run gained +75 points; `on_unhealthy: stop` would have ended it."""
     steps = [healthy_step(s) for s in range(1, 10)]
     steps[4]["kl_ref"] = 2.77
     steps[7]["kl_ref"] = 3.15

@@ -9,7 +9,7 @@
 | `entropy_collapse` | entropy's mean over the last `window` steps < `entropy_low` x its mean over the first `window` | the policy stopped exploring |
 | `entropy_explosion` | that mean > `entropy_high` x the first `window`'s | the policy is falling apart into noise |
 | `truncation` | more than `truncated_frac` of trajectories cut by a token budget, `window` steps in a row | responses pinned at the budget: no answer, reward 0 |
-| `kl_runaway` | `kl_ref` (mean per-token KL to the starting model) > `kl_ref_max`, `window` steps in a row | the policy drifted far from its start (a one-step spike, one rare token in the batch, is not a drift) |
+| `kl_runaway` | `kl_ref` (mean per-token KL to the starting model) > `kl_ref_max`, `window` steps in a row | the policy drifted far from its start (a one-step spike is not a drift) |
 | `logp_gap` | the p99 of abs(logp engine - logp trainer) over sampled tokens > `logp_gap_p99_max` | the engine samples from another policy than the one trained (a broken weight push, or stale weights) |
 | `non_finite` | NaN or Inf in a loss, gradient norm, KL or entropy | the update is garbage |
 
