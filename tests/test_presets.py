@@ -50,23 +50,23 @@ def test_unknown_preset_and_bad_key(tmp_path):
 def test_mlmt_preset_pulls_a_drifted_policy_back_when_every_group_is_identical():
     """The cause of issue 23's MLMT collapse: once every group scored alike (all advantages 0)
     and the shared weights had drifted (kl_ref 1.8), the preset's loss had no gradient left to
-    bring them back. Its loss, as the policy worker composes it (clipped surrogate + kl_coef *
-    KL to the start), must push a drifted policy's logprobs back toward the reference's."""
+    bring them back. The policy worker's loss with the preset's keys must push a drifted
+    policy's logprobs back toward the reference's."""
     import torch
 
-    from turnrl.algos.kl import kl_estimate, kl_loss
-    from turnrl.algos.losses import masked_mean, policy_loss
+    from turnrl.algos.kl import kl_estimate, policy_loss_with_kl
+    from turnrl.algos.losses import masked_mean
 
     keys = presets.load("mlmt", ROOT / "params.yaml", ROOT / "configs")
     alg = load_config(ROOT / "params.yaml", [a for a in presets.set_args(keys) if a != "-S"]).algorithm
     generator = torch.Generator().manual_seed(0)
-    ref = -torch.rand(4, 6, generator=generator) * 3                    # [B, T]
-    drifted = ref + torch.randn(4, 6, generator=generator)              # kl_ref well above 0.1
+    ref = -torch.rand(4, 6, generator=generator) * 3                                  # [B, T]
+    drifted = (ref + torch.randn(4, 6, generator=generator)).clamp(max=-1e-3)         # kl_ref well above 0.1
     mask = torch.ones(4, 6)
     logp = drifted.clone().requires_grad_(True)
-    loss, _ = policy_loss(logp, logp.detach(), torch.zeros(4, 6), mask, clip_low=alg.clip_low,
-                          clip_high=alg.clip_high, dual_clip=alg.dual_clip, agg=alg.loss_agg)
-    loss = loss + alg.kl_coef * kl_loss(logp, ref, mask, kind=alg.kl_estimator, agg=alg.loss_agg)
+    loss, _ = policy_loss_with_kl(logp, logp.detach(), ref, torch.zeros(4, 6), mask, kl_coef=alg.kl_coef,
+                                  kl_kind=alg.kl_estimator, clip_low=alg.clip_low, clip_high=alg.clip_high,
+                                  dual_clip=alg.dual_clip, agg=alg.loss_agg)
     loss.backward()
     assert logp.grad.abs().sum() > 0, "no gradient: nothing holds the shared weights near the start"
     stepped = drifted - 0.1 * logp.grad

@@ -32,6 +32,7 @@ _WHERE = {
     "kl_estimate": "kl",
     "kl_loss": "kl",
     "kl_penalized_rewards": "kl",
+    "policy_loss_with_kl": "kl",
     "AGGREGATION_MODES": "losses",
     "aggregate": "losses",
     "entropy_from_logits": "losses",

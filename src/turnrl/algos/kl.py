@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .losses import aggregate
+from .losses import aggregate, policy_loss
 
 KL_KINDS = ("k1", "k2", "k3")
 
@@ -72,3 +72,30 @@ def kl_loss(
     same number can also be logged unscaled.
     """
     return aggregate(kl_estimate(logp, logp_ref, kind, clamp), mask, agg)
+
+
+def policy_loss_with_kl(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    logp_ref: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float = 0.0,
+    kl_kind: str = "k3",
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    agg: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The policy update's loss: PPO's clipped surrogate + kl_coef * KL to the reference.
+
+    All tensors [B, T]; logp carries the gradient, logp_old and logp_ref are detached. Without
+    the KL term (kl_coef 0) a group whose trajectories all scored alike has zero advantage and
+    gives no gradient at all, however far the policy has drifted; with it, it pulls back.
+    Returns (loss 0-dim, policy_loss's metrics).
+    """
+    loss, metrics = policy_loss(logp, logp_old, advantages, mask, clip_low=clip_low, clip_high=clip_high,
+                                dual_clip=dual_clip, agg=agg)
+    if kl_coef:
+        loss = loss + kl_coef * kl_loss(logp, logp_ref, mask, kind=kl_kind, agg=agg)
+    return loss, metrics

@@ -30,8 +30,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from turnrl.algos import (entropy_from_logits, explained_variance, kl_estimate, kl_loss, logprobs_from_logits,
-                          masked_mean, policy_loss, value_loss)
+from turnrl.algos import (entropy_from_logits, explained_variance, kl_estimate, logprobs_from_logits,
+                          masked_mean, policy_loss_with_kl, value_loss)
 from turnrl.config import Config, LoraCfg
 from turnrl.training.checkpoint import step_seed
 
@@ -328,17 +328,15 @@ class PolicyWorker(_TrainerRank):
                     sums.setdefault(key, []).append(token_weight * share[key])
                 for key in ("logp_gap_max", "logp_gap_p99"):   # p99: of the rank whose share has the largest
                     maxes.setdefault(key, []).append(share[key])
-            loss, info = policy_loss(logp, logp.detach() if old_logp is None else old_logp[mine],
-                                     mb["advantages"], mb["loss_mask"],
-                                     clip_low=alg.clip_low, clip_high=alg.clip_high,
-                                     dual_clip=alg.dual_clip, agg=alg.loss_agg)
+            loss, info = policy_loss_with_kl(logp, logp.detach() if old_logp is None else old_logp[mine],
+                                             ref_logp[mine], mb["advantages"], mb["loss_mask"],
+                                             kl_coef=alg.kl_coef, kl_kind=alg.kl_estimator,
+                                             clip_low=alg.clip_low, clip_high=alg.clip_high,
+                                             dual_clip=alg.dual_clip, agg=alg.loss_agg)
             loss = weight * loss
             ent_mean = masked_mean(entropy(logits if alg.entropy_coef else logits.detach()), mb["loss_mask"])
             if alg.entropy_coef:
                 loss = loss - alg.entropy_coef * token_weight * ent_mean
-            if alg.kl_coef:
-                loss = loss + alg.kl_coef * weight * kl_loss(logp, ref_logp[mine], mb["loss_mask"],
-                                                             kind=alg.kl_estimator, agg=alg.loss_agg)
             if update:
                 self.engine.backward(loss * self.world_size)   # DeepSpeed averages gradients over ranks
                 self.engine.step()
