@@ -1,9 +1,9 @@
 """The compatibility matrix of real model families (issue 21).
 
-For each family (turnrl.miniatures.FAMILIES: qwen2 with tied embeddings, qwen3, llama 3, mistral,
+For each family (turnrl.models.miniatures.FAMILIES: qwen2 with tied embeddings, qwen3, llama 3, mistral,
 gemma2, gemma3, phi3, qwen3_moe, mixtral) build its miniature (the family's transformers config
 and model classes, a tokenizer with its special tokens, a chat template in its documented
-format, a short warm start) and run turnrl.modelcheck on the folder, as `model.path` of a
+format, a short warm start) and run turnrl.models.check on the folder, as `model.path` of a
 user's checkpoint: template and end-of-turn checks, a token-exact two-turn trajectory, generation
 on vLLM and transformers, vLLM's logprobs against the trainer's before and after a DeepSpeed
 ZeRO-2 and a ZeRO-3 update pushed in training's packed buckets, save and reload in transformers
@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_family(family: str, dtype: str, work: Path) -> dict:
     """Build the family's miniature and check it (in this process)."""
-    from turnrl import miniatures, modelcheck
+    from turnrl.models import miniatures
+    from turnrl.models import check as modelcheck
     start = time.perf_counter()
     folder = miniatures.build(family, work / family / "model")
     built = time.perf_counter() - start
@@ -72,8 +73,8 @@ def _fmt(value) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from turnrl.miniatures import FAMILIES
-    from turnrl.modelcheck import GAP_BOUND
+    from turnrl.models.miniatures import FAMILIES
+    from turnrl.models.check import GAP_BOUND
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", default="float32", choices=sorted(GAP_BOUND))
     parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated (default: all)")

@@ -165,7 +165,7 @@ def scripted_turns(row: dict) -> list[str]:
 
 
 def model_name() -> str:
-    from turnrl.tiny import CHAT_TEMPLATE
+    from turnrl.models.tiny import CHAT_TEMPLATE
     recipe = json.dumps([SCRIPT_STEPS, CHAT_TEMPLATE, RESPONSE_TEMPLATE, inspect.getsource(scripted_turns),
                          inspect.getsource(build_model), inspect.getsource(multiply)], sort_keys=True)
     return "tools-h128-l4-" + hashlib.sha1(recipe.encode()).hexdigest()[:8]
@@ -190,8 +190,8 @@ def build_model(out: Path) -> None:
     from turnrl import envs
     from turnrl.config import TinyModel
     from turnrl.rollout.chat import ChatFormat
-    from turnrl.rollout.loop import replay
-    from turnrl.tiny import build_model as tiny_model, build_tokenizer, save, warm_start
+    from turnrl.rollout.multi_turn import replay
+    from turnrl.models.tiny import build_model as tiny_model, build_tokenizer, save, warm_start
 
     torch.set_num_threads(1)
     make = lambda: envs.make("tools", functions=["benchmarks.latency:multiply"])   # noqa: E731

@@ -119,8 +119,8 @@ def build(spec: ModelSpec, out: Path) -> None:
     from turnrl.config import TinyModel
     from turnrl.envs.code_tool import CodeToolEnv
     from turnrl.rollout.chat import ChatFormat
-    from turnrl.rollout.loop import replay
-    from turnrl.tiny import build_model, build_tokenizer, save, warm_start
+    from turnrl.rollout.multi_turn import replay
+    from turnrl.models.tiny import build_model, build_tokenizer, save, warm_start
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     rows = train_rows(seed=spec.seed)

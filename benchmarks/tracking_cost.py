@@ -111,7 +111,7 @@ def run_once(base: Path, scratch: Path, variant: str, steps: int, uri: str, inde
     mlflow.set_tracking_uri(store)
     client = mlflow.MlflowClient(store)
     run, = client.search_runs([client.get_experiment_by_name(tracking["experiment"]).experiment_id],
-                              "tags.`turnrl.stage` = 'train'")
+                              "tags.`turnrl.pipeline.stage` = 'train'")
     by_step = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "timing/tracking_s")}
     on_step = [by_step.get(s + 1, 0.0) for s in range(1, steps)]   # step s's callback is logged with step s+1
     metrics = run.data.metrics
@@ -128,7 +128,7 @@ def run_once(base: Path, scratch: Path, variant: str, steps: int, uri: str, inde
 
 
 def traced_steps(steps: int, every: int) -> int:
-    from turnrl.traces import traced_step
+    from turnrl.tracking.traces import traced_step
     return sum(traced_step(s, every, steps) for s in range(1, steps + 1))
 
 

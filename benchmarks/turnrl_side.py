@@ -275,7 +275,7 @@ def run_rollout_sweep(case: dict[str, Any]) -> dict[str, Any]:
     """Rollout tokens/s of the multi-turn loop for each (group size, max turns) in the case,
     one engine, in-process (no trainer)."""
     from benchmarks.models import train_rows
-    from turnrl.rollout.loop import Budgets, run_rollouts
+    from turnrl.rollout.multi_turn import Budgets, run_rollouts
     from turnrl.training.workers import RolloutWorker
 
     cfg = config({**case, "turns": max(case["turns_list"]), "group": max(case["groups"])})

@@ -181,7 +181,7 @@ def mlflow_pages(browser: Browser, url: str, out: Path, experiment: str) -> None
     runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"])
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags and r.data.metrics]
     parent = parents[0]
-    children = {r.data.tags.get("turnrl.stage"): r for r in runs if r.data.tags.get("mlflow.parentRunId") ==
+    children = {r.data.tags.get("turnrl.pipeline.stage"): r for r in runs if r.data.tags.get("mlflow.parentRunId") ==
                 parent.info.run_id}
     train = children["train"]
     base = f"{url}/#/experiments/{exp.experiment_id}"

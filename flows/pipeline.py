@@ -34,7 +34,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from turnrl.config import ConfigError, parse_config
-from turnrl.stage import BAD_INPUT_EXIT  # bad params / data / model path
+from turnrl.pipeline.stage import BAD_INPUT_EXIT  # bad params / data / model path
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 PARAMS_FILE = "params.yaml"
@@ -266,7 +266,7 @@ def results_markdown(project: Path, done: list[dict[str, Any]], failed: tuple[st
     benchmark (metrics/baseline.json, metrics/eval.json), training, stages, the MLflow run."""
     import json
 
-    from turnrl.report import summary_table
+    from turnrl.pipeline.report import summary_table
     lines = ["# turnrl pipeline", ""]
     if failed:
         stage, exc = failed

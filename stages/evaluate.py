@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from turnrl.stage import run_stage, write_json
+from turnrl.pipeline.stage import run_stage, write_json
 
 DATA = Path("data/processed")
 WHICH = {
@@ -27,8 +27,8 @@ WHICH = {
 
 def main(cfg, which: str):
     from turnrl import tracking
-    from turnrl.evaluation import evaluate, load_levels, log_to_mlflow
-    from turnrl.preprocess import BENCHMARK_DIR
+    from turnrl.pipeline.evaluate import evaluate, load_levels, log_to_mlflow
+    from turnrl.pipeline.preprocess import BENCHMARK_DIR
     _, model, metrics_path, out = WHICH[which]
     # levels.high_model: separate: both models play, the trained high-level model from models/final/high_level
     engine, tokenizer = load_levels(cfg, model, model / "high_level" if which == "final" else None)

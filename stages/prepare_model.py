@@ -1,7 +1,7 @@
 """DVC stage `prepare_model`: build and warm-start the tiny model, or resolve a checkpoint."""
 from pathlib import Path
 
-from turnrl.stage import run_stage, write_json
+from turnrl.pipeline.stage import run_stage, write_json
 
 OUT = Path("models/initial")
 
@@ -10,7 +10,7 @@ def main(cfg):
     import shutil
 
     from turnrl import tracking
-    from turnrl.prepare import build_tiny, resolve_checkpoint
+    from turnrl.pipeline.prepare_model import build_tiny, resolve_checkpoint
     run = tracking.current_run()
     shutil.rmtree(OUT, ignore_errors=True)
     if cfg.model.path == "tiny":

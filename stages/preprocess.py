@@ -1,14 +1,14 @@
 """DVC stage `preprocess`: synthetic splits and benchmarks to data/processed/ (parquet)."""
 from pathlib import Path
 
-from turnrl.stage import run_stage
+from turnrl.pipeline.stage import run_stage
 
 OUT = Path("data/processed")
 
 
 def main(cfg):
     from turnrl import tracking
-    from turnrl.preprocess import preprocess
+    from turnrl.pipeline.preprocess import preprocess
     manifest = preprocess(cfg, OUT)
     run = tracking.current_run()
     tracking.log_dict(run, manifest, "manifest.json")

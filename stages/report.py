@@ -5,7 +5,7 @@
 import json
 from pathlib import Path
 
-from turnrl.stage import run_stage
+from turnrl.pipeline.stage import run_stage
 
 BASELINE, TRAINED = Path("metrics/baseline.json"), Path("metrics/eval.json")
 OUT = Path("report")
@@ -13,7 +13,7 @@ OUT = Path("report")
 
 def main(cfg):
     from turnrl import tracking
-    from turnrl.report import render
+    from turnrl.pipeline.report import render
     for path, stage in [(BASELINE, "baseline_eval"), (TRAINED, "eval")]:
         if not path.exists():
             raise FileNotFoundError(f"{path} is missing; run `dvc repro {stage}` first")

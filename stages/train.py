@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from turnrl.stage import run_stage, write_json
+from turnrl.pipeline.stage import run_stage, write_json
 
 DATA, INITIAL, FINAL = Path("data/processed"), Path("models/initial"), Path("models/final")
 _checkpoints = {}   # the store and the checkpoint to resume from, found once per process
@@ -18,7 +18,7 @@ _checkpoints = {}   # the store and the checkpoint to resume from, found once pe
 def checkpoints(cfg):
     """(store, resume or None) for this config: decided before the MLflow run opens."""
     if not _checkpoints:
-        from turnrl.prepare import model_dir
+        from turnrl.models.folders import model_dir
         from turnrl.training.checkpoint import CheckpointStore, fingerprint
         high = cfg.levels.high_model_path   # a second model for the high level, from its own folder
         key = fingerprint(cfg, [Path(model_dir(INITIAL)), DATA / "train.parquet", *([Path(high)] if high else [])])
@@ -37,9 +37,11 @@ def main(cfg):
 
     import mlflow
 
-    from turnrl import plots, tracking, traces
-    from turnrl.prepare import model_dir
-    from turnrl.preprocess import load_split
+    from turnrl import tracking
+    from turnrl.pipeline import plots
+    from turnrl.tracking import traces
+    from turnrl.models.folders import model_dir
+    from turnrl.pipeline.preprocess import load_split
     from turnrl.training import health
     from turnrl.training.cluster import ActorFailure
     from turnrl.training.health import UnhealthyTraining

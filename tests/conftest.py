@@ -45,7 +45,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from turnrl.config import Config
     from turnrl.data.synthetic import product_rows
     from turnrl.rollout.chat import ChatFormat
-    from turnrl.tiny import build_model, build_tokenizer, save
+    from turnrl.models.tiny import build_model, build_tokenizer, save
     from turnrl.envs.code_tool import SYSTEM_PROMPT
 
     rows = product_rows(200, seed=0, split="train", exclude=set())
@@ -91,7 +91,7 @@ class ScriptedEngine:
         self.tokenizer, self.turns, self.finish, self.calls = tokenizer, list(turns), finish, []
 
     def generate(self, prompts, *, max_tokens, stop, temperature, top_p, seeds):
-        from turnrl.rollout.loop import Sample
+        from turnrl.rollout.multi_turn import Sample
         text = self.turns.pop(0)
         self.calls.append({"prompts": [list(p) for p in prompts], "max_tokens": list(max_tokens),
                            "stop": tuple(stop)})
@@ -131,7 +131,7 @@ def train_two_steps(model_dir, tmp_path, env: dict, algorithm: dict, **sections)
     import ray
 
     from turnrl.config import Config
-    from turnrl.preprocess import load_split, preprocess
+    from turnrl.pipeline.preprocess import load_split, preprocess
     from turnrl.training.loop import train
     data = {"env": env, "algorithm": algorithm,
             "data": {"train_examples": 32, "heldout_examples": 8}, "eval": {"benchmarks": []},

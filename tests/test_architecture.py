@@ -1,6 +1,7 @@
 """The import rules: the pure layers (envs, rewards, rollout, data, algos) never import the
-trainer, nothing imports the entry points (stages/, flows/), and turnrl's modules have no import
-cycle. Every import counts, the ones inside functions too: a lazy import is still a dependency."""
+trainer, the pipeline or the params (config); the trainer never imports the pipeline; nothing
+imports the entry points (stages/, flows/); and turnrl's modules have no import cycle. Every
+import counts, the ones inside functions too: a lazy import is still a dependency."""
 import ast
 from pathlib import Path
 
@@ -54,11 +55,32 @@ def _turnrl_deps(name: str) -> set[str]:
 GRAPH = {name: _turnrl_deps(name) for name in MODULES}
 
 
+def _arrows(source: str, forbidden: tuple[str, ...]) -> dict[str, list[str]]:
+    """The modules under `source` that import a module under one of `forbidden`, and what."""
+    def under(module: str, package: str) -> bool:
+        return module == package or module.startswith(package + ".")
+    offenders = {name: sorted(d for d in deps if any(under(d, f) for f in forbidden))
+                 for name, deps in GRAPH.items() if under(name, source)}
+    return {k: v for k, v in offenders.items() if v}
+
+
 @pytest.mark.parametrize("layer", PURE)
-def test_the_pure_layers_never_import_the_trainer(layer):
-    offenders = {name: sorted(d for d in deps if d.startswith("turnrl.training"))
-                 for name, deps in GRAPH.items() if name.startswith(f"turnrl.{layer}")}
-    assert not {k: v for k, v in offenders.items() if v}, offenders
+def test_the_pure_layers_never_import_the_trainer_the_pipeline_or_the_params(layer):
+    assert _arrows(f"turnrl.{layer}", ("turnrl.training", "turnrl.pipeline", "turnrl.config")) == {}
+
+
+def test_the_trainer_never_imports_the_pipeline():
+    assert _arrows("turnrl.training", ("turnrl.pipeline",)) == {}
+
+
+def test_the_rule_checker_finds_an_arrow_back_up():
+    """The rules above could pass by not looking: a module of the trainer that imports the
+    pipeline, added to the graph, is found."""
+    GRAPH["turnrl.training._probe"] = {"turnrl.pipeline.evaluate"}
+    try:
+        assert _arrows("turnrl.training", ("turnrl.pipeline",)) == {"turnrl.training._probe": ["turnrl.pipeline.evaluate"]}
+    finally:
+        del GRAPH["turnrl.training._probe"]
 
 
 def test_nothing_in_the_package_imports_the_entry_points():
@@ -101,4 +123,5 @@ def test_no_import_cycle():
 def test_the_checker_sees_lazy_and_relative_imports():
     """The rules above could pass by not seeing imports: the trainer's own modules show both kinds."""
     assert "turnrl.training.workers" in GRAPH["turnrl.training.cluster"]   # imported inside a function
+    assert "turnrl.envs" in GRAPH["turnrl.config"]                         # `from turnrl import envs` in a method
     assert "turnrl.algos.losses" in GRAPH["turnrl.algos.advantages"]       # `from .losses import ...`

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from turnrl.config import Config
-from turnrl.stage import BAD_INPUT_EXIT, run_stage, write_json
+from turnrl.pipeline.stage import BAD_INPUT_EXIT, run_stage, write_json
 
 from conftest import ROOT
 

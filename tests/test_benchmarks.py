@@ -187,7 +187,7 @@ def test_a_failed_case_is_reported_not_dropped():
 @pytest.fixture(scope="module")
 def tool_tokenizer():
     from turnrl.envs.code_tool import SYSTEM_PROMPT
-    from turnrl.tiny import build_tokenizer
+    from turnrl.models.tiny import build_tokenizer
     tok = build_tokenizer([SYSTEM_PROMPT + "<code>print(12 * 34)</code><output>408</output><answer>408</answer>"], 320)
     tok.chat_template = TOOL_CHAT_TEMPLATE
     tok.response_template = RESPONSE_TEMPLATE

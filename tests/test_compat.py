@@ -1,6 +1,6 @@
 """Real model families (issue 21): miniatures of Qwen2.5, Qwen3, Llama 3, Mistral, Gemma 2 and 3,
-Phi-3, Qwen3-MoE and Mixtral (turnrl.miniatures: each family's transformers classes, special
-tokens, chat template and stop tokens), checked as a user's checkpoint is (turnrl.modelcheck).
+Phi-3, Qwen3-MoE and Mixtral (turnrl.models.miniatures: each family's transformers classes, special
+tokens, chat template and stop tokens), checked as a user's checkpoint is (turnrl.models.check).
 
 Fast, every family (tokenizers and templates only, a few seconds): a two-turn conversation
 assembled as the rollout loop assembles it decodes to exactly what the family's template renders;
@@ -24,8 +24,9 @@ import dataclasses
 import pytest
 import torch
 
-from turnrl import miniatures, modelcheck
-from turnrl.miniatures import FAMILIES
+from turnrl.models import miniatures
+from turnrl.models import check as modelcheck
+from turnrl.models.miniatures import FAMILIES
 
 CI_CASES = (("qwen3_moe", "float32"), ("gemma2", "float32"), ("qwen2", "bfloat16"))
 # Llama 3.0 shipped with eos <|end_of_text|> while turns end with <|eot_id|> (3.1 made eos <|eot_id|>)
@@ -70,7 +71,7 @@ class Scripted:
         self.tok, self.texts, self.stop_id = tok, list(texts), stop_id
 
     def generate(self, prompts, *, max_tokens, stop, temperature, top_p, seeds):
-        from turnrl.rollout.loop import Sample
+        from turnrl.rollout.multi_turn import Sample
         ids = self.tok(self.texts.pop(0), add_special_tokens=False)["input_ids"] + [self.stop_id]
         return [Sample(list(ids), [-0.1] * len(ids), "stop") for _ in prompts]
 
@@ -81,7 +82,7 @@ def test_a_turn_the_model_ends_with_its_end_of_turn_token_is_closed_once(family,
     the tokenizer's eos: the observation frame repeated them ("...</code><end_of_turn><end_of_turn>
     <start_of_turn>user")."""
     from turnrl.rollout.chat import ChatFormat
-    from turnrl.rollout.loop import Budgets, run_rollouts
+    from turnrl.rollout.multi_turn import Budgets, run_rollouts
     tok = tokenizers(family)
     fmt = ChatFormat(tok)
     eot = tok.convert_tokens_to_ids(ALL[family].end_of_turn)

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from turnrl.config import Config
 from turnrl.data.sources import DataSourceError, MalformedDataError, read_parquet
-from turnrl.preprocess import preprocess
+from turnrl.pipeline.preprocess import preprocess
 
 from conftest import print_past_capture
 
@@ -31,7 +31,7 @@ TRIED: Counter = Counter()
 
 text = st.text(max_size=12)
 blank = st.sampled_from(["", " ", "\t", "  \u3000 "])          # str.strip() removes all of these
-# allow_subnormal=False: the warm start (turnrl.tiny, run in-process by earlier tests) sets torch.set_flush_denormal,
+# allow_subnormal=False: the warm start (turnrl.models.tiny, run in-process by earlier tests) sets torch.set_flush_denormal,
 # and hypothesis refuses to generate subnormal floats then.
 finite = st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False, width=32, allow_subnormal=False)
 not_a_string = st.integers() | st.booleans() | st.lists(st.integers(), max_size=2) | st.dictionaries(text, text, max_size=2)

@@ -4,7 +4,7 @@ import socket
 
 import pytest
 
-from turnrl import doctor
+from turnrl.models import doctor
 from turnrl.config import Config
 
 

@@ -2,7 +2,7 @@
 when something is wrong (a template without a generation prompt, no end-of-turn token, an
 end-of-turn token generation does not stop on, a template that cannot go on after an assistant
 message, no template, an architecture vLLM cannot load). The checkpoints are miniatures
-(turnrl.miniatures) with one thing broken each."""
+(turnrl.models.miniatures) with one thing broken each."""
 from __future__ import annotations
 
 import json
@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from turnrl import doctor, miniatures
+from turnrl.models import doctor
+from turnrl.models import miniatures
 from turnrl.config import Config
-from turnrl.miniatures import CHATML
+from turnrl.models.miniatures import CHATML
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def _template_checks(folder: Path) -> dict[str, doctor.Check]:
     """The template-level model checks as the doctor reports them (no engine needed)."""
     from transformers import AutoTokenizer
 
-    from turnrl import modelcheck
+    from turnrl.models import check as modelcheck
     results, _ = modelcheck.template_checks(AutoTokenizer.from_pretrained(folder))
     return {r.name: r for r in results}
 

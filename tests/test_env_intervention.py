@@ -4,7 +4,7 @@ import pytest
 
 from turnrl.envs.intervention import INTERVENTION, InterventionEnv, find_answer
 from turnrl.rollout.chat import ChatFormat
-from turnrl.rollout.loop import Budgets, run_rollouts
+from turnrl.rollout.multi_turn import Budgets, run_rollouts
 
 from conftest import ScriptedEngine
 
@@ -140,7 +140,7 @@ def test_one_turn_budget_and_a_custom_message():
 @pytest.fixture(scope="module")
 def fmt():
     from turnrl.envs.intervention import SYSTEM_PROMPT
-    from turnrl.tiny import build_tokenizer
+    from turnrl.models.tiny import build_tokenizer
 
     texts = [SYSTEM_PROMPT, INTERVENTION, HALF["prompt"], "Let me think about one half.",
              "It is \\boxed{\\frac{1}{2}}. Or maybe \\boxed{0.7}", "<answer>0.5</answer>"]

@@ -16,7 +16,7 @@ from turnrl import envs
 from turnrl.envs.math_refine import (ENDPOINT_OBSERVATION, FEEDBACK_REQUEST, HIGH_LEVEL_PROMPT, REFINE_REQUEST,
                                      SYSTEM_PROMPT, MathRefineEnv, feedback_messages, parse_feedback)
 from turnrl.rollout.chat import ChatFormat
-from turnrl.rollout.loop import Budgets, replay, run_rollouts
+from turnrl.rollout.multi_turn import Budgets, replay, run_rollouts
 
 from conftest import ScriptedEngine
 

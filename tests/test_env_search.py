@@ -8,7 +8,7 @@ import pytest
 from turnrl.envs import search as search_mod
 from turnrl.envs.search import SearchEnv, SearchIndex, build_index, clear_index_cache, parse_action
 from turnrl.rollout.chat import ChatFormat
-from turnrl.rollout.loop import Budgets, run_rollouts
+from turnrl.rollout.multi_turn import Budgets, run_rollouts
 
 from conftest import ScriptedEngine
 
@@ -260,7 +260,7 @@ def test_format_is_judged_over_all_the_policy_turns(index):
 
 # ----------------------------------------------------------------------------- through the loop
 def test_a_scripted_rollout_through_the_loop(index):
-    from turnrl.tiny import build_tokenizer
+    from turnrl.models.tiny import build_tokenizer
     from turnrl.envs.search import SYSTEM_PROMPT
 
     turns = ["<search>who discovered x-rays</search>", "<answer>Wilhelm Röntgen</answer>"]

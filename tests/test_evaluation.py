@@ -1,4 +1,4 @@
-"""The evaluation used by baseline_eval, eval and `python -m turnrl.evaluate_checkpoint`.
+"""The evaluation used by baseline_eval, eval and `python -m turnrl.pipeline.evaluate_checkpoint`.
 
 Scripted engines stand in for the model where the code around the engine is under test
 (metrics, protocols, grading reasons, generations); the real engines (HF in process, vLLM in
@@ -17,9 +17,9 @@ import yaml
 from transformers import AutoTokenizer
 
 from turnrl.config import BENCHMARKS, Config, ConfigError, parse_config
-from turnrl.evaluation import evaluate, load_engine, pass_at_k
-from turnrl.preprocess import preprocess
-from turnrl.rollout.loop import Sample
+from turnrl.pipeline.evaluate import evaluate, load_engine, pass_at_k
+from turnrl.pipeline.preprocess import preprocess
+from turnrl.rollout.multi_turn import Sample
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {"math500": 500, "aime24": 30, "aime25": 30, "amc23": 40, "gsm8k_test": 1319}
@@ -102,9 +102,9 @@ def test_task_metrics_and_generations(tmp_path, tiny_model_dir, cfg, monkeypatch
 
 def test_tool_rates_count_calls_and_successful_calls(tiny_model_dir):
     from turnrl import envs
-    from turnrl.evaluation import summarize
+    from turnrl.pipeline.evaluate import summarize
     from turnrl.rollout.chat import ChatFormat
-    from turnrl.rollout.loop import replay
+    from turnrl.rollout.multi_turn import replay
     fmt = ChatFormat(AutoTokenizer.from_pretrained(tiny_model_dir))
     example = {"prompt": "Compute 12 * 34.", "answer": "408"}
     scripts = [["<code>print(12 * 34)</code>", "<answer>408</answer>"],     # called, ran
@@ -301,12 +301,12 @@ def _checkpoint_cmd(project: Path, model: Path, out: str, *extra: str, data_dir:
     env.pop("TURNRL_DATA_DIR", None)
     if data_dir:
         env["TURNRL_DATA_DIR"] = data_dir
-    return subprocess.run([sys.executable, "-m", "turnrl.evaluate_checkpoint", str(model), "--out", out, *extra],
+    return subprocess.run([sys.executable, "-m", "turnrl.pipeline.evaluate_checkpoint", str(model), "--out", out, *extra],
                           cwd=project, env=env, capture_output=True, text=True, timeout=900)
 
 
 def test_checkpoint_command_needs_the_preprocessed_data(tmp_path, tiny_model_dir):
-    from turnrl.evaluate_checkpoint import main
+    from turnrl.pipeline.evaluate_checkpoint import main
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({}))
     code = main([str(tiny_model_dir), "--out", str(tmp_path / "out"), "--params", str(tmp_path / "params.yaml"),
                  "--data", str(tmp_path / "data" / "processed")])
@@ -317,7 +317,7 @@ def test_checkpoint_command_needs_the_preprocessed_data(tmp_path, tiny_model_dir
 
 @pytest.mark.slow
 def test_checkpoint_command_end_to_end_twice_on_vllm(tmp_path, tiny_model_dir, monkeypatch):
-    """`python -m turnrl.evaluate_checkpoint` on the tiny model with vLLM, sampled, run twice in
+    """`python -m turnrl.pipeline.evaluate_checkpoint` on the tiny model with vLLM, sampled, run twice in
     fresh processes with the same seed: identical metrics and generations."""
     data_dir = os.environ.get("TURNRL_DATA_DIR") or str(ROOT.parent / "shared" / "data")
     benchmarks = ["amc23"] if Path(data_dir, "amc23").is_dir() else []
@@ -348,7 +348,7 @@ def test_checkpoint_command_end_to_end_twice_on_vllm(tmp_path, tiny_model_dir, m
 def test_checkpoint_command_scores_the_benchmark_file_it_is_given(tmp_path, tiny_model_dir, monkeypatch):
     """`turnrl evaluate` reads benchmark files itself: a path given with -S is the one scored,
     whatever the preprocessed data holds (it once scored the old preprocessed copy, silently)."""
-    from turnrl.evaluate_checkpoint import main
+    from turnrl.pipeline.evaluate_checkpoint import main
     monkeypatch.delenv("TURNRL_DATA_DIR", raising=False)
     monkeypatch.chdir(tmp_path)
     old, new = tmp_path / "old.jsonl", tmp_path / "new.jsonl"

@@ -467,8 +467,8 @@ def test_deployment_run_with_overrides(tmp_path):
         client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
         experiments = [e.experiment_id for e in client.search_experiments()]
         runs = client.search_runs(experiments, f"params.`train.steps` = '{SHORT['train.steps']}'")
-        stage_runs = [r for r in runs if "turnrl.stage" in r.data.tags]
-        assert {r.data.tags["turnrl.stage"] for r in stage_runs} == set(ran)
+        stage_runs = [r for r in runs if "turnrl.pipeline.stage" in r.data.tags]
+        assert {r.data.tags["turnrl.pipeline.stage"] for r in stage_runs} == set(ran)
         parents = {r.data.tags.get("mlflow.parentRunId") for r in stage_runs}
         assert len(parents) == 1
         parent = client.get_run(parents.pop())

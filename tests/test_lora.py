@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from turnrl import miniatures, modelcheck
+from turnrl.models import miniatures
+from turnrl.models import check as modelcheck
 from turnrl.config import ConfigError, LoraCfg, parse_config
 from turnrl.training.workers import (LoraTargetError, base_name, export_plan, lora_layers, lora_model,
                                      merged_weight)

@@ -10,7 +10,7 @@ from turnrl.algos.registry import Scorer
 from turnrl.config import Config, ConfigError, parse_config
 from turnrl.envs.math_refine import REFINE_REQUEST, MathRefineEnv
 from turnrl.rollout.chat import ChatFormat
-from turnrl.rollout.loop import replay
+from turnrl.rollout.multi_turn import replay
 from turnrl.training.loop import advantages_for, collate
 from turnrl.training.workers import token_logprobs
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from turnrl.algos.hierarchy import prepare
 from turnrl.algos.registry import Scorer
 from turnrl.config import Config, ConfigError, parse_config
-from turnrl.prepare import high_level_folder
+from turnrl.models.folders import high_level_folder
 from turnrl.training.cluster import check_cluster, plan_placement
 from turnrl.training.loop import HIGH_LEVEL, level_mask, train_levels, trained_level
 
@@ -51,16 +51,16 @@ def test_the_feedback_model_gets_as_many_trainer_ranks_as_the_solver():
 
 
 def test_the_feedback_model_needs_the_solvers_tokenizer(tiny_model_dir, tmp_path):
-    from turnrl.tiny import build_tokenizer
-    assert high_level_folder(_cfg(), tiny_model_dir) == str(tiny_model_dir)   # empty: the solver's start
+    from turnrl.models.tiny import build_tokenizer
+    assert high_level_folder(_cfg().levels.high_model_path, tiny_model_dir) == str(tiny_model_dir)   # empty: the solver's start
     same = _cfg(high_model_path=str(tiny_model_dir))
-    assert high_level_folder(same, tiny_model_dir) == str(tiny_model_dir)
+    assert high_level_folder(same.levels.high_model_path, tiny_model_dir) == str(tiny_model_dir)
     other = tmp_path / "other"
     other.mkdir()
     (other / "config.json").write_text((Path(tiny_model_dir) / "config.json").read_text())
     build_tokenizer(["completely different text 0123456789"] * 4, 300).save_pretrained(other)
     with pytest.raises(ValueError, match="tokenizer .* is not the policy's"):
-        high_level_folder(_cfg(high_model_path=str(other)), tiny_model_dir)
+        high_level_folder(str(other), tiny_model_dir)
 
 
 # ----------------------------------------------------------------------------- masks and KL
@@ -119,8 +119,8 @@ def test_the_evaluation_plays_the_feedback_turns_on_the_second_model(tmp_path, t
     from transformers import AutoTokenizer
 
     from conftest import ScriptedEngine
-    from turnrl.evaluation import evaluate
-    from turnrl.preprocess import preprocess
+    from turnrl.pipeline.evaluate import evaluate
+    from turnrl.pipeline.preprocess import preprocess
     monkeypatch.delenv("TURNRL_DATA_DIR", raising=False)
     cfg = Config.model_validate({"env": {"name": "math_refine"}, "levels": {"high_model": "separate"},
                                  "data": {"train_examples": 8, "heldout_examples": 4},
@@ -173,7 +173,7 @@ def test_a_second_model_trains_the_feedback_level_while_the_solver_stays(tiny_mo
     reached it, and only it: the solver's engine holds its own weights, or the gap would show)."""
     import ray
 
-    from turnrl.preprocess import load_split, preprocess
+    from turnrl.pipeline.preprocess import load_split, preprocess
     from turnrl.training.checkpoint import CheckpointStore
     from turnrl.training.loop import train
     cfg = Config.model_validate({

@@ -123,10 +123,10 @@ def test_mlflow_has_one_parent_with_a_child_per_stage(project, first_run, mlflow
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
     assert len(parents) == 1
-    assert sorted(r.data.tags["turnrl.stage"] for r in children) == sorted(STAGES)
+    assert sorted(r.data.tags["turnrl.pipeline.stage"] for r in children) == sorted(STAGES)
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
     assert {r.info.status for r in runs} == {"FINISHED"}
-    train = next(r for r in children if r.data.tags["turnrl.stage"] == "train")
+    train = next(r for r in children if r.data.tags["turnrl.pipeline.stage"] == "train")
     assert train.data.params["train.steps"] == "3"
     assert train.data.tags["mlflow.source.git.commit"] != "unknown"
     assert len(client.get_metric_history(train.info.run_id, "rollout/reward_mean")) == 3
@@ -164,7 +164,7 @@ def test_the_parent_run_compares_pipeline_runs(project, first_run, mlflow_server
     assert metrics["train/step_s_mean"] == pytest.approx(train["step_s_mean"]) and metrics["train/wall_s"] > 0
     description = parent.data.tags["mlflow.note.content"]
     assert "| `task` |" in description and "| `math500` |" in description and "grpo" in description
-    evaluation = client.search_runs([parent.info.experiment_id], "tags.`turnrl.stage` = 'eval'")[0]
+    evaluation = client.search_runs([parent.info.experiment_id], "tags.`turnrl.pipeline.stage` = 'eval'")[0]
     assert evaluation.data.params["eval/task/temperature"] == "1.0"            # settings are params ...
     assert not any(k.endswith(("temperature", "top_p", "seed")) for k in evaluation.data.metrics)  # not metrics
     assert evaluation.data.metrics["eval/task/accuracy"] == pytest.approx(final["task"]["accuracy"])
@@ -176,7 +176,7 @@ def test_rollouts_and_generations_are_traces(project, first_run, mlflow_server):
     mlflow.set_tracking_uri(mlflow_server.uri)
     client = mlflow.MlflowClient()
     experiment = client.get_experiment_by_name("turnrl").experiment_id
-    by_stage = {r.data.tags["turnrl.stage"]: r for r in client.search_runs([experiment], "tags.`turnrl.stage` != ''")}
+    by_stage = {r.data.tags["turnrl.pipeline.stage"]: r for r in client.search_runs([experiment], "tags.`turnrl.pipeline.stage` != ''")}
     train_id = by_stage["train"].info.run_id
     rollouts = mlflow.search_traces(locations=[experiment], run_id=train_id, return_type="list")
     # tracking.traces: every 10 steps and the first and last: steps 1 and 3, 4 trajectories each
@@ -223,7 +223,7 @@ def test_data_sets_and_the_model_are_in_their_registries(project, first_run, mlf
     client = mlflow.MlflowClient()
     experiment = client.get_experiment_by_name("turnrl").experiment_id
     runs = client.search_runs([experiment])
-    by_stage = {r.data.tags.get("turnrl.stage"): r for r in runs}
+    by_stage = {r.data.tags.get("turnrl.pipeline.stage"): r for r in runs}
     parent = by_stage[None]
 
     def digests(run):

@@ -20,7 +20,7 @@ from turnrl import envs
 from turnrl.config import ConfigError, load_config, parse_config
 from turnrl.plugins import PluginError, options_model, validate_options
 from turnrl.rewards.functions import RewardFunctionError, RewardFunctions
-from turnrl.rollout.loop import Trajectory
+from turnrl.rollout.multi_turn import Trajectory
 
 from conftest import ROOT, ScriptedEngine, copy_project, run_dvc
 
@@ -178,8 +178,8 @@ def test_benchmark_files_with_list_and_boxed_answers_graded_by_math_verify(tmp_p
     from transformers import AutoTokenizer
 
     from turnrl.config import Config
-    from turnrl.evaluation import evaluate, source_benchmarks
-    from turnrl.preprocess import preprocess
+    from turnrl.pipeline.evaluate import evaluate, source_benchmarks
+    from turnrl.pipeline.preprocess import preprocess
     monkeypatch.delenv("TURNRL_DATA_DIR", raising=False)
     (tmp_path / "olympiad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in OLYMPIAD))
     (tmp_path / "minerva.jsonl").write_text("".join(json.dumps(r) + "\n" for r in MINERVA))
@@ -200,7 +200,7 @@ def test_benchmark_files_with_list_and_boxed_answers_graded_by_math_verify(tmp_p
 
     class InOrder(ScriptedEngine):   # one scripted answer per prompt, in the order asked
         def generate(self, prompts, **kw):
-            from turnrl.rollout.loop import Sample
+            from turnrl.rollout.multi_turn import Sample
             out = []
             for _ in prompts:
                 ids = self.tokenizer(said.pop(0), add_special_tokens=False)["input_ids"]
@@ -324,8 +324,7 @@ def test_a_plugin_ships_with_the_job_to_a_cluster_node_that_does_not_have_it(tmp
 
         @ray.remote(num_cpus=0)
         def play():
-            from turnrl.envs.configured import env_factory
-            env = env_factory(cfg)()
+            env = cfg.env.factory(max_turns=cfg.rollout.max_turns, seed=cfg.seed)()
             env.reset({{"prompt": "Game 1: I picked a number from 1 to 8. Guess it.", "answer": "5"}})
             return type(env).__module__, env.step("<guess>4</guess>").observation
 

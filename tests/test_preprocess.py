@@ -6,7 +6,7 @@ import pytest
 from turnrl.config import Config
 from turnrl.data.sources import read_parquet
 from turnrl.data.synthetic import TASKS
-from turnrl.preprocess import preprocess
+from turnrl.pipeline.preprocess import preprocess
 
 
 def small() -> Config:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from turnrl.data.sources import write_parquet
-from turnrl.report import main, render
+from turnrl.pipeline.report import main, render
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBJECTS = ["Algebra", "Counting & Probability", "Geometry", "Intermediate Algebra", "Number Theory",

@@ -113,7 +113,7 @@ TIMING = ("rollout_s", "advantage_s", "train_s", "sync_s", "step_s", "gen_tokens
 
 def _project(root: Path, model_dir: Path) -> Path:
     """What the train stage reads: params.yaml, data/processed, models/initial."""
-    from turnrl.preprocess import preprocess
+    from turnrl.pipeline.preprocess import preprocess
     root.mkdir()
     (root / "params.yaml").write_text(yaml.safe_dump(PARAMS))
     preprocess(Config.model_validate(PARAMS), root / "data" / "processed")
@@ -190,7 +190,7 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(tiny_model_dir, t
     # one MLflow train run, continued: all five steps, finished
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{crashed / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("turnrl").experiment_id],
-                              filter_string="tags.`turnrl.stage` = 'train'")
+                              filter_string="tags.`turnrl.pipeline.stage` = 'train'")
     assert [r.info.run_id for r in runs] == [killed_run]
     assert runs[0].info.status == "FINISHED" and runs[0].data.tags["turnrl.resumed_from_step"] == str(resumed_at)
     # (a step the killed run logged after its last checkpoint is logged again, with the same value)
@@ -218,7 +218,7 @@ def test_an_unhealthy_run_stops_with_its_checkpoint_and_resumes_with_warn(tiny_m
     assert list(curve["step"]) == [1, 2, 3] and list(curve["health_no_signal"]) == [0, 0, 1]
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     run, = client.search_runs([client.get_experiment_by_name("turnrl").experiment_id],
-                              filter_string="tags.`turnrl.stage` = 'train'")
+                              filter_string="tags.`turnrl.pipeline.stage` = 'train'")
     assert run.info.status == "FAILED" and "no_signal" in run.data.tags["turnrl.health"]
 
     params["train"]["on_unhealthy"] = "warn"

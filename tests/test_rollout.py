@@ -7,7 +7,7 @@ from transformers import AutoTokenizer
 
 from turnrl import envs
 from turnrl.rollout.chat import ChatFormat
-from turnrl.rollout.loop import Budgets, Sample, replay, run_rollouts
+from turnrl.rollout.multi_turn import Budgets, Sample, replay, run_rollouts
 
 from conftest import ScriptedEngine
 

@@ -1,7 +1,7 @@
 """Hostile programs through the code tool, exactly as the trainer runs them.
 
 Each case is a program the policy could write. It goes through `turnrl.envs.make("code_tool")`
-and `env.step("<code>...</code>")`, like `turnrl.rollout.loop` does, and the test then checks:
+and `env.step("<code>...</code>")`, like `turnrl.rollout.multi_turn` does, and the test then checks:
 
 * the call came back within its time limit as an observation (an error or a harmless one),
 * the host is untouched: canary files and folders the test owns (in the project and in /tmp),

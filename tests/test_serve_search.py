@@ -13,7 +13,7 @@ import pytest
 
 from turnrl import envs
 from turnrl.envs.search import RemoteIndex, SearchEnv, build_index, clear_index_cache
-from turnrl.search_service import SearchService
+from turnrl.envs.search_server import SearchService
 
 ROOT = Path(__file__).resolve().parents[1]
 

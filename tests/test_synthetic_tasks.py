@@ -7,9 +7,8 @@ import pytest
 from turnrl import envs
 from turnrl.config import Config
 from turnrl.data import synthetic
-from turnrl.envs.configured import env_factory, env_options
 from turnrl.rollout.chat import ChatFormat
-from turnrl.rollout.loop import replay
+from turnrl.rollout.multi_turn import replay
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +22,8 @@ def _make_env(name: str, train, heldout, data_dir):
     cfg = Config.model_validate({"env": {"name": name}})
     spec = envs.resolve(name)
     if spec.prepare_data is not None:
-        spec.prepare_data(heldout + train, data_dir, **env_options(cfg))
-    return env_factory(cfg, data_dir)
+        spec.prepare_data(heldout + train, data_dir, **cfg.env.checked_options())
+    return cfg.env.factory(max_turns=cfg.rollout.max_turns, seed=cfg.seed, data_dir=data_dir)
 
 
 @pytest.mark.parametrize("name", sorted(synthetic.TASKS))
@@ -72,19 +71,19 @@ def test_the_builtins_are_plugins_with_tasks():
 
 def test_env_options_follow_params(tmp_path):
     cfg = Config.model_validate({"env": {"name": "code_tool", "options": {"timeout_s": 2.0}}})
-    assert env_options(cfg)["timeout_s"] == 2.0 and env_options(cfg)["memory_mb"] == 256   # defaults filled
+    assert cfg.env.checked_options()["timeout_s"] == 2.0 and cfg.env.checked_options()["memory_mb"] == 256   # defaults filled
     cfg = Config.model_validate({"env": {"name": "intervention"}, "rollout": {"max_turns": 4}})
-    assert env_factory(cfg)().max_turns == 4   # from the context: rollout.max_turns
+    assert cfg.env.factory(max_turns=cfg.rollout.max_turns, seed=cfg.seed)().max_turns == 4   # from the context: rollout.max_turns
     cfg = Config.model_validate({"env": {"name": "search"}})
     with pytest.raises(FileNotFoundError, match="dvc repro preprocess"):
-        env_factory(cfg, tmp_path)()
+        cfg.env.factory(max_turns=cfg.rollout.max_turns, seed=cfg.seed, data_dir=tmp_path)()
     cfg = Config.model_validate({"env": {"name": "math_refine", "options": {
         "feedback": "endpoint", "endpoint_url": "http://127.0.0.1:9/v1"}}})
-    assert env_options(cfg)["endpoint_url"] == "http://127.0.0.1:9/v1"
+    assert cfg.env.checked_options()["endpoint_url"] == "http://127.0.0.1:9/v1"
 
 
 def test_prior_phase_trains_good_demonstrations_whole_and_bad_ones_at_their_choice(fmt, tmp_path):
-    from turnrl.prepare import warm_start_mask
+    from turnrl.pipeline.prepare_model import warm_start_mask
     task = envs.resolve("code_tool").task
     train, heldout = task.splits(4, 2, seed=0)
     make_env = _make_env("code_tool", train, heldout, tmp_path)

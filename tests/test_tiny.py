@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from turnrl.config import TinyModel
-from turnrl.tiny import build_model, build_tokenizer, warm_start
+from turnrl.models.tiny import build_model, build_tokenizer, warm_start
 
 
 def test_digits_are_single_tokens_and_text_round_trips(tiny_model_dir):

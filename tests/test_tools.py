@@ -411,7 +411,7 @@ def test_masks_are_exact_across_tool_turns_with_a_template_that_renders_tools(ti
 
     from conftest import ScriptedEngine
     from turnrl.rollout.chat import ChatFormat, renders_tools
-    from turnrl.rollout.loop import Budgets, run_rollouts
+    from turnrl.rollout.multi_turn import Budgets, run_rollouts
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     if template == "qwen_like":
         tok.chat_template = QWEN_LIKE
@@ -449,7 +449,7 @@ def test_masks_are_exact_across_tool_turns_with_a_template_that_renders_tools(ti
 
 def test_a_template_without_tools_gets_them_in_the_system_prompt():
     from turnrl.rollout.chat import ChatFormat, renders_tools
-    from turnrl.tiny import build_tokenizer
+    from turnrl.models.tiny import build_tokenizer
     tok = build_tokenizer(["abc"], 300)
     tok.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
                          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -468,7 +468,7 @@ def test_the_warm_start_demonstrations_replay_through_the_environment(tiny_model
     from transformers import AutoTokenizer
 
     from turnrl.rollout.chat import ChatFormat
-    from turnrl.rollout.loop import replay
+    from turnrl.rollout.multi_turn import replay
     spec = envs.resolve("tools")
     rows, _ = spec.task.splits(20, 5, seed=0)
     fmt = ChatFormat(AutoTokenizer.from_pretrained(tiny_model_dir))

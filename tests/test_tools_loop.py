@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from turnrl.envs.base import StepResult
 from turnrl.rollout.chat import ChatFormat
-from turnrl.rollout.loop import Budgets, Sample, run_rollouts
+from turnrl.rollout.multi_turn import Budgets, Sample, run_rollouts
 
 EXAMPLE = {"prompt": "Compute 1 + 1.", "answer": "2"}
 

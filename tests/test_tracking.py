@@ -9,7 +9,8 @@ import time
 import mlflow
 import pytest
 
-from turnrl import tracking, traces
+from turnrl import tracking
+from turnrl.tracking import traces
 from turnrl.config import Config
 
 
@@ -50,7 +51,7 @@ def test_stages_with_one_key_share_a_parent(cfg, tmp_path, monkeypatch):
     parents = {r.info.run_id: r for r in runs if "mlflow.parentRunId" not in r.data.tags}
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
     assert len(parents) == 2 and len(children) == 3
-    by_stage = {r.data.tags["turnrl.stage"]: r for r in children}
+    by_stage = {r.data.tags["turnrl.pipeline.stage"]: r for r in children}
     assert by_stage["preprocess"].data.tags["mlflow.parentRunId"] == by_stage["train"].data.tags["mlflow.parentRunId"]
     assert by_stage["eval"].data.tags["mlflow.parentRunId"] != by_stage["train"].data.tags["mlflow.parentRunId"]
     train = by_stage["train"].data
@@ -110,7 +111,7 @@ def test_a_resumed_stage_continues_its_run_under_a_new_pipeline(cfg, monkeypatch
     assert [m.step for m in client.get_metric_history(first, "rollout/reward_mean")] == [1, 2]
     assert client.get_run(crashed_parent).info.status == "KILLED"
     new_parent = client.search_runs([resumed.info.experiment_id], "tags.`turnrl.pipeline_key` = 'unit:rerun'")[0]
-    assert new_parent.data.tags["turnrl.stage.train"] == f"resumed run {first}"
+    assert new_parent.data.tags["turnrl.pipeline.stage.train"] == f"resumed run {first}"
 
     # a run id this store does not have: a new run that names it
     with tracking.stage_run("train", cfg, resume_run_id="0" * 32) as run:
@@ -153,11 +154,11 @@ def test_metric_sections(key, name):
 def _trajectory(env, turns, times=True):
 
     from turnrl.rollout.chat import ChatFormat
-    from turnrl.rollout.loop import replay
+    from turnrl.rollout.multi_turn import replay
     global _TOKENIZER
     if "_TOKENIZER" not in globals():
         from turnrl.data.synthetic import product_rows
-        from turnrl.tiny import build_tokenizer
+        from turnrl.models.tiny import build_tokenizer
         rows = product_rows(50, seed=0, split="train", exclude=set())
         _TOKENIZER = build_tokenizer([r["prompt"] + "<code>print(1)</code><answer>1</answer><feedback>x</feedback>"
                                      for r in rows], 400)
@@ -206,7 +207,7 @@ def test_a_failed_last_tool_call_and_a_raising_environment_are_errors():
                 raise RuntimeError("grader exploded")
             return super().step(text)
 
-    from turnrl.rollout.loop import _safe_step
+    from turnrl.rollout.multi_turn import _safe_step
     env = Broken()
     t = _trajectory(env, ["<code>print(1)</code>"])
     env.reset(t.example)

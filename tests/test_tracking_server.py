@@ -35,7 +35,7 @@ PARAMS = {
 
 def _project(root: Path, model_dir: Path, uri: str) -> Path:
     from turnrl.config import Config
-    from turnrl.preprocess import preprocess
+    from turnrl.pipeline.preprocess import preprocess
     root.mkdir()
     params = {**PARAMS, "tracking": {**PARAMS["tracking"], "uri": uri}}
     (root / "params.yaml").write_text(yaml.safe_dump(params))
@@ -109,6 +109,6 @@ def test_training_goes_on_when_the_tracking_server_dies(tiny_model_dir, tmp_path
     from mlflow import MlflowClient
     client = MlflowClient(server.backend)
     run, = client.search_runs([client.get_experiment_by_name("turnrl").experiment_id],
-                              filter_string="tags.`turnrl.stage` = 'train'")
+                              filter_string="tags.`turnrl.pipeline.stage` = 'train'")
     assert {m.step for m in client.get_metric_history(run.info.run_id, "rollout/reward_mean")} >= {1}
     assert run.info.status == "RUNNING"     # the server never heard the end

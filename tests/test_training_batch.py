@@ -6,7 +6,7 @@ from transformers import AutoTokenizer
 from turnrl import envs
 from turnrl.config import Config
 from turnrl.rollout.chat import ChatFormat
-from turnrl.rollout.loop import replay
+from turnrl.rollout.multi_turn import replay
 from turnrl.training.loop import PromptSampler, advantage_metrics, advantages_for, collate, rollout_metrics
 
 EXAMPLE = {"prompt": "Compute 123 * 456.", "answer": "56088"}

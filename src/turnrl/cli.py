@@ -15,8 +15,8 @@ import importlib
 import sys
 
 COMMANDS = {"config": "turnrl.config", "presets": "turnrl.presets",
-            "evaluate": "turnrl.evaluate_checkpoint", "report": "turnrl.report", "doctor": "turnrl.doctor",
-            "serve-search": "turnrl.search_service"}
+            "evaluate": "turnrl.pipeline.evaluate_checkpoint", "report": "turnrl.pipeline.report", "doctor": "turnrl.models.doctor",
+            "serve-search": "turnrl.pipeline.serve_search"}
 
 
 def main(argv: list[str] | None = None) -> int:

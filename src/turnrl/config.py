@@ -14,7 +14,7 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
@@ -182,6 +182,18 @@ class EnvCfg(_Section):
             if old:
                 raise ValueError("; ".join(f"env.{k} moved to {_ENV_MOVED[k]}" for k in old))
         return data
+
+    def checked_options(self) -> dict:
+        """`options` checked by the environment's options model, defaults filled in."""
+        from turnrl import envs
+        return envs.check_options(envs.resolve(self.name), self.options)
+
+    def factory(self, *, max_turns: int, seed: int, data_dir: str | Path | None = None) -> Callable[[], Any]:
+        """A no-argument factory of fresh environments (one per trajectory) with these options;
+        `data_dir` (data/processed) is where the environment's data files are (a search corpus)."""
+        from turnrl import envs
+        context = envs.EnvContext(data_dir=Path(data_dir) if data_dir else None, max_turns=max_turns, seed=seed)
+        return envs.resolve(self.name).bind(self.checked_options(), context)
 
 
 class LevelsCfg(_Section):

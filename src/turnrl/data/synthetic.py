@@ -17,7 +17,7 @@ solve with what its environment offers, so RL has something to discover:
 
 Rows follow the preprocessed schema of `turnrl.data.sources`: id, prompt, answer, answers,
 subject, level, source. Demonstrations are scripted policy turns for the tiny model's warm
-start (`turnrl.prepare`): `good` ones use the environment well, the others show the habit RL
+start (`turnrl.pipeline.prepare_model`): `good` ones use the environment well, the others show the habit RL
 has to unlearn (guess, skip the feedback, ramble). The warm start's skill phase trains whole
 demonstrations (a share `skill_good_fraction` good: where the habit is itself a behaviour the
 model must be able to carry on, like rambling until interrupted, it is learned there too);

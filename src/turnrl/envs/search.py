@@ -14,7 +14,7 @@ The index is BM25 from the ``bm25s`` library over a corpus of ``{id, title, text
 ``top_k * (max_passage_chars + 6)`` characters plus the two tag lines. Passages that share no
 term with the query (BM25 score 0) are not returned, so a query can come back with no results.
 
-The index can also live in a service (`turnrl serve-search`, :mod:`turnrl.search_service`):
+The index can also live in a service (`turnrl serve-search`, :mod:`turnrl.envs.search_server`):
 with ``endpoint`` set the environment asks it over HTTP (:class:`RemoteIndex`), so rollout
 workers on many nodes share one index; the observations are the same as with a local index of
 the same corpus.

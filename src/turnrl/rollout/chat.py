@@ -11,7 +11,7 @@ tokenized once; nothing already in the trajectory is ever decoded and re-encoded
 chat template.
 
 What families' templates differ in, and what is done about it (each found by
-`turnrl.modelcheck`, the compatibility matrix):
+`turnrl.models.check`, the compatibility matrix):
 
 - the token that ends an assistant turn is often not the tokenizer's eos (Gemma's
   `<end_of_turn>`, Phi-3's `<|end|>`, Llama 3's `<|eot_id|>` with eos `<|end_of_text|>`): it is read

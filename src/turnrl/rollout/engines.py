@@ -14,7 +14,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from turnrl.rollout.loop import Sample
+from turnrl.rollout.multi_turn import Sample
 
 
 def cpu_env_defaults(kv_cache_gib: float = 1.0) -> dict[str, str]:
@@ -154,7 +154,7 @@ class CheckpointNames:
 
 
 class VLLMStepper:
-    """vLLM's `LLMEngine` driven step by step (see `turnrl.rollout.loop.Stepper`).
+    """vLLM's `LLMEngine` driven step by step (see `turnrl.rollout.multi_turn.Stepper`).
 
     Stop strings are checked here, on the new tokens of each step, rather than by vLLM: with
     them vLLM detokenizes every sampled token twice per step (incrementally for the stop check

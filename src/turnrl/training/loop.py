@@ -45,9 +45,8 @@ from turnrl.algos import contiguous_group_ids, first_obs_position, per_turn_mean
 from turnrl.algos.registry import AdvantageInputs, Algorithm, Scorer
 from turnrl.algos.registry import resolve as resolve_algorithm
 from turnrl.config import Config, LevelsCfg
-from turnrl.evaluation import tool_rates
-from turnrl.prepare import high_level_folder
-from turnrl.rollout.loop import ENV_ERROR, Trajectory
+from turnrl.models.folders import high_level_folder
+from turnrl.rollout.multi_turn import ENV_ERROR, Trajectory, tool_rates
 from turnrl.training.checkpoint import CheckpointStore, Resume, write_state
 from turnrl.training.health import HealthMonitor, UnhealthyTraining
 from turnrl.training.cluster import (TrainerGroup, Workers, check_cluster, start_ray, start_workers, two_models,
@@ -239,7 +238,7 @@ def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], ou
     # Actors run elsewhere (other nodes, other working directories): absolute local paths.
     model_dir, data_dir, out_dir = (str(Path(p).resolve()) if Path(p).exists() or p == out_dir else p
                                     for p in (model_dir, data_dir, out_dir))
-    high_dir = str(Path(high_level_folder(cfg, model_dir)).resolve()) if two_models(cfg) else None
+    high_dir = str(Path(high_level_folder(cfg.levels.high_model_path, model_dir)).resolve()) if two_models(cfg) else None
     start_ray(cfg)
     t0 = time.perf_counter()
     workers = start_workers(cfg, model_dir, data_dir, high_dir)

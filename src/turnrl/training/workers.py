@@ -688,9 +688,8 @@ class RolloutWorker:
                         for level, folder in (("low", model_dir), ("high", high_model_dir)) if folder}
         self.engine = self.engines["low"]
         self.fmt = ChatFormat(AutoTokenizer.from_pretrained(model_dir), self.cfg.model.template_type)
-        from turnrl.envs.configured import env_factory
         from turnrl.rewards.functions import RewardFunctions
-        self.make_env = env_factory(self.cfg, data_dir)
+        self.make_env = self.cfg.env.factory(max_turns=self.cfg.rollout.max_turns, seed=self.cfg.seed, data_dir=data_dir)
         rw = self.cfg.reward
         self.reward_functions = RewardFunctions(rw.functions, rw.weights, rw.on_error)
         self.decode = lambda ids: self.fmt.tokenizer.decode(ids, skip_special_tokens=True)
@@ -709,7 +708,7 @@ class RolloutWorker:
         first: vLLM's CPU sampler (and transformers' sampling) draw from torch's global
         generator, and the engine runs in this process, so the batch samples the same tokens
         for the same seed, weights and prompts however many batches came before."""
-        from turnrl.rollout.loop import Budgets, run_rollouts
+        from turnrl.rollout.multi_turn import Budgets, run_rollouts
         if generator_seed is not None:
             torch.manual_seed(generator_seed)
             random.seed(generator_seed)

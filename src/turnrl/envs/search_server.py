@@ -1,9 +1,6 @@
-"""`turnrl serve-search`: the search environment's BM25 index over HTTP, one index for many
-rollout workers (as Search-R1 and RoSTE run their retrievers).
-
-    turnrl serve-search                        # params.yaml's search corpus, top_k, max_passage_chars
-    turnrl serve-search --port 8000 --host 0.0.0.0 -S env.options.top_k=3
-    turnrl serve-search --corpus passages.jsonl --top-k 3 --max-passage-chars 300
+"""The search environment's BM25 index as an HTTP service (`SearchService`), one index for many
+rollout workers (as Search-R1 and RoSTE run their retrievers); `turnrl serve-search`
+(:mod:`turnrl.pipeline.serve_search`) starts it from params.
 
 The corpus, top-k and passage length are the search environment's: from params
 (`env.options` when `env.name` is `search`, its defaults otherwise), the corpus being
@@ -21,9 +18,7 @@ index is shared (bm25s retrieval under a lock).
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -112,64 +107,3 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:   # noqa: A002 - quiet: one line per request is noise
         pass
-
-
-def settings(cfg, data_dir: str | Path = "data/processed") -> dict:
-    """The search environment's corpus, top_k and max_passage_chars under these params."""
-    from turnrl import envs
-    from turnrl.envs.search import CORPUS_FILE
-    spec = envs.resolve("search")
-    options = envs.check_options(spec, cfg.env.options if cfg.env.name == "search" else {})
-    corpus = options["corpus"] or str(Path(data_dir) / CORPUS_FILE)
-    return {"corpus": corpus, "top_k": options["top_k"], "max_passage_chars": options["max_passage_chars"]}
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="turnrl serve-search", description=__doc__.split("\n\n")[0])
-    p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
-    p.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a param, e.g. -S env.options.top_k=3 (repeatable)")
-    p.add_argument("--data", default="data/processed", help="the preprocess stage's output (its corpus.parquet)")
-    p.add_argument("--corpus", help="a passages file or data set name instead of params' corpus")
-    p.add_argument("--top-k", type=int, help="passages per search by default (params: env.options.top_k)")
-    p.add_argument("--max-passage-chars", type=int, help="passage length in `result` (params: max_passage_chars)")
-    p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other machines")
-    p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    from turnrl.config import ConfigError, load_config
-    try:
-        cfg = load_config(args.params, args.overrides) if Path(args.params).exists() or args.overrides else None
-        chosen = settings(cfg, args.data) if cfg is not None else {"corpus": "", "top_k": 1, "max_passage_chars": 120}
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    corpus = args.corpus or chosen["corpus"]
-    top_k = args.top_k or chosen["top_k"]
-    max_chars = args.max_passage_chars or chosen["max_passage_chars"]
-    if top_k < 1 or max_chars < 1:
-        print("error: --top-k and --max-passage-chars must be at least 1", file=sys.stderr)
-        return 2
-    try:
-        index = build_index(corpus)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"error: the corpus {corpus!r}: {exc}. Run `dvc repro preprocess` with env.name=search, or pass "
-              "--corpus FILE", file=sys.stderr)
-        return 2
-    service = SearchService(index, top_k=top_k, max_passage_chars=max_chars, host=args.host, port=args.port)
-    print(f"serving {len(index)} passages of {corpus} (top_k {top_k}, max_passage_chars {max_chars}) at "
-          f"{service.url}  (env.options.endpoint: {service.url})", flush=True)
-    try:
-        service.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        service.server_close()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -12,7 +12,7 @@ eval/final) for what changed problem by problem, and plots/train.csv.
 The `report` DVC stage renders the pipeline's own files (stages/report.py); any two
 evaluations compare the same way:
 
-    python -m turnrl.report eval/qwen/metrics.json eval/mine/metrics.json --out report/qwen-vs-mine \\
+    python -m turnrl.pipeline.report eval/qwen/metrics.json eval/mine/metrics.json --out report/qwen-vs-mine \\
         --labels qwen mine --gens eval/qwen eval/mine
 """
 from __future__ import annotations
@@ -353,7 +353,7 @@ def render(baseline: dict, trained: dict, out_dir: str | Path, *, labels: tuple[
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m turnrl.report", description="Compare two evaluations.")
+    p = argparse.ArgumentParser(prog="python -m turnrl.pipeline.report", description="Compare two evaluations.")
     p.add_argument("baseline", type=Path, help="metrics json of the first evaluation")
     p.add_argument("trained", type=Path, help="metrics json of the second evaluation")
     p.add_argument("--out", type=Path, required=True)

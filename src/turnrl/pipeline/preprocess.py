@@ -29,8 +29,7 @@ from pathlib import Path
 from turnrl import envs
 from turnrl.config import BenchmarkCfg, Config
 from turnrl.data import sources
-from turnrl.envs.configured import env_options
-from turnrl.stage import write_json
+from turnrl.pipeline.stage import write_json
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +46,7 @@ def preprocess(cfg: Config, out_dir: Path) -> dict:
     sources.write_parquet(heldout, out_dir / "heldout.parquet")
     spec = envs.resolve(cfg.env.name)
     if spec.prepare_data is not None:   # the environment's own files (e.g. the search corpus)
-        manifest.update(spec.prepare_data(pool, out_dir, **env_options(cfg)) or {})
+        manifest.update(spec.prepare_data(pool, out_dir, **cfg.env.checked_options()) or {})
 
     bench_dir = out_dir / BENCHMARK_DIR
     bench_dir.mkdir(exist_ok=True)

@@ -437,3 +437,12 @@ def replay(env: Env, fmt: ChatFormat, example: dict, turns: Sequence[str]) -> Tr
         t.add_observation(turn, fmt.observation_ids(rendered, env.observation_role, after_eos=fmt.ends_turn(ids)),
                           shown)
     return t
+
+
+def tool_rates(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """For a tool environment (code_tool, search; its info has `tool_ok` once a call was
+    made): the share of trajectories that called the tool and whose last call ran. {} otherwise."""
+    if not any("tool_ok" in t.info for t in trajs):
+        return {}
+    return {"tool_call_rate": sum("tool_ok" in t.info for t in trajs) / len(trajs),
+            "tool_success_rate": sum(bool(t.info.get("tool_ok")) for t in trajs) / len(trajs)}

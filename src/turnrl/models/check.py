@@ -317,7 +317,7 @@ def trajectory_check(tokenizer, turns: Sequence[str] = ("<code>print(6 * 7)</cod
     against the chat template's rendering of the same messages, for a tool and a user
     observation: the context before each turn and the whole conversation."""
     from turnrl.rollout.chat import ChatFormat
-    from turnrl.rollout.loop import replay
+    from turnrl.rollout.multi_turn import replay
     fmt = ChatFormat(tokenizer)
     problems, info = [], {}
     for role in ("tool", "user"):
@@ -840,7 +840,7 @@ def check_model(model_dir: str | Path, *, dtype: str = "float32", zero_stages: S
             report.checks[-1].seconds = timer()
         except Exception as exc:
             traceback.print_exc()
-            report.checks.append(Result("rollout", "FAIL", _short_error(exc), "see turnrl.rollout.loop", timer()))
+            report.checks.append(Result("rollout", "FAIL", _short_error(exc), "see turnrl.rollout.multi_turn", timer()))
     for e in (engine, fresh):
         if e is not None:
             e.close()
@@ -879,7 +879,7 @@ class _ProxyEngine:
 
 
 def _rollout_check(engine: EngineProcess, fmt, worker, bound: float, max_tokens: int, seed: int, m: dict) -> Result:
-    from turnrl.rollout.loop import Budgets, run_rollouts
+    from turnrl.rollout.multi_turn import Budgets, run_rollouts
     problems, gaps, trainer_gaps, turns = [], [], [], []
     for role in ("tool", "user"):
         torch.manual_seed(seed)
@@ -925,7 +925,7 @@ def _rollout_check(engine: EngineProcess, fmt, worker, bound: float, max_tokens:
         problems.append(f"logprobs over multi-turn trajectories: sampling vs prompt {sample_gap:.2e}, "
                         f"vLLM vs trainer {max(trainer_gaps or [0.0]):.2e}")
     if problems:
-        return Result("rollout", "FAIL", "; ".join(problems), "see turnrl.rollout.loop.run_rollouts")
+        return Result("rollout", "FAIL", "; ".join(problems), "see turnrl.rollout.multi_turn.run_rollouts")
     return Result("rollout", "OK", f"{len(turns)} two-turn rollouts on vLLM ({m['rollout_turns']}); sampling "
                                    f"logprobs within {sample_gap:.2e} of vLLM's prompt logprobs, the trainer's within "
                                    f"{max(trainer_gaps or [0.0]):.2e}")

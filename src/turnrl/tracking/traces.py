@@ -137,7 +137,7 @@ def _numbers(info: dict) -> dict[str, float]:
 
 def plan(t, *, name: str, tags: dict[str, Any], attributes: dict[str, Any] | None = None,
          advantage: float | None = None, correct: tuple[bool, str] | None = None) -> TracePlan:
-    """The trace of trajectory `t` (a turnrl.rollout.loop.Trajectory): spans with their times,
+    """The trace of trajectory `t` (a turnrl.rollout.multi_turn.Trajectory): spans with their times,
     tags, and the feedback to attach (`reward`, and `correct` with its reason when given)."""
     now = time.time()
     turns = t.num_turns

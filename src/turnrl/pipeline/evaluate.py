@@ -1,4 +1,4 @@
-"""One evaluation for `baseline_eval`, `eval` and `python -m turnrl.evaluate_checkpoint`: the
+"""One evaluation for `baseline_eval`, `eval` and `python -m turnrl.pipeline.evaluate_checkpoint`: the
 same engine, decoding and grading, so numbers compare across runs and models.
 
 Blocks of the metrics (`metrics/baseline.json`, `metrics/eval.json`):
@@ -42,7 +42,7 @@ from turnrl import envs
 from turnrl.config import BenchmarkCfg, Config
 from turnrl.data import sources
 from turnrl.rollout.chat import ChatFormat
-from turnrl.rollout.loop import ENV_ERROR, Budgets, Trajectory, run_rollouts
+from turnrl.rollout.multi_turn import ENV_ERROR, Budgets, Trajectory, run_rollouts, tool_rates
 
 log = logging.getLogger(__name__)
 
@@ -92,15 +92,6 @@ def summarize(trajs: Sequence[Trajectory], k: int = 1) -> dict:
     return out
 
 
-def tool_rates(trajs: Sequence[Trajectory]) -> dict[str, float]:
-    """For a tool environment (code_tool, search; its info has `tool_ok` once a call was
-    made): the share of trajectories that called the tool and whose last call ran. {} otherwise."""
-    if not any("tool_ok" in t.info for t in trajs):
-        return {}
-    return {"tool_call_rate": sum("tool_ok" in t.info for t in trajs) / len(trajs),
-            "tool_success_rate": sum(bool(t.info.get("tool_ok")) for t in trajs) / len(trajs)}
-
-
 def breakdown(trajs: Sequence[Trajectory], key: str, k: int = 1) -> dict:
     """Accuracy (mean@k) and problem count per value of `example[key]` (subject, level)."""
     groups: dict[str, list[Trajectory]] = defaultdict(list)
@@ -145,7 +136,6 @@ class _Run:
     keep: dict | None = None   # block name -> its (sampled-decoding) trajectories, when given
 
     def __init__(self, cfg: Config, engine, tokenizer, data_dir: Path, out_dir: Path):
-        from turnrl.envs.configured import env_factory
         from turnrl.rewards.functions import RewardFunctions
         self.cfg, self.engine, self.out_dir = cfg, engine, out_dir
         self.fmt = ChatFormat(tokenizer, cfg.model.template_type)
@@ -153,7 +143,7 @@ class _Run:
         self.plain = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
         solver = engine["low"] if isinstance(engine, dict) else engine   # {"low", "high"}: two models
         self.context = getattr(solver, "max_model_len", 1 << 30)
-        self.train_env = env_factory(cfg, data_dir)
+        self.train_env = cfg.env.factory(max_turns=cfg.rollout.max_turns, seed=cfg.seed, data_dir=data_dir)
         self.reward_functions = RewardFunctions(cfg.reward.functions, cfg.reward.weights, cfg.reward.on_error)
 
     def protocol(self, name: str, grader: str = "math") -> tuple[Callable[[], envs.Env], Budgets, dict]:
@@ -208,7 +198,7 @@ def processed_benchmarks(cfg: Config, data_dir: Path) -> Benchmarks:
     """Benchmarks as the preprocess stage wrote them to `data_dir` (the DVC stages' way); a
     benchmark missing there, or preprocessed from another spec, is a FileNotFoundError saying
     to rerun preprocess."""
-    from turnrl.preprocess import BENCHMARK_DIR, benchmark_record, load_split, manifest
+    from turnrl.pipeline.preprocess import BENCHMARK_DIR, benchmark_record, load_split, manifest
     found = manifest(Path(data_dir))
     for bench in cfg.eval.benchmarks:
         entry = found.get("benchmarks", {}).get(bench.name)
@@ -228,7 +218,7 @@ def processed_benchmarks(cfg: Config, data_dir: Path) -> Benchmarks:
 def source_benchmarks(cfg: Config) -> Benchmarks:
     """Benchmarks read from their files (or data dir, or hub) now, whatever was preprocessed:
     what `turnrl evaluate` uses, so a path given on its command line is the one scored."""
-    from turnrl.preprocess import load_benchmark
+    from turnrl.pipeline.preprocess import load_benchmark
 
     def read(bench: BenchmarkCfg) -> tuple[list[dict] | None, str]:
         rows, info = load_benchmark(cfg, bench)
@@ -239,7 +229,7 @@ def source_benchmarks(cfg: Config) -> Benchmarks:
 def check_data(cfg: Config, data_dir: Path) -> dict:
     """The preprocess manifest of `data_dir`; FileNotFoundError saying what to run when there
     is none."""
-    from turnrl.preprocess import manifest
+    from turnrl.pipeline.preprocess import manifest
     if not (Path(data_dir) / "manifest.json").exists():
         raise FileNotFoundError(f"{data_dir} holds no preprocessed data (no manifest.json); "
                                 "run `dvc repro preprocess` first")
@@ -254,7 +244,7 @@ def evaluate(cfg: Config, engine, tokenizer, data_dir: Path, out_dir: Path,
     stage's output (data/processed: the held-out split, the environment's data files);
     `benchmarks` reads each benchmark (default: as preprocessed there); `keep`, if given, gets
     each block's trajectories by block name (for traces)."""
-    from turnrl.preprocess import load_split
+    from turnrl.pipeline.preprocess import load_split
 
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     check_data(cfg, data_dir)
@@ -315,7 +305,7 @@ def log_to_mlflow(metrics: dict, out_dir: Path, metrics_name: str, trajectories:
     import pandas as pd
 
     from turnrl import tracking
-    from turnrl import traces as tracing
+    from turnrl.tracking import traces as tracing
     run = tracking.current_run()
     settings = {f"eval/{block}/{key}": value for block, values in metrics.items() if isinstance(values, dict)
                 for key, value in values.items() if key in SETTINGS}
@@ -345,7 +335,7 @@ def load_engine(cfg: Config, model_folder: str | Path):
     out (models/initial, models/final) or any Hugging Face checkpoint folder."""
     from transformers import AutoTokenizer
 
-    from turnrl.prepare import model_dir
+    from turnrl.models.folders import model_dir
     from turnrl.rollout.engines import context_length, make_engine
     path = model_dir(model_folder)
     engine = make_engine(cfg.rollout.engine, path, dtype=cfg.model.dtype, seed=cfg.seed,
@@ -358,9 +348,9 @@ def load_levels(cfg: Config, model_folder: str | Path, high_folder: str | Path |
     separate`, (engines {"low": policy, "high": high-level model}, tokenizer), the high-level
     model from `high_folder`, or when None from its starting folder (`levels.high_model_path`,
     empty: the policy's)."""
-    from turnrl.prepare import high_level_folder, model_dir
+    from turnrl.models.folders import high_level_folder, model_dir
     engine, tokenizer = load_engine(cfg, model_folder)
     if cfg.levels.high_model != "separate":
         return engine, tokenizer
-    high = high_level_folder(cfg, model_dir(model_folder)) if high_folder is None else high_folder
+    high = high_level_folder(cfg.levels.high_model_path, model_dir(model_folder)) if high_folder is None else high_folder
     return {"low": engine, "high": load_engine(cfg, high)[0]}, tokenizer

@@ -20,7 +20,7 @@ headline metrics (per benchmark: baseline, final, diff; training wall time and m
 and a description with the report's table. Stage runs carry every param, metrics in sections
 (`rollout/`, `loss/`, `timing/`, `tools/`, `eval/<benchmark>/`, ... so the UI groups them),
 system metrics (`system/`), their data sets as run inputs (digest: the file's DVC md5), and
-traces of sampled trajectories (turnrl.traces). The train run logs the final policy as an
+traces of sampled trajectories (turnrl.tracking.traces). The train run logs the final policy as an
 MLflow transformers model; `tracking.register_model` adds a registry version after `eval`.
 """
 from __future__ import annotations
@@ -639,14 +639,14 @@ def stage_run(stage: str, cfg: Config, resume_run_id: str | None = None) -> Iter
     status = "FINISHED"
     try:
         mlflow.start_run(run_id=parent, experiment_id=experiment_id)
-        mlflow.set_tag(f"turnrl.stage.{stage}", f"resumed run {reopened.info.run_id}" if reopened else "ran")
+        mlflow.set_tag(f"turnrl.pipeline.stage.{stage}", f"resumed run {reopened.info.run_id}" if reopened else "ran")
         parent_params = client.get_run(parent).data.params
         new = {k: v for k, v in identifying_params(cfg).items() if k not in parent_params}
         if new:
             mlflow.log_params(new)
         run = mlflow.start_run(run_id=reopened.info.run_id if reopened else None,
                                run_name=None if reopened else stage, nested=True, experiment_id=experiment_id)
-        mlflow.set_tags({"turnrl.stage": stage, "dvc.stage": os.environ.get("DVC_STAGE", stage),
+        mlflow.set_tags({"turnrl.pipeline.stage": stage, "dvc.stage": os.environ.get("DVC_STAGE", stage),
                          "mlflow.source.git.commit": git_commit(),
                          "dvc.exp_name": os.environ.get("DVC_EXP_NAME", "")})
         params = {k: _param(v) for k, v in cfg.flat().items()}
@@ -771,8 +771,8 @@ def log_parent(run: StageRun, *, metrics: dict[str, float] | None = None, params
 
 
 def log_traces(run: StageRun, plans: list, run_id: str | None = None) -> None:
-    """Queue traces (turnrl.traces.TracePlan) linked to the stage run."""
-    from turnrl import traces
+    """Queue traces (turnrl.tracking.traces.TracePlan) linked to the stage run."""
+    from turnrl.tracking import traces
     for plan in plans:
         run.recorder.submit("traces", plan.root.name,
                             lambda c, p=plan: traces.log(c, p, experiment_id=run.experiment_id,
@@ -1032,7 +1032,7 @@ def headline_metrics(baseline: dict | None, final: dict | None) -> dict[str, flo
 
 def description(cfg: Config, baseline: dict | None, final: dict | None, extra: str = "") -> str:
     """The pipeline run's description (Markdown): what ran, and the report's summary table."""
-    from turnrl.report import summary_table
+    from turnrl.pipeline.report import summary_table
     lines = [f"**{cfg.algorithm.name}** on **{cfg.env.name}**, {cfg.train.steps} steps from `{cfg.model.path}` "
              f"(seed {cfg.seed}, group size {cfg.rollout.n}, up to {cfg.rollout.max_turns} turns).", ""]
     if baseline or final:

@@ -10,10 +10,9 @@ from typing import Callable
 from turnrl import envs
 from turnrl.config import Config
 from turnrl.data import synthetic
-from turnrl.envs.configured import env_factory, env_options
 from turnrl.rollout.chat import ChatFormat
-from turnrl.rollout.loop import Trajectory, replay
-from turnrl.tiny import build_model, build_tokenizer, save, seeded_rng, warm_start
+from turnrl.rollout.multi_turn import Trajectory, replay
+from turnrl.models.tiny import build_model, build_tokenizer, save, seeded_rng, warm_start
 
 
 def demonstrations(task: synthetic.SyntheticTask, rows: list[dict], count: int, good_fraction: float,
@@ -56,11 +55,11 @@ def _build_tiny(cfg: Config, out_dir: Path, data_dir: Path, log_metrics) -> dict
     if task.rows is not None:
         train_rows, heldout_rows = task.splits(cfg.data.train_examples, cfg.data.heldout_examples, cfg.seed)
     else:   # a plugin without synthetic rows: its demonstrations are of the training data
-        from turnrl.preprocess import training_splits
+        from turnrl.pipeline.preprocess import training_splits
         train_rows, heldout_rows, _, _ = training_splits(cfg)
     if env.prepare_data is not None:
-        env.prepare_data(heldout_rows + train_rows, data_dir, **env_options(cfg))
-    make_env = env_factory(cfg, data_dir)
+        env.prepare_data(heldout_rows + train_rows, data_dir, **cfg.env.checked_options())
+    make_env = cfg.env.factory(max_turns=cfg.rollout.max_turns, seed=cfg.seed, data_dir=data_dir)
     skill = demonstrations(task, train_rows, spec.demonstrations, task.skill_good_fraction, cfg.seed, "skill")
     prior = demonstrations(task, train_rows, spec.demonstrations // 2, spec.good_fraction, cfg.seed, "prior")
 
@@ -147,34 +146,3 @@ def resolve_checkpoint(path: str, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "turnrl_model.json").write_text(json.dumps({"kind": "checkpoint", "path": target}, indent=2))
     return {"path": target}
-
-
-def high_level_folder(cfg: Config, policy_dir: str | Path) -> str:
-    """The high-level model's starting folder with `levels.high_model: separate`:
-    `levels.high_model_path`, or the policy's own starting folder when empty. Raises ValueError
-    if its tokenizer is not the policy's (the two models continue each other's token ids in
-    one conversation)."""
-    from transformers import AutoTokenizer
-    chosen = cfg.levels.high_model_path
-    folder = model_dir(chosen) if chosen else str(policy_dir)
-    if chosen:
-        policy, high = AutoTokenizer.from_pretrained(str(policy_dir)), AutoTokenizer.from_pretrained(folder)
-        if policy.get_vocab() != high.get_vocab() or policy.chat_template != high.chat_template:
-            raise ValueError(
-                f"levels.high_model_path = {chosen!r}: its tokenizer (vocabulary or chat template) is not the "
-                f"policy's ({policy_dir}); both models write into one token sequence, so they need the same "
-                "tokenizer. Use a model of the same family, or leave high_model_path empty (the policy's start)")
-    return folder
-
-
-def model_dir(folder: str | Path) -> str:
-    """The HF folder behind a stage's model out: the folder itself, or the checkpoint it points to."""
-    folder = Path(folder)
-    pointer = folder / "turnrl_model.json"
-    if pointer.exists():
-        info = json.loads(pointer.read_text())
-        if info.get("kind") == "checkpoint":
-            return info["path"]
-    if not (folder / "config.json").exists():
-        raise FileNotFoundError(f"{folder} holds no model; run `dvc repro prepare_model` first")
-    return str(folder)

@@ -13,7 +13,7 @@ would make every logprob comparison look better than it is).
 
     build("gemma2", "/tmp/gemma2")     # an HF folder: config, weights, tokenizer, template
 
-`FAMILIES` lists them; `turnrl.modelcheck` checks any folder, these or a user's.
+`FAMILIES` lists them; `turnrl.models.check` checks any folder, these or a user's.
 """
 from __future__ import annotations
 
@@ -330,7 +330,7 @@ def build(family: str | Family, out_dir: str | Path, *, seed: int = 0, warmstart
     """Write the family's miniature to `out_dir` (an HF folder) and return it."""
     from transformers import GenerationConfig
 
-    from turnrl.tiny import warm_start
+    from turnrl.models.tiny import warm_start
     fam = FAMILIES[family] if isinstance(family, str) else family
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,12 +1,12 @@
 """Evaluate any Hugging Face checkpoint folder exactly as `baseline_eval` and `eval` do.
 
-    python -m turnrl.evaluate_checkpoint PATH --out DIR [--params params.yaml] [--data data/processed]
+    python -m turnrl.pipeline.evaluate_checkpoint PATH --out DIR [--params params.yaml] [--data data/processed]
                                          [-S key=value ...] [--mlflow]
 
 PATH is a Hugging Face model folder (config.json, weights, tokenizer), e.g. a published model
 fetched with `huggingface-cli download Qwen/Qwen2.5-Math-1.5B --local-dir ckpt/qwen-math`, or
 a pipeline model out (models/final; with `levels.high_model: separate` its high_level/ folder
-plays the high-level turns). The evaluation is `turnrl.evaluation.evaluate` with the params of
+plays the high-level turns). The evaluation is `turnrl.pipeline.evaluate.evaluate` with the params of
 `--params` and the overrides of `-S` (same syntax as `dvc exp run -S`): the held-out task from
 the pipeline's preprocessed data (run `dvc repro preprocess` first), and every benchmark read
 from its source now (its `path`, $TURNRL_DATA_DIR or the hub), so a benchmark given with `-S` is
@@ -15,13 +15,13 @@ the one scored, whatever was preprocessed. It writes
 generations) and `DIR/run.json` (the checkpoint and the resolved params); `--mlflow` also
 records the run, under the params' `tracking` settings.
 
-    python -m turnrl.evaluate_checkpoint ckpt/qwen-math --out eval/qwen-math \\
+    python -m turnrl.pipeline.evaluate_checkpoint ckpt/qwen-math --out eval/qwen-math \\
         -S model.dtype=bfloat16 -S eval.temperature=0 -S eval.max_tokens=3000 \\
         -S "eval.benchmarks=[math500,aime24,amc23]"
-    python -m turnrl.evaluate_checkpoint models/final --out eval/olympiad \\
+    python -m turnrl.pipeline.evaluate_checkpoint models/final --out eval/olympiad \\
         -S "eval.benchmarks=[{name: olympiad, path: olympiad.jsonl, fields: {prompt: question, answer: final_answer}}]"
 
-Compare two evaluations with `python -m turnrl.report A/metrics.json B/metrics.json --out DIR`.
+Compare two evaluations with `python -m turnrl.pipeline.report A/metrics.json B/metrics.json --out DIR`.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def check_inputs(cfg: Config, model: Path, data_dir: Path) -> None:
                                 f"huggingface-cli download <id> --local-dir {model}")
     if not (model / "config.json").exists() and not (model / "turnrl_model.json").exists():
         raise FileNotFoundError(f"{model}: no config.json, so not a Hugging Face checkpoint folder")
-    from turnrl.evaluation import check_data
+    from turnrl.pipeline.evaluate import check_data
     check_data(cfg, data_dir)
 
 
@@ -53,8 +53,8 @@ def evaluate_checkpoint(cfg: Config, model: str | Path, out: str | Path,
                         data_dir: str | Path = "data/processed") -> dict:
     """Evaluate checkpoint folder `model`; write `out/metrics.json`, `out/run.json` and the
     generations; return the metrics."""
-    from turnrl.evaluation import evaluate, load_levels, source_benchmarks
-    from turnrl.stage import write_json
+    from turnrl.pipeline.evaluate import evaluate, load_levels, source_benchmarks
+    from turnrl.pipeline.stage import write_json
     model, out, data_dir = Path(model), Path(out), Path(data_dir)
     check_inputs(cfg, model, data_dir)
     high = model / "high_level"   # levels.high_model: separate: the trained high-level model saved beside the policy
@@ -67,7 +67,7 @@ def evaluate_checkpoint(cfg: Config, model: str | Path, out: str | Path,
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m turnrl.evaluate_checkpoint",
+    p = argparse.ArgumentParser(prog="python -m turnrl.pipeline.evaluate_checkpoint",
                                 description="Evaluate a Hugging Face checkpoint folder on the pipeline's benchmarks.")
     p.add_argument("model", type=Path, help="a Hugging Face checkpoint folder")
     p.add_argument("--out", type=Path, required=True, help="folder for metrics.json and the generations")
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         return BAD_INPUT_EXIT
     if args.mlflow:
         from turnrl import tracking
-        from turnrl.evaluation import log_to_mlflow
+        from turnrl.pipeline.evaluate import log_to_mlflow
         with tracking.stage_run("evaluate_checkpoint", cfg):
             import mlflow
             mlflow.set_tag("turnrl.checkpoint", str(args.model.resolve()))

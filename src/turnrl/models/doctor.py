@@ -9,7 +9,7 @@
     mlflow      the tracking store takes a run (a throwaway run in experiment turnrl-doctor)
     checkpoints train.checkpoint_dir is writable, with free space
     model ...   with model.path a checkpoint folder (-S model.path=FOLDER): the checks of
-                turnrl.modelcheck on a small batch (chat template and its generation prompt,
+                turnrl.models.check on a small batch (chat template and its generation prompt,
                 end-of-turn token, a token-exact two-turn conversation, vLLM loads and generates,
                 transformers generates, logprobs of vLLM against the trainer's before and after one
                 DeepSpeed update at train.zero_stage pushed into vLLM, save and reload, rollouts)
@@ -238,7 +238,7 @@ def model_folder(path: str) -> tuple[Path | None, str]:
 
 
 def check_model(cfg: Config) -> list[Check]:
-    """The model checks of turnrl.modelcheck on model.path (skipped for the embedded tiny model)."""
+    """The model checks of turnrl.models.check on model.path (skipped for the embedded tiny model)."""
     path = cfg.model.path
     if path == "tiny":
         return [Check("model", "OK", "model.path: tiny (the embedded model prepare_model builds); "
@@ -247,7 +247,7 @@ def check_model(cfg: Config) -> list[Check]:
     if folder is None:
         return [Check("model", "FAIL", why, "set model.path to a local checkpoint folder, or download the hub id "
                                             "first (huggingface-cli download ID --local-dir FOLDER)")]
-    from turnrl import modelcheck
+    from turnrl.models import check as modelcheck
     engines = ("vllm", "hf") if cfg.rollout.engine == "vllm" else ("hf",)
     with tempfile.TemporaryDirectory(prefix="turnrl-doctor-") as work:
         report = modelcheck.check_model(folder, dtype=cfg.model.dtype, zero_stages=(cfg.train.zero_stage,),

@@ -1,0 +1,1 @@
+"""Model tooling: the embedded tiny model, miniatures of real families, model and stack checks."""
