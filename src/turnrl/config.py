@@ -410,7 +410,8 @@ class EvalCfg(_Section):
     samples: int = Field(1, ge=1, description="k samples per problem: accuracy is mean@k, plus pass@k")
     greedy: bool = Field(True, description="also a greedy pass on the task block (accuracy_greedy)")
     max_tokens: int = Field(96, gt=0, description="response tokens of a single-protocol answer")
-    limit: int = Field(0, ge=0, description="evaluate the first N problems of each benchmark; 0 = all")
+    limit: int = Field(0, ge=0, description="evaluate the first N problems of each benchmark and of the task's "
+                                            "held-out set (its sampled and greedy passes); 0 = all")
 
     @model_validator(mode="before")
     @classmethod
