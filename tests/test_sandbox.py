@@ -158,7 +158,7 @@ def test_errors_never_raise():
 
 
 def test_working_dir_is_fresh_and_removed(monkeypatch):
-    from turnrl.envs import sandbox
+    from turnrl.envs.sandbox import runner as sandbox   # stages each call with tempfile.mkdtemp
     staged = []
     real_mkdtemp = sandbox.tempfile.mkdtemp
 
