@@ -116,3 +116,24 @@ def test_own_file_with_other_field_names(tmp_path):
     train, heldout = read_parquet(tmp_path / "out" / "train.parquet"), read_parquet(tmp_path / "out" / "heldout.parquet")
     assert (len(train), len(heldout)) == (20, 10)
     assert all(int(r["answer"]) == 2 * int(r["prompt"].split()[2]) for r in train + heldout)
+
+
+def test_rows_keep_their_own_fields_through_the_parquet_files(tmp_path):
+    """A file's unmapped fields and a synthetic task's own keys are read back from the
+    preprocessed splits as they were (ints stay ints, a nested dict stays a dict)."""
+    import json as _json
+    rows = [{"q": f"Sort {i} 0", "sol": f"0 {i}", "length": 2, "case": {"input": [i, 0], "seed": i}}
+            for i in range(1, 13)]
+    path = tmp_path / "sortfix.jsonl"
+    path.write_text("".join(_json.dumps(r) + "\n" for r in rows))
+    cfg = _cfg(train_set=str(path), heldout_set=str(path), heldout_examples=4, fields={"prompt": "q", "answer": "sol"})
+    preprocess(cfg, tmp_path / "out")
+    by_prompt = {r["q"]: r for r in rows}
+    back = read_parquet(tmp_path / "out" / "train.parquet") + read_parquet(tmp_path / "out" / "heldout.parquet")
+    assert len(back) == 12
+    for row in back:
+        assert (row["length"], row["case"]) == (2, by_prompt[row["prompt"]]["case"])
+    # code_tool's synthetic rows carry their factors
+    preprocess(_cfg(train_examples=5, heldout_examples=3), tmp_path / "synthetic")
+    for row in read_parquet(tmp_path / "synthetic" / "heldout.parquet"):
+        assert isinstance(row["a"], int) and row["a"] * row["b"] == int(row["answer"])

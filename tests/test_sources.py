@@ -427,3 +427,44 @@ def test_registry_specs_are_complete():
         assert "prompt" in spec.fields and ("answer" in spec.fields or "answers" in spec.fields)
         assert spec.answer_transform in sources.ANSWER_TRANSFORMS
         assert spec.hub_id or spec.hub_note
+
+
+# --------------------------------------------------------------------------- a row's own fields
+def test_unmapped_fields_follow_the_schema_unchanged(tmp_path):
+    """A row's fields beyond the mapping (an int, a nested dict with a list, a null) are kept
+    as they are; mapped columns are not repeated; a column named like a schema field is
+    shadowed by the schema's value."""
+    rows = [{"key": "k1", "question": "Sort 3 1 2", "target_list": [1, 2, 3], "length": 3,
+             "case": {"input": [3, 1, 2], "seed": 7, "note": None}, "source": "theirs", "ctxs": [{"text": "x"}]}]
+    p = _write_jsonl(tmp_path / "sortfix.jsonl", rows)
+    (row,) = load_rows(p, fields={"id": "key", "prompt": "question", "answers": "target_list",
+                                  "gold": "ctxs.0.text"})
+    assert row["length"] == 3 and isinstance(row["length"], int)
+    assert row["case"] == {"input": [3, 1, 2], "seed": 7, "note": None}
+    assert row["gold"] == "x" and "ctxs" not in row                    # mapped through a dotted path
+    assert "key" not in row and "question" not in row and "target_list" not in row
+    assert row["source"] == "sortfix" and row["answers"] == ["1", "2", "3"]
+
+
+def test_write_rows_round_trips_extra_fields_whatever_their_types(tmp_path):
+    """The JSON `extra` column gives each row its own fields back: types that differ between
+    rows and nested dicts with different keys stay as they were (columns of their own would
+    fail or fill in keys)."""
+    base = {"prompt": "p", "answer": "a", "answers": ["a"], "subject": None, "level": None, "source": "s"}
+    rows = [{"id": "1", **base, "length": 3, "case": {"input": [3, 1, 2]}, "extra": "a column named extra"},
+            {"id": "2", **base, "length": "three", "case": {"seed": 7, "deep": {"x": [1.5, None]}}},
+            {"id": "3", **base}]
+    path = sources.write_rows(rows, tmp_path / "rows.parquet")
+    assert read_parquet(path) == rows
+    import pandas as pd
+    frame = pd.read_parquet(path)                                           # readable without turnrl
+    assert list(frame.columns) == [*SCHEMA_FIELDS, "extra"] and json.loads(frame["extra"][2]) == {}
+    assert read_parquet(sources.write_rows([], tmp_path / "empty.parquet")) == []
+
+
+@needs_data
+def test_registered_sets_keep_their_other_fields():
+    """MATH-500's worked `solution` is no mapped field: it comes with the row."""
+    rows = load_rows("math500")
+    assert all(isinstance(r["solution"], str) and r["solution"] for r in rows)
+    assert "problem" not in rows[0] and "unique_id" not in rows[0]

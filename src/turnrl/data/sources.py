@@ -35,23 +35,26 @@ listed in :attr:`LoadResult.dropped`.
 
 from __future__ import annotations
 
-import gzip
-import json
 import math
 import os
 import re
 import sys
 import warnings
-import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
+from turnrl.data.files import (EXTRA_COLUMN, SCHEMA_FIELDS, DataSourceError, MalformedDataError, _BadRow, _BLANK,
+                               _iter_records, read_parquet, write_parquet, write_rows)
+from turnrl.data.registry_sets import (DATASETS, ENV_VAR, DatasetSpec, _data_dir, _load_hub, _lookup,
+                                       _missing_error, resolve_local_path)
+
 __all__ = [
     "ENV_VAR",
     "SCHEMA_FIELDS",
+    "EXTRA_COLUMN",
     "ANSWER_TRANSFORMS",
     "DatasetSpec",
     "DATASETS",
@@ -63,30 +66,11 @@ __all__ = [
     "load_search_corpus",
     "resolve_local_path",
     "write_parquet",
+    "write_rows",
     "read_parquet",
 ]
 
-#: Environment variable naming the local data directory (e.g. ``../shared/data``).
-ENV_VAR = "TURNRL_DATA_DIR"
-
-#: The fields every row has, in order.
-SCHEMA_FIELDS: tuple[str, ...] = ("id", "prompt", "answer", "answers", "subject", "level", "source")
-
-_FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
-
 OnBadRow = Literal["fail", "drop"]
-
-
-class DataSourceError(RuntimeError):
-    """A data set could not be found, or a row in it is malformed. The message says how to fix it."""
-
-
-class MalformedDataError(DataSourceError):
-    """A file was found but a row in it (or the whole file) cannot be read; names file and line."""
-
-
-class _BadRow(ValueError):
-    """Internal: one row is malformed; the message is the problem (without file:line)."""
 
 
 # --------------------------------------------------------------------------- answer transforms
@@ -140,151 +124,6 @@ ANSWER_TRANSFORMS: Mapping[str, Callable[[Any], str]] = MappingProxyType(
     {"gsm8k": _gsm8k_final, "number": _number, "strip": _strip, "boxed": _boxed}
 )
 
-
-# --------------------------------------------------------------------------- specs
-@dataclass(frozen=True)
-class DatasetSpec:
-    """Where a data set lives and how its fields map to the schema.
-
-    ``set_dir``/``file``: location under the data directory. ``fields``: schema field -> source
-    field. ``answer_transform``: a name in :data:`ANSWER_TRANSFORMS` applied to ``answer`` and
-    each of ``answers``. ``hub_*``: the Hugging Face copy (``hub_fields`` when its columns are
-    named differently from the local file); ``hub_id=None`` means there is no usable hub copy and
-    ``hub_note`` says where to get the file instead.
-    """
-
-    name: str
-    set_dir: str
-    file: str
-    fields: Mapping[str, str]
-    answer_transform: str | None = None
-    hub_id: str | None = None
-    hub_config: str | None = None
-    hub_split: str = "train"
-    hub_fields: Mapping[str, str] | None = None
-    hub_note: str = ""
-    description: str = ""
-
-    @property
-    def relpath(self) -> str:
-        return f"{self.set_dir}/{self.file}"
-
-
-def _spec(**kw: Any) -> DatasetSpec:
-    kw["fields"] = MappingProxyType(dict(kw["fields"]))
-    if kw.get("hub_fields") is not None:
-        kw["hub_fields"] = MappingProxyType(dict(kw["hub_fields"]))
-    return DatasetSpec(**kw)
-
-
-_MATH_FIELDS = {"prompt": "problem", "answer": "answer"}
-_GSM8K_FIELDS = {"prompt": "question", "answer": "answer"}
-
-#: The registry: data set name -> :class:`DatasetSpec`.
-DATASETS: Mapping[str, DatasetSpec] = MappingProxyType(
-    {
-        s.name: s
-        for s in (
-            _spec(
-                name="math500",
-                set_dir="math500",
-                file="test.jsonl",
-                fields={"id": "unique_id", **_MATH_FIELDS, "subject": "subject", "level": "level"},
-                answer_transform="strip",
-                hub_id="HuggingFaceH4/MATH-500",
-                hub_split="test",
-                description="MATH-500 (PRM800K test split), 500 problems, 7 subjects, levels 1-5",
-            ),
-            _spec(
-                name="gsm8k_train",
-                set_dir="gsm8k",
-                file="train.jsonl",
-                fields=_GSM8K_FIELDS,
-                answer_transform="gsm8k",
-                hub_id="openai/gsm8k",
-                hub_config="main",
-                hub_split="train",
-                description="GSM8K train, 7473 problems",
-            ),
-            _spec(
-                name="gsm8k_test",
-                set_dir="gsm8k",
-                file="test.jsonl",
-                fields=_GSM8K_FIELDS,
-                answer_transform="gsm8k",
-                hub_id="openai/gsm8k",
-                hub_config="main",
-                hub_split="test",
-                description="GSM8K test, 1319 problems",
-            ),
-            _spec(
-                name="aime24",
-                set_dir="aime24",
-                file="test.jsonl",
-                fields={"id": "id", **_MATH_FIELDS},
-                answer_transform="number",
-                hub_id="HuggingFaceH4/aime_2024",
-                hub_split="train",
-                description="AIME 2024, 30 problems",
-            ),
-            _spec(
-                name="aime25",
-                set_dir="aime25",
-                file="test.jsonl",
-                fields={"id": "id", **_MATH_FIELDS},
-                answer_transform="number",
-                hub_id="math-ai/aime25",
-                hub_split="test",
-                description="AIME 2025, 30 problems (integer answers)",
-            ),
-            _spec(
-                name="amc23",
-                set_dir="amc23",
-                file="test.jsonl",
-                fields={"id": "id", "prompt": "question", "answer": "answer"},
-                answer_transform="number",
-                hub_id="math-ai/amc23",
-                hub_split="test",
-                description="AMC 2023, 40 problems",
-            ),
-            _spec(
-                name="nq_open",
-                set_dir="nq_lost_in_middle",
-                file="nq-open-oracle.jsonl.gz",
-                fields={"prompt": "question", "answers": "answers", "passages": "ctxs"},
-                answer_transform="strip",
-                hub_id=None,
-                hub_note=(
-                    "no hub copy carries the gold passages: download qa_data/nq-open-oracle.jsonl.gz "
-                    "from https://github.com/nelson-liu/lost-in-the-middle"
-                ),
-                description="NQ-open with its gold Wikipedia passage (ctxs[0]), 2655 questions",
-            ),
-            _spec(
-                name="limo",
-                set_dir="limo",
-                file="train.jsonl",
-                fields={"prompt": "question", "answer": "answer"},
-                answer_transform="strip",
-                hub_id="GAIR/LIMO",
-                hub_split="train",
-                description="LIMO training problems (question, solution, answer)",
-            ),
-            _spec(
-                name="openr1_math",
-                set_dir="openr1_math",
-                file="train.jsonl",
-                fields={"prompt": "problem", "answer": "answer"},
-                answer_transform="strip",
-                hub_id="open-r1/OpenR1-Math-220k",
-                hub_split="train",
-                description="OpenR1-Math-220k training problems (problem, solution, answer)",
-            ),
-        )
-    }
-)
-
-
 # --------------------------------------------------------------------------- results
 @dataclass
 class LoadResult:
@@ -297,70 +136,6 @@ class LoadResult:
     @property
     def n_dropped(self) -> int:
         return len(self.dropped)
-
-
-# --------------------------------------------------------------------------- reading files
-def _is_parquet(path: Path) -> bool:
-    return path.suffix == ".parquet"
-
-
-def _iter_records(path: Path) -> Iterator[tuple[int, Any]]:
-    """Yield ``(line_or_row_number, record)``; a record that could not be decoded is a ``_BadRow``.
-    A file that cannot be read at all (not parquet, broken gzip) is a ``DataSourceError``."""
-    if _is_parquet(path):
-        try:
-            records = read_parquet(path)
-        except Exception as exc:  # pyarrow's ArrowInvalid, OSError, ...: not a parquet file
-            raise MalformedDataError(f"{path}: not a readable parquet file ({type(exc).__name__}: "
-                                  f"{str(exc)[:200]}); write it with pandas/pyarrow or use .jsonl") from None
-        for i, rec in enumerate(records, start=1):
-            yield i, rec
-        return
-    if path.suffix == ".json":
-        raw = path.read_bytes()
-        if raw.lstrip().startswith(b"["):
-            try:
-                data = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError as exc:
-                raise MalformedDataError(f"{path}: not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
-            except json.JSONDecodeError as exc:
-                raise MalformedDataError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
-            except RecursionError:
-                raise MalformedDataError(f"{path}: JSON nested too deeply to read") from None
-            for i, rec in enumerate(data if isinstance(data, list) else [data], start=1):
-                yield i, rec
-            return
-        # otherwise a .json file holding JSON lines: fall through
-    opener = gzip.open if path.name.endswith(".gz") else open
-    lineno = 0
-    try:
-        with opener(path, "rb") as fh:
-            for lineno, raw_line in enumerate(fh, start=1):
-                yield lineno, _decode_line(raw_line)
-    except (OSError, EOFError, zlib.error) as exc:  # a truncated or corrupt .gz
-        raise MalformedDataError(f"{path}:{lineno + 1}: cannot read the file further ({type(exc).__name__}: "
-                              f"{exc}); is it a complete {'gzip' if path.name.endswith('.gz') else 'text'} "
-                              "file?") from None
-
-
-_BLANK = object()
-
-
-def _decode_line(raw: bytes) -> Any:
-    """One JSONL line to a record, ``_BadRow`` if it is not a JSON value, ``_BLANK`` if empty."""
-    try:
-        line = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return _BadRow(f"not UTF-8 text (byte {exc.start} of the line)")
-    if not line.strip():
-        return _BLANK
-    try:
-        return json.loads(line.rstrip("\r\n"))  # so that a cut-off line's column is on this line
-    except json.JSONDecodeError as exc:
-        return _BadRow(f"bad JSON line: {exc.msg} (column {exc.colno})")
-    except RecursionError:
-        return _BadRow("bad JSON line: nested too deeply")
-
 
 def _get(rec: Mapping[str, Any], key: str) -> Any:
     """``rec[key]``, or follow a dotted path (``"ctxs.0.text"``); raises KeyError if absent."""
@@ -431,47 +206,28 @@ def _resolve_transform(t: str | Callable[[Any], str] | None) -> Callable[[Any], 
         ) from None
 
 
-def _map_row(
-    rec: Any,
-    fields: Mapping[str, str],
-    transform: Callable[[Any], str],
-    source: str,
-    index: int,
-) -> dict[str, Any]:
-    """One source record -> one schema row; raises ``_BadRow`` with the problem."""
-    if not isinstance(rec, Mapping):
-        raise _BadRow(f"row is a {type(rec).__name__}, expected a JSON object")
-
-    def need(schema_key: str) -> Any:
-        src = fields[schema_key]
-        try:
-            value = _get(rec, src)
-        except KeyError:
-            raise _BadRow(f"missing field {src!r} (mapped to {schema_key!r})") from None
-        if value is None:
-            raise _BadRow(f"field {src!r} (mapped to {schema_key!r}) is null")
-        return value
-
-    def optional(schema_key: str) -> Any:
-        src = fields.get(schema_key)
-        if src is None:
+def _field(rec: Mapping[str, Any], fields: Mapping[str, str], key: str, required: bool = True) -> Any:
+    """The value of schema field ``key`` in ``rec`` by the mapping; ``_BadRow`` if a required one
+    is missing or null, None for a missing optional one."""
+    src = fields.get(key)
+    if src is None:
+        return None
+    try:
+        value = _get(rec, src)
+    except KeyError:
+        if not required:
             return None
-        try:
-            return _get(rec, src)
-        except KeyError:
-            return None
+        raise _BadRow(f"missing field {src!r} (mapped to {key!r})") from None
+    if value is None and required:
+        raise _BadRow(f"field {src!r} (mapped to {key!r}) is null")
+    return value
 
-    # prompt
-    prompt = need("prompt")
-    if not isinstance(prompt, str):
-        raise _BadRow(f"prompt field {fields['prompt']!r} must be a string, got {type(prompt).__name__}")
-    if not prompt.strip():
-        raise _BadRow(f"empty prompt (field {fields['prompt']!r})")
 
-    # answers
+def _answers(rec: Mapping[str, Any], fields: Mapping[str, str], transform: Callable[[Any], str]) -> tuple[str, list[str]]:
+    """(answer, answers): a list answer means any of its elements is right."""
     answers: list[str] | None = None
     if "answers" in fields:
-        raw = need("answers")
+        raw = _field(rec, fields, "answers")
         if isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
             raw = [raw]
         if not isinstance(raw, (list, tuple)):
@@ -479,7 +235,7 @@ def _map_row(
         answers = [transform(a) for a in raw]
     answer: str | None = None
     if "answer" in fields:
-        raw_answer = need("answer")
+        raw_answer = _field(rec, fields, "answer")
         if isinstance(raw_answer, (list, tuple)):   # a list answer: any of its elements is right
             listed = [transform(a) for a in raw_answer]
             if not listed:
@@ -497,40 +253,53 @@ def _map_row(
         answers = [answer, *answers]
     if not answer.strip():
         raise _BadRow("empty answer")
-    answers = [a for a in answers if a.strip()]
+    return answer, [a for a in answers if a.strip()]
 
-    # id
-    if "id" in fields:
-        rid = need("id")
-        if isinstance(rid, bool) or not isinstance(rid, (str, int)):
-            raise _BadRow(f"id field {fields['id']!r} must be a string or integer, got {type(rid).__name__}")
-        rid = str(rid)
-        if not rid.strip():
-            raise _BadRow(f"empty id (field {fields['id']!r})")
-    else:
-        rid = f"{source}-{index}"
 
-    subject = optional("subject")
+def _row_id(rec: Mapping[str, Any], fields: Mapping[str, str], source: str, index: int) -> str:
+    if "id" not in fields:
+        return f"{source}-{index}"
+    rid = _field(rec, fields, "id")
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+        raise _BadRow(f"id field {fields['id']!r} must be a string or integer, got {type(rid).__name__}")
+    if not str(rid).strip():
+        raise _BadRow(f"empty id (field {fields['id']!r})")
+    return str(rid)
+
+
+def _map_row(
+    rec: Any,
+    fields: Mapping[str, str],
+    transform: Callable[[Any], str],
+    source: str,
+    index: int,
+) -> dict[str, Any]:
+    """One source record -> one schema row; raises ``_BadRow`` with the problem. The record's
+    fields the mapping does not use follow the schema's unchanged (a row's own metadata, for
+    the environment's ``reset``); one named like a schema field is shadowed by it."""
+    if not isinstance(rec, Mapping):
+        raise _BadRow(f"row is a {type(rec).__name__}, expected a JSON object")
+    prompt = _field(rec, fields, "prompt")
+    if not isinstance(prompt, str):
+        raise _BadRow(f"prompt field {fields['prompt']!r} must be a string, got {type(prompt).__name__}")
+    if not prompt.strip():
+        raise _BadRow(f"empty prompt (field {fields['prompt']!r})")
+    answer, answers = _answers(rec, fields, transform)
+    rid = _row_id(rec, fields, source, index)
+    subject = _field(rec, fields, "subject", required=False)
     if subject is not None and not isinstance(subject, str):
         raise _BadRow(f"subject field {fields['subject']!r} must be a string, got {type(subject).__name__}")
-
-    row: dict[str, Any] = {
-        "id": rid,
-        "prompt": prompt,
-        "answer": answer,
-        "answers": answers,
-        "subject": subject,
-        "level": _level(optional("level")),
-        "source": source,
-    }
+    row: dict[str, Any] = {"id": rid, "prompt": prompt, "answer": answer, "answers": answers, "subject": subject,
+                           "level": _level(_field(rec, fields, "level", required=False)), "source": source}
     # extra mapped fields, copied through (passages are normalized)
-    for key, src in fields.items():
-        if key in row:
-            continue
-        if key == "passages":
-            row[key] = _passages(need(key))
-        else:
-            row[key] = optional(key)
+    for key in fields:
+        if key not in row:
+            row[key] = _passages(_field(rec, fields, key)) if key == "passages" \
+                else _field(rec, fields, key, required=False)
+    used = {src.split(".")[0] for src in fields.values()} | set(fields.values())
+    for key, value in rec.items():
+        if key not in used and key not in row:
+            row[key] = value
     for key, value in row.items():
         _check_unicode(value, key)
     return row
@@ -657,100 +426,6 @@ def _load_file(path: Path, fields, transform, source, on_bad_row, drop_hint=_DRO
         raise DataSourceError(f"{path}: no such file")
     return _map_records(_iter_records(path), fields, transform, source, str(path), on_bad_row, drop_hint)
 
-
-# --------------------------------------------------------------------------- resolution
-def _data_dir(data_dir: str | os.PathLike[str] | None) -> Path | None:
-    if data_dir is not None and str(data_dir):
-        return Path(data_dir).expanduser()
-    env = os.environ.get(ENV_VAR, "").strip()
-    return Path(env).expanduser() if env else None
-
-
-def _candidates(directory: Path, file: str) -> list[Path]:
-    stem = file
-    for suf in sorted(_FILE_SUFFIXES, key=len, reverse=True):
-        if stem.endswith(suf):
-            stem = stem[: -len(suf)]
-            break
-    out = [directory / file]
-    out += [directory / (stem + s) for s in _FILE_SUFFIXES if stem + s != file]
-    return out
-
-
-def resolve_local_path(name: str, data_dir: str | os.PathLike[str] | None = None) -> Path | None:
-    """The local file of registered set ``name`` under ``data_dir`` / ``$TURNRL_DATA_DIR``, or None."""
-    spec = _lookup(name, None)
-    base = _data_dir(data_dir)
-    if base is None:
-        return None
-    for p in _candidates(base / spec.set_dir, spec.file):
-        if p.is_file():
-            return p
-    return None
-
-
-def _lookup(name: str, split: str | None) -> DatasetSpec:
-    """The spec for ``name``; ``split`` selects ``<name>_<split>`` (``gsm8k`` + ``test``)."""
-    if split:
-        if f"{name}_{split}" in DATASETS:
-            return DATASETS[f"{name}_{split}"]
-        spec = DATASETS.get(name)
-        if spec is not None and split in (spec.hub_split, spec.file.split(".")[0], name.rsplit("_", 1)[-1]):
-            return spec
-        raise DataSourceError(
-            f"data set {name!r} has no split {split!r}; registered names: {', '.join(sorted(DATASETS))}"
-        )
-    if name in DATASETS:
-        return DATASETS[name]
-    raise DataSourceError(
-        f"unknown data set {name!r}: use a registered name ({', '.join(sorted(DATASETS))}) "
-        "or a path to a .jsonl/.jsonl.gz/.json/.parquet file with fields={'prompt': ..., 'answer': ...}"
-    )
-
-
-def _load_hub(spec: DatasetSpec) -> tuple[Iterable[tuple[int, Any]] | None, str]:
-    """Records from the hub, or (None, why not). Never raises."""
-    if spec.hub_id is None:
-        return None, spec.hub_note or "no hub copy"
-    try:
-        import datasets  # optional dependency
-    except Exception as exc:  # ImportError, or a broken install
-        return None, f"the `datasets` package is not importable ({type(exc).__name__})"
-    try:
-        ds = datasets.load_dataset(spec.hub_id, spec.hub_config, split=spec.hub_split)
-        records = [(i, dict(r)) for i, r in enumerate(ds, start=1)]
-    except BaseException as exc:  # noqa: BLE001 - offline, auth, renamed repo, ... all mean "not reachable"
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
-    return records, ""
-
-
-def _missing_error(spec: DatasetSpec, params_key: str, base: Path | None, hub_why: str) -> DataSourceError:
-    looked = (
-        f"looked for {base / spec.relpath} (and .jsonl/.jsonl.gz/.json/.parquet variants): not found"
-        if base is not None
-        else f"${ENV_VAR} is not set"
-    )
-    if spec.hub_id:
-        hub = (
-            f"the Hugging Face hub: {spec.hub_id}"
-            + (f" (config {spec.hub_config})" if spec.hub_config else "")
-            + f", split {spec.hub_split!r}; needs `pip install datasets` and network access"
-            + (f" [tried: {hub_why}]" if hub_why else "")
-        )
-    else:
-        hub = f"the Hugging Face hub: not available for this set ({spec.hub_note})"
-    return DataSourceError(
-        f"data set {spec.name!r} not found. Provide it in one of three ways:\n"
-        f"  1. an explicit path: set `{params_key}` in params.yaml (or pass path=...) to a "
-        f".jsonl/.parquet file;\n"
-        f"  2. a data directory: export {ENV_VAR}=<dir> so that <dir>/{spec.relpath} exists "
-        f"(e.g. {ENV_VAR}=../shared/data) [{looked}];\n"
-        f"  3. {hub}."
-    )
-
-
 # --------------------------------------------------------------------------- public API
 def load(
     name_or_path: str | os.PathLike[str],
@@ -873,49 +548,3 @@ def load_search_corpus(
             seen.add(k)
             corpus.append({"id": str(len(corpus)), "title": k[0], "text": k[1]})
     return corpus
-
-
-def write_parquet(rows: Iterable[Mapping[str, Any]], path: str | os.PathLike[str]) -> Path:
-    """Write rows (list-valued columns included) to a parquet file; returns the path."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    rows = [dict(r) for r in rows]
-    try:
-        table = pa.Table.from_pylist(rows) if rows else pa.table({k: pa.array([], pa.null()) for k in SCHEMA_FIELDS})
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
-        raise DataSourceError(f"{path}: cannot store the rows as parquet: {_mixed_column(rows) or exc}") from None
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        pq.write_table(table, tmp)
-        tmp.replace(path)          # a failed write (a full disk) never leaves a half file at `path`
-    except OSError as exc:         # pyarrow's errors do not say which file
-        exc.filename = exc.filename or str(path)
-        raise
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
-
-
-def _mixed_column(rows: list[dict[str, Any]]) -> str:
-    """Which column pyarrow cannot store, and why (values of several types), or ""."""
-    import pyarrow as pa
-
-    for key in dict.fromkeys(k for r in rows for k in r):
-        values = [r.get(key) for r in rows]
-        try:
-            pa.array(values)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-            kinds = sorted({type(v).__name__ for v in values if v is not None})
-            return (f"field {key!r} holds values of different types ({', '.join(kinds)}); map only "
-                    "fields with one type in data.fields, or make the values one type")
-    return ""
-
-
-def read_parquet(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Read a parquet file back as a list of plain-Python dicts (lists stay lists)."""
-    import pyarrow.parquet as pq
-
-    return pq.read_table(path).to_pylist()

@@ -2,7 +2,9 @@
 and the benchmarks, as parquet in the common schema (see `turnrl.data.sources`).
 
 `data.train_set` / `data.heldout_set` are `synthetic` (the environment's generated task, from
-its EnvSpec), a registered data set or a file. When both name the same set it is split with the
+its EnvSpec), a registered data set or a file. A row's fields beyond the schema's (a file's
+unmapped columns, a synthetic row's own keys) are kept: the parquet files hold them as JSON in
+their `extra` column, and `load_split` gives them back, so `reset(example)` sees them. When both name the same set it is split with the
 seed; in every case a held-out prompt never appears in training.
 
 An environment with a `prepare_data` hook (search: its corpus) writes its files here from
@@ -42,8 +44,8 @@ def preprocess(cfg: Config, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     dropped: Dropped = {}
     train, heldout, manifest, pool = training_splits(cfg, dropped)
-    sources.write_parquet(train, out_dir / "train.parquet")
-    sources.write_parquet(heldout, out_dir / "heldout.parquet")
+    sources.write_rows(train, out_dir / "train.parquet")
+    sources.write_rows(heldout, out_dir / "heldout.parquet")
     spec = envs.resolve(cfg.env.name)
     if spec.prepare_data is not None:   # the environment's own files (e.g. the search corpus)
         manifest.update(spec.prepare_data(pool, out_dir, **cfg.env.checked_options()) or {})
@@ -56,7 +58,7 @@ def preprocess(cfg: Config, out_dir: Path) -> dict:
     for bench in cfg.eval.benchmarks:
         rows, info = load_benchmark(cfg, bench, dropped)
         if rows is not None:
-            sources.write_parquet(rows, bench_dir / f"{bench.name}.parquet")
+            sources.write_rows(rows, bench_dir / f"{bench.name}.parquet")
         manifest["benchmarks"][bench.name] = {**info, "spec": benchmark_record(bench)}
     manifest["bad_rows"] = {"policy": cfg.data.bad_rows,
                             "dropped": sum(f["dropped"] for f in dropped.values()), "files": dropped}
