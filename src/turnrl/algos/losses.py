@@ -133,6 +133,7 @@ def policy_loss(
     clip_high: float = 0.2,
     dual_clip: float | None = None,
     agg: str = "token-mean",
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss.
 
@@ -142,6 +143,8 @@ def policy_loss(
         loss_t = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
         dual clip (c > 1), for A < 0 only: loss_t = min(loss_t, -A * c)
     The dual clip caps how much a single negative-advantage token with a huge ratio can push.
+    `weights` [B, T] (detached; e.g. an off-policy correction's importance weights, see
+    turnrl.algos.corrections) multiply loss_t before aggregation; None: all 1.
 
     Returns (loss 0-dim, metrics) where metrics holds detached 0-dim tensors:
     clip_fraction (tokens where the clipped term is active), dual_clip_fraction,
@@ -161,6 +164,8 @@ def policy_loss(
         cap = -advantages * dual_clip
         dual_active = (advantages < 0) & (loss_tokens > cap)
         loss_tokens = torch.where(dual_active, cap, loss_tokens)
+    if weights is not None:
+        loss_tokens = loss_tokens * weights.detach()
 
     loss = aggregate(loss_tokens, mask, agg)
     with torch.no_grad():
