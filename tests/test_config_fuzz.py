@@ -126,9 +126,9 @@ def params_file(tmp_path_factory):
 
 
 @pytest.mark.parametrize("raw", ["[", "{a: ", "@x", "%", "*alias", "!!python/object:os.system x", "2020-13-45",
-                                 "!!int x", "!!timestamp x", "{[1]: 2}", "[" * 600])
-def test_override_values_pyyaml_cannot_read_are_a_clear_error(params_file, raw):
-    """PyYAML raises YAMLError, ValueError, AttributeError or RecursionError on these."""
+                                 "!!int x", "!!timestamp x", "!!bool maybe", "{a: 1, a: 2}", "[" * 600])
+def test_override_values_the_loader_cannot_read_are_a_clear_error(params_file, raw):
+    """ruamel's safe loader (DVC's) raises YAMLError, ValueError, KeyError or RecursionError on these."""
     with pytest.raises(ConfigError, match=r"^override train\.steps: the value .* is not valid YAML"):
         load_config(params_file, [f"train.steps={raw}"])
 

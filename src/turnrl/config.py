@@ -12,12 +12,16 @@ This module imports nothing heavy, so a stage fails within a second on a bad val
 from __future__ import annotations
 
 import difflib
+import json
 import re
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal
+from types import UnionType
+from typing import Annotated, Any, Callable, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from ruamel.yaml import YAML
+from ruamel.yaml.error import MarkedYAMLError
 
 
 class ConfigError(ValueError):
@@ -532,14 +536,47 @@ class Config(_Section):
 
 
 # --------------------------------------------------------------------------- loading
+def _section_at(annotation: Any, part: Any) -> Any:
+    """The type one step below `annotation` along `part` of an error location: a section's
+    field, a list's item (part is the index) or a mapping's value (part is the key)."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return _section_at(args[0], part)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        field = annotation.model_fields.get(str(part))
+        return field.annotation if field is not None else None
+    if origin in (list, tuple, set, frozenset) and args and isinstance(part, int):
+        return args[0]
+    if origin is dict and len(args) == 2:
+        return args[1]
+    if origin not in (Union, UnionType):
+        return None
+    if isinstance(part, str) and _UNION_TAG.fullmatch(part):   # pydantic's name of a member: no key
+        return annotation
+    return next(filter(None, (_section_at(a, part) for a in args)), None)
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The section a (possibly Annotated or optional) type stands for, if any."""
+    if get_origin(annotation) is Annotated:
+        return _model_of(get_args(annotation)[0])
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if get_origin(annotation) in (Union, UnionType):
+        return next(filter(None, map(_model_of, get_args(annotation))), None)
+    return None
+
+
 def _allowed_keys(loc: tuple) -> list[str]:
-    section: type[BaseModel] = Config
+    """The keys allowed beside the unknown one at `loc`: through sections, list items
+    (eval.benchmarks.0) and mapping values alike."""
+    annotation: Any = Config
     for part in loc[:-1]:
-        field = section.model_fields.get(str(part))
-        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+        annotation = _section_at(annotation, part)
+        if annotation is None:
             return []
-        section = field.annotation
-    return list(section.model_fields)
+    model = _model_of(annotation)
+    return list(model.model_fields) if model is not None else []
 
 
 _PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]+")
@@ -564,6 +601,8 @@ def _describe(err: dict, source: str) -> str:
         guess = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
         hint = f" (did you mean '{guess[0]}'?)" if guess else ""
         parent = ".".join(_key_text(p) for p in loc[:-1]) or "the top level"
+        if not allowed:   # a place that takes no keys at all
+            return f"{source}: {key}: unknown key; {parent} takes no keys here"
         return f"{source}: {key}: unknown key{hint}; keys under {parent}: {', '.join(allowed)}"
     msg = err["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
     if err["type"] == "literal_error":
@@ -664,23 +703,49 @@ def _set_dotted(data: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _yaml(text: str, what: str, fix: str) -> Any:
-    """yaml.safe_load, every failure a ConfigError. PyYAML raises more than YAMLError on some
-    input (ValueError for a date like 2020-13-45, RecursionError for deep nesting, ...)."""
+def _yaml_fix(text: str, exc: Any) -> str | None:
+    """The fix for the two mistakes DVC's loader stops on that PyYAML lets through: `[a.b:c]` or
+    `{k: a.b:c}` (in a flow collection a plain value may not contain ':'; names the value to
+    quote), and a key written twice."""
+    if "duplicate key" in str(exc.problem):
+        return "keep one of the two (DVC rejects a key written twice in a mapping)"
+    mark = exc.context_mark
+    lines = text.splitlines()
+    if "unexpected ':'" not in str(exc.problem) or mark is None or mark.line >= len(lines):
+        return None
+    value = re.split(r"[,\]}]| #", lines[mark.line][mark.column:], maxsplit=1)[0].strip()
+    quoted = f"'{value}'" if "'" not in value else json.dumps(value)
+    return f"quote the value: {quoted} (inside [...] or {{...}} a value with ':' must be quoted)"
+
+
+def _yaml(text: str, what: str, fix: str, override: bool = False) -> Any:
+    """Parse YAML the way DVC reads params.yaml (ruamel.yaml's safe loader, YAML 1.2), so what
+    DVC rejects is rejected here, before a stage starts; every failure a ConfigError naming the
+    line and the fix. The loader raises more than YAMLError on some input (ValueError for a date
+    like 2020-13-45, KeyError for `!!bool maybe`, RecursionError for deep nesting, ...)."""
     try:
-        return yaml.safe_load(text)
-    except yaml.MarkedYAMLError as exc:
-        where = f" at line {exc.problem_mark.line + 1}, column {exc.problem_mark.column + 1}" \
-            if exc.problem_mark else ""
+        return YAML(typ="safe").load(text)
+    except MarkedYAMLError as exc:
+        if override and "unexpected ':'" in str(exc.problem):
+            # `-S 'reward.functions=[a.b:c]'` is command-line syntax: `dvc exp run -S` (Hydra's
+            # grammar) takes it unquoted and writes it to params.yaml quoted; so does PyYAML
+            try:
+                return yaml.safe_load(text)
+            except Exception:   # noqa: BLE001 -- report the loader's own error below
+                pass
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = " ".join(filter(None, [exc.context, exc.problem])) or "syntax error"
-        raise ConfigError(f"{what}: {' '.join(problem.split())}{where}; {fix}") from None
-    except (yaml.YAMLError, ValueError, TypeError, AttributeError, RecursionError) as exc:
-        problem = " ".join(str(exc).split())[:200]
+        raise ConfigError(f"{what}: {' '.join(problem.split())}{where}; "
+                          f"{_yaml_fix(text, exc) or fix}") from None
+    except Exception as exc:   # noqa: BLE001 -- any loader failure is a bad file, and DVC stops on it too
+        problem = " ".join(str(exc).replace('in "<unicode string>", ', "").split())[:200]
         raise ConfigError(f"{what}: {type(exc).__name__}: {problem}; {fix}") from None
 
 
 def load_config(path: str | Path = "params.yaml", overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read and validate params.yaml; `overrides` are `key.path=value` strings (YAML values)."""
+    """Read and validate params.yaml, read as DVC reads it (a file DVC rejects is rejected here
+    with the line and the fix); `overrides` are `key.path=value` strings (YAML values, as `-S`)."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path}: not found; run from the project root or pass the params file path")
@@ -700,7 +765,7 @@ def load_config(path: str | Path = "params.yaml", overrides: list[str] | tuple[s
         if not eq or not key or not all(key.split(".")):
             raise ConfigError(f"override {item!r}: expected key.path=value, e.g. train.steps=60")
         value = _yaml(raw, f"override {key}: the value {raw!r} is not valid YAML",
-                      f"quote it if it is a string, e.g. {key}='\"...\"'")
+                      f"quote it if it is a string, e.g. {key}='\"...\"'", override=True)
         if isinstance(data, dict):
             _set_dotted(data, key, value)
     return parse_config(data, source=str(path.name))
