@@ -1,4 +1,4 @@
-"""The evaluation used by baseline_eval, eval and `python -m turnrl.pipeline.evaluate_checkpoint`.
+"""The evaluation used by baseline_eval, eval and `turnrl evaluate` (`python -m turnrl.pipeline.evaluate`).
 
 Scripted engines stand in for the model where the code around the engine is under test
 (metrics, protocols, grading reasons, generations); the real engines (HF in process, vLLM in
@@ -301,12 +301,12 @@ def _checkpoint_cmd(project: Path, model: Path, out: str, *extra: str, data_dir:
     env.pop("TURNRL_DATA_DIR", None)
     if data_dir:
         env["TURNRL_DATA_DIR"] = data_dir
-    return subprocess.run([sys.executable, "-m", "turnrl.pipeline.evaluate_checkpoint", str(model), "--out", out, *extra],
+    return subprocess.run([sys.executable, "-m", "turnrl.pipeline.evaluate", str(model), "--out", out, *extra],
                           cwd=project, env=env, capture_output=True, text=True, timeout=900)
 
 
 def test_checkpoint_command_needs_the_preprocessed_data(tmp_path, tiny_model_dir):
-    from turnrl.pipeline.evaluate_checkpoint import main
+    from turnrl.pipeline.evaluate import main
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({}))
     code = main([str(tiny_model_dir), "--out", str(tmp_path / "out"), "--params", str(tmp_path / "params.yaml"),
                  "--data", str(tmp_path / "data" / "processed")])
@@ -317,7 +317,7 @@ def test_checkpoint_command_needs_the_preprocessed_data(tmp_path, tiny_model_dir
 
 @pytest.mark.slow
 def test_checkpoint_command_end_to_end_twice_on_vllm(tmp_path, tiny_model_dir, monkeypatch):
-    """`python -m turnrl.pipeline.evaluate_checkpoint` on the tiny model with vLLM, sampled, run twice in
+    """`python -m turnrl.pipeline.evaluate` on the tiny model with vLLM, sampled, run twice in
     fresh processes with the same seed: identical metrics and generations."""
     data_dir = os.environ.get("TURNRL_DATA_DIR") or str(ROOT.parent / "shared" / "data")
     benchmarks = ["amc23"] if Path(data_dir, "amc23").is_dir() else []
@@ -348,7 +348,7 @@ def test_checkpoint_command_end_to_end_twice_on_vllm(tmp_path, tiny_model_dir, m
 def test_checkpoint_command_scores_the_benchmark_file_it_is_given(tmp_path, tiny_model_dir, monkeypatch):
     """`turnrl evaluate` reads benchmark files itself: a path given with -S is the one scored,
     whatever the preprocessed data holds (it once scored the old preprocessed copy, silently)."""
-    from turnrl.pipeline.evaluate_checkpoint import main
+    from turnrl.pipeline.evaluate import main
     monkeypatch.delenv("TURNRL_DATA_DIR", raising=False)
     monkeypatch.chdir(tmp_path)
     old, new = tmp_path / "old.jsonl", tmp_path / "new.jsonl"

@@ -15,7 +15,7 @@ import importlib
 import sys
 
 COMMANDS = {"config": "turnrl.config", "presets": "turnrl.presets",
-            "evaluate": "turnrl.pipeline.evaluate_checkpoint", "report": "turnrl.pipeline.report", "doctor": "turnrl.models.doctor",
+            "evaluate": "turnrl.pipeline.evaluate", "report": "turnrl.pipeline.report", "doctor": "turnrl.models.doctor",
             "serve-search": "turnrl.pipeline.serve_search"}
 
 
