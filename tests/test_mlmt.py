@@ -26,15 +26,15 @@ def fmt(tiny_model_dir):
 
 # ----------------------------------------------------------------------------- config
 def test_mlmt_keys_are_validated():
-    cfg = parse_config({"algorithm": {"name": "mlmt", "mlmt_betas": [0.1, 0, 0.2], "mlmt_context_coef": 0.5},
+    cfg = parse_config({"algorithm": {"name": "mlmt", "options": {"betas": [0.1, 0, 0.2], "context_coef": 0.5}},
                         "env": {"name": "math_refine"}})
-    assert cfg.algorithm.mlmt_betas == [0.1, 0.0, 0.2] and cfg.algorithm.mlmt_context_cap == 1.0
-    with pytest.raises(ConfigError, match="mlmt_betas.*three non-negative"):
-        parse_config({"algorithm": {"name": "mlmt", "mlmt_betas": [0.1, -1, 0]}})
-    with pytest.raises(ConfigError, match="mlmt_betas.*three non-negative"):
-        parse_config({"algorithm": {"name": "mlmt", "mlmt_betas": [0.1, 0.1]}})
-    with pytest.raises(ConfigError, match="algorithm.name: mlmt only"):
-        parse_config({"algorithm": {"name": "grpo", "mlmt_betas": [0.1, 0, 0]}})
+    assert cfg.algorithm.options["betas"] == [0.1, 0.0, 0.2] and cfg.algorithm.options["context_cap"] == 1.0
+    with pytest.raises(ConfigError, match="options.betas.*three non-negative"):
+        parse_config({"algorithm": {"name": "mlmt", "options": {"betas": [0.1, -1, 0]}}})
+    with pytest.raises(ConfigError, match="options.betas.*three non-negative"):
+        parse_config({"algorithm": {"name": "mlmt", "options": {"betas": [0.1, 0.1]}}})
+    with pytest.raises(ConfigError, match="algorithm.options.betas: unknown option"):
+        parse_config({"algorithm": {"name": "grpo", "options": {"betas": [0.1, 0, 0]}}})
 
 
 # ----------------------------------------------------------------------------- KL terms
@@ -132,7 +132,7 @@ def test_mlmt_extras_on_the_tiny_model(fmt, tiny_model_dir):
                ["<answer>12</answer>", "<feedback>Right.</feedback>"]]   # ended before the refinement
     trajs = [replay(MathRefineEnv(), fmt, TWELVE, s) for s in scripts]
     cfg = Config.model_validate({"env": {"name": "math_refine"}, "rollout": {"n": 3}, "algorithm": {
-        "name": "mlmt", "mlmt_betas": [0.1, 0.2, 0.3], "mlmt_context_coef": 0.5, "mlmt_context_cap": 100.0}})
+        "name": "mlmt", "options": {"betas": [0.1, 0.2, 0.3], "context_coef": 0.5, "context_cap": 100.0}}})
     batch = collate(trajs, pad_id=0)
     inputs, metrics = prepare(trajs, batch, Scorer(scorer(policy), scorer(reference), eos_id=fmt.eos_id), cfg.algorithm)
 
@@ -177,8 +177,8 @@ def test_mlmt_kl_and_context_reward_through_the_training_loop(tiny_model_dir, tm
     untrained model seldom reaches the refinement, so the gain's value is checked on a real
     model in test_mlmt_extras_on_the_tiny_model; here only that it is computed and reported.)"""
     history = train_two_steps(tiny_model_dir, tmp_path, {"name": "math_refine"},
-                              {"name": "mlmt", "mlmt_betas": [0.01, 0.01, 0.01], "mlmt_context_coef": 0.1,
-                               "mlmt_context_cap": 2.0, "entropy_coef": 0.1},   # moves the policy without reward
+                              {"name": "mlmt", "options": {"betas": [0.01, 0.01, 0.01], "context_coef": 0.1,
+                                                           "context_cap": 2.0}, "entropy_coef": 0.1},   # moves the policy
                               train={"lr": 1e-2})
     first, second = history
     for h in history:

@@ -246,22 +246,29 @@ class RewardCfg(_Section):
 
 
 # --------------------------------------------------------------------------- algorithm
+#: Keys that moved under the method's own options: old key -> (algorithm, its option, the old default).
+_ALGORITHM_MOVED = {
+    "mlmt_stage": ("mlmt", "stage", 2),
+    "mlmt_alpha": ("mlmt", "alpha", 1.0),
+    "mlmt_betas": ("mlmt", "betas", [0.0, 0.0, 0.0]),
+    "mlmt_context_coef": ("mlmt", "context_coef", 0.0),
+    "mlmt_context_cap": ("mlmt", "context_cap", 1.0),
+}
+
+
 class AlgorithmCfg(_Section):
     name: str = Field("grpo", min_length=1, description=(
         "grpo, dr_grpo, rloo, mt_grpo, ms_grpo, ms_po, mlmt, ppo (a critic and GAE), or an import path to your "
         "own: an Algorithm or an advantage function (inputs, cfg) -> advantages [B, T] (turnrl.algos.registry)"))
+    policy_loss: str = Field("clipped", min_length=1, description=(
+        "the policy update's loss: clipped (PPO's clipped surrogate + kl_coef * KL to the reference), or an "
+        "import path to your own: a PolicyLoss or a function (batch, cfg) -> (loss, metrics) "
+        "(turnrl.algos.registry)"))
+    policy_loss_options: dict[str, Any] = Field(default_factory=dict, description=(
+        "the policy loss's own settings, checked by its registered options model; read as cfg.policy_loss_options"))
     turn_coef: float = Field(1.0, ge=0.0, description="mt_grpo / ms_grpo: weight of the turn-level advantage")
     gamma: float = Field(1.0, ge=0.0, description="ms_po: R_tot = R_step + gamma * R_out; ppo: the GAE discount")
     lam: float = Field(1.0, ge=0.0, le=1.0, description="ppo: GAE lambda")
-    mlmt_stage: Literal[1, 2] = Field(2, description="mlmt: stage I or II turn rewards")
-    mlmt_alpha: float = Field(1.0, ge=0.0, description="mlmt stage II: weight of the improvement R - R1")
-    mlmt_betas: list[float] = Field(default_factory=lambda: [0.0, 0.0, 0.0], description=(
-        "mlmt: [beta_1 (stage II; beta_2 in stage I), beta_H, beta_L], the weights of each turn's KL to the "
-        "reference, sum(logp - logp_ref) over the turn's tokens, in the turn rewards; all 0: no KL terms"))
-    mlmt_context_coef: float = Field(0.0, ge=0.0, description=(
-        "mlmt: lambda of the context-utilization reward lambda * min(log p(y | x, c) - log p(y | x), tau) "
-        "added to the refinement turn (y the refinement, c the feedback); 0: off"))
-    mlmt_context_cap: float = Field(1.0, gt=0.0, description="mlmt: tau, the cap of the log-likelihood gain")
     critic_lr: float = Field(1e-3, gt=0, description="ppo: learning rate of the critic (value head model)")
     critic_warmup: int = Field(5, ge=0, description=(
         "ppo: the first N steps fit only the critic, the policy is not updated: a fresh value head's "
@@ -276,16 +283,50 @@ class AlgorithmCfg(_Section):
     entropy_coef: float = Field(0.0, ge=0.0)
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     options: dict[str, Any] = Field(default_factory=dict, description=(
-        "a plugin algorithm's own settings, read by its advantage function as cfg.options"))
+        "the algorithm's own settings (mlmt: stage, alpha, betas, context_coef, context_cap), checked by its "
+        "registered options model; read by its advantage function as cfg.options"))
     epochs: int = Field(1, gt=0, description="passes over each rollout batch (PPO num_iterations)")
     mini_batches: int = Field(1, gt=0, description="optimizer steps per pass")
 
-    @model_validator(mode="after")
-    def _mlmt_betas(self) -> "AlgorithmCfg":
-        if len(self.mlmt_betas) != 3 or min(self.mlmt_betas) < 0:
-            raise ValueError(f"mlmt_betas = {self.mlmt_betas}: must be three non-negative numbers "
-                             "[beta_1 (beta_2 in stage I), beta_H, beta_L], e.g. [0.01, 0.01, 0.01]")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        """A key that moved under algorithm.options still works, with a warning naming its new place:
+        for its algorithm its value is used; for another one it must keep its old default (it did nothing)."""
+        if not isinstance(data, dict) or not any(k in data for k in _ALGORITHM_MOVED):
+            return data
+        import warnings
+        data, name = dict(data), data.get("name", "grpo")
+        options = dict(data.get("options") or {})
+        for old in [k for k in _ALGORITHM_MOVED if k in data]:
+            method, new, default = _ALGORITHM_MOVED[old]
+            value = data.pop(old)
+            warnings.warn(f"algorithm.{old} moved to algorithm.options.{new} (algorithm.name: {method}); "
+                          "rename it in your params", FutureWarning, stacklevel=2)
+            if name == method:
+                if new in options and options[new] != value:
+                    raise ValueError(f"algorithm.{old} (moved) and algorithm.options.{new} are both set and differ; "
+                                     f"keep algorithm.options.{new}")
+                options[new] = value
+            elif value != default:
+                raise ValueError(f"algorithm.{old} (now algorithm.options.{new}) applies to algorithm.name: {method} "
+                                 f"only; remove it for {name}")
+        if options or "options" in data:
+            data["options"] = options
+        return data
+
+    def fill_options(self) -> None:
+        """Resolve the algorithm and set `options` to their checked values, defaults filled in, so
+        the params name one training however it was written (old keys, defaults left out, 1 or 1.0):
+        the checkpoint fingerprint hashes them. PluginError naming the key on a bad one."""
+        from turnrl.algos import registry
+        self.options = registry.check_options(registry.resolve(self.name), self.options, "algorithm.options")
+
+    def fill_loss_options(self) -> None:
+        """The same for the policy loss and `policy_loss_options`."""
+        from turnrl.algos import registry
+        self.policy_loss_options = registry.check_options(registry.resolve_loss(self.policy_loss),
+                                                          self.policy_loss_options, "algorithm.policy_loss_options")
 
 
 # --------------------------------------------------------------------------- rollout
@@ -511,10 +552,6 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _budgets(self) -> "Config":
-        alg = self.algorithm
-        if alg.name != "mlmt" and (any(alg.mlmt_betas) or alg.mlmt_context_coef):
-            raise ValueError("algorithm.mlmt_betas and algorithm.mlmt_context_coef apply to algorithm.name: mlmt only; "
-                             f"set them to 0 for {alg.name}")
         if self.rollout.max_tokens_total < self.rollout.max_tokens_per_turn:
             raise ValueError(
                 f"rollout.max_tokens_total ({self.rollout.max_tokens_total}) must be at least "
@@ -660,7 +697,6 @@ def check_plugins(cfg: Config) -> list[str]:
     its options, its synthetic task and demonstrations where params need them, the algorithm,
     the reward functions and the benchmarks' graders. One fix-it line per problem."""
     from turnrl import envs
-    from turnrl.algos import registry as algorithms
     from turnrl.plugins import PluginError
     from turnrl.rewards.functions import RewardFunctions
     from turnrl.rewards.graders import grader
@@ -685,7 +721,8 @@ def check_plugins(cfg: Config) -> list[str]:
             problems.append(f"model.path = tiny: the embedded model is warm-started on demonstrations, and the "
                             f"environment {cfg.env.name!r} gives none (EnvSpec.task with a demonstration hook); "
                             "add one, or set model.path to a checkpoint")
-    attempt(algorithms.resolve, cfg.algorithm.name)
+    attempt(cfg.algorithm.fill_options)        # the algorithm and its options, defaults filled in
+    attempt(cfg.algorithm.fill_loss_options)   # the policy loss and its options
     attempt(RewardFunctions, cfg.reward.functions, cfg.reward.weights, cfg.reward.on_error)
     for i, bench in enumerate(cfg.eval.benchmarks):
         attempt(grader, bench.grader, f"eval.benchmarks[{i}].grader")
@@ -761,7 +798,7 @@ def load_config(path: str | Path = "params.yaml", overrides: list[str] | tuple[s
     data = data if data is not None else {}
     for item in overrides:
         key, eq, raw = str(item).partition("=")
-        key = key.strip()
+        key = key.strip().lstrip("+")   # DVC's ++key (add or override) and +key (add) set the key too
         if not eq or not key or not all(key.split(".")):
             raise ConfigError(f"override {item!r}: expected key.path=value, e.g. train.steps=60")
         value = _yaml(raw, f"override {key}: the value {raw!r} is not valid YAML",

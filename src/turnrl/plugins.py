@@ -1,4 +1,4 @@
-"""Import paths to user code: environments, reward functions, algorithms and graders.
+"""Import paths to user code: environments, reward functions, algorithms, policy losses and graders.
 
 A params value such as `env.name: my_pkg.guess:make_env` names an object `make_env` in the
 module `my_pkg.guess`, found in the project folder (where dvc.yaml is) or in an installed
@@ -90,37 +90,71 @@ def _defined(module: Any) -> list[str]:
 
 
 class Registry:
-    """Names for plugins of one kind (environments, algorithms): each a registered object, or
-    the import path of one loaded on first use; a name that is not registered but is an import
-    path is loaded too. `convert(obj, name, key)` turns what was found into the kind's object
-    (checking it); the result is kept per name."""
+    """Names for plugins of one kind (environments, algorithms, policy losses, graders): each a
+    registered object, or the import path of one loaded on first use; a name that is not
+    registered but is an import path is loaded too. A built-in and a plugin go the same way:
+    `convert(obj, name, key)` turns what was found into the kind's object, checking it. The
+    result is kept per registered name; an unregistered import path is looked up each time
+    (cheap: its module stays imported), so a module reloaded in between is seen.
+
+    Built-ins are registered where they are defined, either as import paths in `entries` (one
+    table) or with `register` as a decorator in the module `builtins`, imported on first use
+    (so this registry costs nothing until a name is looked up):
+
+        @REGISTRY.register("grpo")
+        def grpo(inputs, cfg): ...
+    """
 
     def __init__(self, kind: str, example: str, convert: Callable[[Any, str, str], Any],
-                 entries: dict[str, Any] | None = None):
+                 entries: dict[str, Any] | None = None, builtins: str | None = None):
         self.kind, self.example, self.convert = kind, example, convert
         self.entries: dict[str, Any] = dict(entries or {})
         self.resolved: dict[str, Any] = {}
+        self._builtins = builtins
 
-    def register(self, name: str, obj: Any) -> None:
+    def _load_builtins(self) -> None:
+        if self._builtins:
+            module, self._builtins = self._builtins, None   # first: its decorators call register
+            try:
+                importlib.import_module(module)
+            except BaseException:
+                self._builtins = module
+                raise
+
+    def register(self, name: str, obj: Any = None) -> Any:
+        """Add `obj` (the kind's object, or an import path to one) under `name`; the last
+        registration of a name wins. Without `obj`, a decorator that registers what it decorates
+        and returns it unchanged."""
+        if obj is None:
+            def decorate(target: Any) -> Any:
+                self.register(name, target)
+                return target
+            return decorate
+        self._load_builtins()   # a user's entry must not be overwritten by a built-in loaded later
         self.entries[name] = obj
         self.resolved.pop(name, None)
+        return obj
 
     def names(self) -> list[str]:
+        self._load_builtins()
         return sorted(self.entries)
 
     def resolve(self, name: str, key: str) -> Any:
         if name in self.resolved:
             return self.resolved[name]
+        self._load_builtins()
         if name in self.entries:
             entry = self.entries[name]
             obj = load_object(entry, key) if isinstance(entry, str) else entry
         elif is_import_path(name):
             obj = load_object(name, key)
         else:
-            raise PluginError(f"{key} = {name!r}: not a registered {self.kind} ({', '.join(self.names())}) nor an "
+            raise PluginError(f"{key} = {name!r}: not a registered {self.kind} ({', '.join(self.names()) or 'none yet'}) nor an "
                               f"import path 'package.module:name' (the object after the colon), e.g. {self.example}")
-        self.resolved[name] = self.convert(obj, name, key)
-        return self.resolved[name]
+        converted = self.convert(obj, name, key)
+        if name in self.entries:
+            self.resolved[name] = converted
+        return converted
 
 
 def check_call(fn: Any, key: str, what: str, positional: int = 0, keywords: tuple[str, ...] = (),
@@ -192,10 +226,14 @@ def options_model(factory: Callable, reserved: tuple[str, ...] = ()) -> type[Bas
 def validate_options(model: type[BaseModel], options: dict[str, Any], key: str) -> dict[str, Any]:
     """`options` checked by `model`; the values as keyword arguments. PluginError with one line
     per problem: `key.name = value: what is wrong` (unknown keys name the known ones)."""
+    lines = []
+    if model.model_config.get("extra") not in ("allow", "forbid"):   # pydantic's default drops unknown keys silently
+        known = ", ".join(model.model_fields) or "none"
+        lines += [f"{key}.{name}: unknown option; options of this plugin: {known}"
+                  for name in options if name not in model.model_fields]
     try:
         validated = model.model_validate(options)
     except ValidationError as exc:
-        lines = []
         for err in exc.errors():
             where = ".".join(str(p) for p in err["loc"])
             full = f"{key}.{where}" if where else key
@@ -208,6 +246,7 @@ def validate_options(model: type[BaseModel], options: dict[str, Any], key: str) 
                 lines.append(f"{full}: required, set it (e.g. -S ++{full}=...)")
             else:
                 lines.append(f"{full} = {err.get('input')!r}: {msg}")
+    if lines:
         raise PluginError("\n".join(lines)) from None
     values = {name: getattr(validated, name) for name in model.model_fields}
     values.update(validated.model_extra or {})

@@ -1,58 +1,23 @@
 """Algorithm math: advantage estimators, policy/value losses and KL, as pure functions.
 
-No Ray, DeepSpeed or vLLM here; everything takes and returns torch tensors. Algorithms are
-registered in `turnrl.algos.registry` (one signature: an advantage function of the batch's
-inputs); the built-ins are in `turnrl.algos.builtin`. Importing this package is cheap: its
-functions load on first use, so the params check (`turnrl.algos.registry`) needs no torch.
+No Ray, DeepSpeed or vLLM here; everything takes and returns torch tensors. Algorithms and
+policy losses are registered by name in `turnrl.algos.registry` (one signature each); the
+built-ins are defined and registered in `turnrl.algos.builtin`, exactly as a plugin's are.
 """
-import importlib
+from turnrl.algos.advantages import (before_first_obs, context_utilization_bonus, contiguous_group_ids, dr_grpo,
+                                     first_obs_position, gae, group_normalize, grpo, mlmt, mlmt_stage1_rewards,
+                                     mlmt_stage2_rewards, ms_grpo, ms_po, mt_grpo, outcome_token_rewards,
+                                     per_turn_grpo, per_turn_mean_std, per_turn_sum, rloo, turn_rewards_to_tokens)
+from turnrl.algos.kl import KL_KINDS, kl_estimate, kl_loss, kl_penalized_rewards, policy_loss_with_kl
+from turnrl.algos.losses import (AGGREGATION_MODES, aggregate, entropy_from_logits, explained_variance,
+                                 logprobs_from_logits, masked_mean, masked_sum, masked_var, masked_whiten, policy_loss,
+                                 value_loss)
 
-_WHERE = {
-    "before_first_obs": "advantages",
-    "context_utilization_bonus": "advantages",
-    "contiguous_group_ids": "advantages",
-    "dr_grpo": "advantages",
-    "first_obs_position": "advantages",
-    "gae": "advantages",
-    "group_normalize": "advantages",
-    "grpo": "advantages",
-    "mlmt": "advantages",
-    "mlmt_stage1_rewards": "advantages",
-    "mlmt_stage2_rewards": "advantages",
-    "ms_grpo": "advantages",
-    "ms_po": "advantages",
-    "mt_grpo": "advantages",
-    "outcome_token_rewards": "advantages",
-    "per_turn_grpo": "advantages",
-    "per_turn_mean_std": "advantages",
-    "per_turn_sum": "advantages",
-    "rloo": "advantages",
-    "turn_rewards_to_tokens": "advantages",
-    "KL_KINDS": "kl",
-    "kl_estimate": "kl",
-    "kl_loss": "kl",
-    "kl_penalized_rewards": "kl",
-    "policy_loss_with_kl": "kl",
-    "AGGREGATION_MODES": "losses",
-    "aggregate": "losses",
-    "entropy_from_logits": "losses",
-    "explained_variance": "losses",
-    "logprobs_from_logits": "losses",
-    "masked_mean": "losses",
-    "masked_sum": "losses",
-    "masked_var": "losses",
-    "masked_whiten": "losses",
-    "policy_loss": "losses",
-    "value_loss": "losses",
-}
-
-
-def __getattr__(name: str):
-    if name in _WHERE:
-        value = getattr(importlib.import_module(f"turnrl.algos.{_WHERE[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'turnrl.algos' has no attribute {name!r}")
-
-
-__all__ = sorted(_WHERE)
+__all__ = [
+    "AGGREGATION_MODES", "KL_KINDS", "aggregate", "before_first_obs", "context_utilization_bonus",
+    "contiguous_group_ids", "dr_grpo", "entropy_from_logits", "explained_variance", "first_obs_position", "gae",
+    "group_normalize", "grpo", "kl_estimate", "kl_loss", "kl_penalized_rewards", "logprobs_from_logits",
+    "masked_mean", "masked_sum", "masked_var", "masked_whiten", "mlmt", "mlmt_stage1_rewards", "mlmt_stage2_rewards",
+    "ms_grpo", "ms_po", "mt_grpo", "outcome_token_rewards", "per_turn_grpo", "per_turn_mean_std", "per_turn_sum",
+    "policy_loss", "policy_loss_with_kl", "rloo", "turn_rewards_to_tokens", "value_loss",
+]

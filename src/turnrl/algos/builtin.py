@@ -1,12 +1,18 @@
-"""The built-in algorithms, registered by name in `turnrl.algos.registry` exactly as a plugin's
-would be: each is an advantage function of (AdvantageInputs, the algorithm params)."""
+"""The built-in algorithms and policy losses, each registered where it is defined, with the
+decorators a plugin uses (`turnrl.algos.registry.register` / `register_loss`): an algorithm is
+an advantage function of (AdvantageInputs, the algorithm params), a loss a function of (the
+mini-batch's tensors, the algorithm params). `turnrl.algos.registry` imports this module the
+first time a name is looked up."""
 from __future__ import annotations
+
+from typing import Mapping
 
 import torch
 
 from turnrl.algos import advantages as adv
 from turnrl.algos import hierarchy
-from turnrl.algos.registry import AdvantageInputs, Algorithm
+from turnrl.algos.kl import policy_loss_with_kl
+from turnrl.algos.registry import AdvantageInputs, NoOptions, register, register_loss
 
 
 def _first_turn_reward(x: AdvantageInputs) -> torch.Tensor:
@@ -14,38 +20,47 @@ def _first_turn_reward(x: AdvantageInputs) -> torch.Tensor:
     return x.turn_rewards[:, 0] if x.turn_rewards.shape[1] else torch.zeros_like(x.rewards)
 
 
+@register("grpo", options=NoOptions)
 def grpo(x: AdvantageInputs, cfg) -> torch.Tensor:
     return adv.grpo(rewards=x.rewards, mask=x.mask, group_ids=x.group_ids)
 
 
+@register("dr_grpo", options=NoOptions)
 def dr_grpo(x: AdvantageInputs, cfg) -> torch.Tensor:
     return adv.dr_grpo(rewards=x.rewards, mask=x.mask, group_ids=x.group_ids)
 
 
+@register("rloo", options=NoOptions)
 def rloo(x: AdvantageInputs, cfg) -> torch.Tensor:
     return adv.rloo(rewards=x.rewards, mask=x.mask, group_ids=x.group_ids)
 
 
+@register("ms_grpo", options=NoOptions)   # the same estimator under RoSTE's name
+@register("mt_grpo", options=NoOptions)
 def mt_grpo(x: AdvantageInputs, cfg) -> torch.Tensor:
     """MT-GRPO / RoSTE's MS-GRPO: A_out + turn_coef * A_turn before the first tool result."""
     return adv.mt_grpo(rewards=x.rewards, turn_rewards=_first_turn_reward(x), first_obs_pos=x.first_obs_pos,
                        mask=x.mask, group_ids=x.group_ids, turn_coef=cfg.turn_coef)
 
 
+@register("ms_po", options=NoOptions)
 def ms_po(x: AdvantageInputs, cfg) -> torch.Tensor:
     return adv.ms_po(rewards=x.rewards, turn_rewards=_first_turn_reward(x), first_obs_pos=x.first_obs_pos,
                      mask=x.mask, group_ids=x.group_ids, gamma=cfg.gamma)
 
 
+@register("mlmt", prepare=hierarchy.prepare, options=hierarchy.MlmtOptions)
 def mlmt(x: AdvantageInputs, cfg) -> torch.Tensor:
     """MLMT-RL: stage I / II turn rewards on the attempt, feedback and refinement slots (from the
-    turns' roles), GRPO per slot."""
+    turns' roles), GRPO per slot; `algorithm.options` as hierarchy.MlmtOptions."""
+    opts = hierarchy.mlmt_options(cfg)
     return adv.mlmt(rewards=x.rewards, first_rewards=_first_turn_reward(x),
                     turn_ids=hierarchy.mlmt_slots(x.turn_ids, x.high), mask=x.mask, group_ids=x.group_ids,
-                    mlmt_stage=cfg.mlmt_stage, alpha=cfg.mlmt_alpha, turn_kl=x.extras.get("turn_kl"),
+                    mlmt_stage=opts.stage, alpha=opts.alpha, turn_kl=x.extras.get("turn_kl"),
                     betas=x.extras.get("betas", (0.0, 0.0, 0.0)), refine_bonus=x.extras.get("refine_bonus"))
 
 
+@register("ppo", critic=True, options=NoOptions)
 def ppo(x: AdvantageInputs, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO with a critic: GAE over the policy's tokens on the outcome at the last policy token;
     returns (whitened advantages, the critic's targets)."""
@@ -53,11 +68,10 @@ def ppo(x: AdvantageInputs, cfg) -> tuple[torch.Tensor, torch.Tensor]:
                    gamma=cfg.gamma, lam=cfg.lam)
 
 
-GRPO = Algorithm(grpo, name="grpo")
-DR_GRPO = Algorithm(dr_grpo, name="dr_grpo")
-RLOO = Algorithm(rloo, name="rloo")
-MT_GRPO = Algorithm(mt_grpo, name="mt_grpo")
-MS_GRPO = Algorithm(mt_grpo, name="ms_grpo")   # the same estimator under RoSTE's name
-MS_PO = Algorithm(ms_po, name="ms_po")
-MLMT = Algorithm(mlmt, prepare=hierarchy.prepare, name="mlmt")
-PPO = Algorithm(ppo, critic=True, name="ppo")
+@register_loss("clipped", options=NoOptions)
+def clipped(batch: Mapping[str, torch.Tensor], cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped surrogate (clip_low, clip_high, dual_clip) + kl_coef * KL to the reference
+    (kl_estimator), aggregated by loss_agg: `turnrl.algos.kl.policy_loss_with_kl`."""
+    return policy_loss_with_kl(batch["logp"], batch["old_logp"], batch["ref_logp"], batch["advantages"],
+                               batch["mask"], kl_coef=cfg.kl_coef, kl_kind=cfg.kl_estimator, clip_low=cfg.clip_low,
+                               clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, agg=cfg.loss_agg)

@@ -8,21 +8,49 @@ turns low, high, low -> 0, 1, 2; with an endpoint's feedback (an observation) lo
 
 `prepare` computes, through a `Scorer`:
 - per-slot KL to the frozen reference, KL_k = sum(logp - logp_ref) over slot k's policy tokens,
-  weighted in the turn rewards by `algorithm.mlmt_betas` = [beta_1 (beta_2 in stage I), beta_H,
+  weighted in the turn rewards by `algorithm.options.betas` = [beta_1 (beta_2 in stage I), beta_H,
   beta_L]; with a second model for the high level, the feedback's KL is that model's own;
 - the context-utilization reward on the refinement, lambda * min(log p(y | x, c) - log p(y | x),
-  tau) (`mlmt_context_coef` lambda, `mlmt_context_cap` tau): how much the feedback c raised the
+  tau) (`options.context_coef` lambda, `options.context_cap` tau): how much the feedback c raised the
   solver's log-likelihood of its refinement y ("without c" is `without_feedback`).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from turnrl.algos.advantages import context_utilization_bonus, per_turn_sum
 
 SLOTS = 3   # 0 attempt, 1 feedback, 2 refinement
+
+
+class MlmtOptions(BaseModel):
+    """`algorithm.options` of `algorithm.name: mlmt`."""
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    stage: Literal[1, 2] = Field(2, description="stage I or II turn rewards")
+    alpha: float = Field(1.0, ge=0.0, description="stage II: weight of the improvement R - R1")
+    betas: list[float] = Field(default_factory=lambda: [0.0, 0.0, 0.0], description=(
+        "[beta_1 (stage II; beta_2 in stage I), beta_H, beta_L], the weights of each turn's KL to the "
+        "reference, sum(logp - logp_ref) over the turn's tokens, in the turn rewards; all 0: no KL terms"))
+    context_coef: float = Field(0.0, ge=0.0, description=(
+        "lambda of the context-utilization reward lambda * min(log p(y | x, c) - log p(y | x), tau) added to "
+        "the refinement turn (y the refinement, c the feedback); 0: off"))
+    context_cap: float = Field(1.0, gt=0.0, description="tau, the cap of the log-likelihood gain")
+
+    @field_validator("betas")
+    @classmethod
+    def _three(cls, betas: list[float]) -> list[float]:
+        if len(betas) != 3 or min(betas) < 0:
+            raise ValueError("must be three non-negative numbers [beta_1 (beta_2 in stage I), beta_H, beta_L], "
+                             "e.g. [0.01, 0.01, 0.01]")
+        return betas
+
+
+def mlmt_options(cfg: Any) -> MlmtOptions:
+    """The mlmt options of the algorithm section `cfg`, defaults filled in."""
+    return MlmtOptions.model_validate(dict(getattr(cfg, "options", None) or {}))
 
 
 def mlmt_slots(turn_ids: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
@@ -109,24 +137,25 @@ def prepare(trajs: Sequence, batch: dict[str, torch.Tensor], scorer: Any, cfg: A
     `batch` is the collated rollout batch with every policy token in loss_mask (before a frozen
     level is masked out) and `high` [B, L]; `scorer` a `turnrl.algos.registry.Scorer`. Nothing is
     computed when the betas and lambda are all 0."""
-    if not (any(cfg.mlmt_betas) or cfg.mlmt_context_coef):
+    opts = mlmt_options(cfg)
+    if not (any(opts.betas) or opts.context_coef):
         return {}, {}
     extras: dict[str, Any] = {}
     metrics: dict[str, float] = {}
     slots = mlmt_slots(batch["turn_ids"], batch["high"])
     logp = scorer.logprobs(batch)
-    if any(cfg.mlmt_betas):
+    if any(opts.betas):
         log_ratio = logp - scorer.reference_logprobs(batch)
         if scorer.high is not None:   # the feedback tokens: the high-level model against its own start
             high_logprobs, high_reference = scorer.high
             log_ratio = torch.where(batch["high"].bool(), high_logprobs(batch) - high_reference(batch), log_ratio)
         turn_kl = per_turn_sum(log_ratio, batch["loss_mask"], slots, SLOTS)
-        extras.update(turn_kl=turn_kl, betas=tuple(cfg.mlmt_betas))
+        extras.update(turn_kl=turn_kl, betas=tuple(opts.betas))
         metrics.update({f"mlmt_turn{k + 1}_kl_mean": float(turn_kl[:, k].mean()) for k in range(SLOTS)})
-    if cfg.mlmt_context_coef:
+    if opts.context_coef:
         with_c, without_c, has = refinement_logprobs(trajs, batch, slots, logp, scorer.logprobs, scorer.eos_id)
-        bonus = torch.where(has, context_utilization_bonus(with_c, without_c, cfg.mlmt_context_coef,
-                                                           cfg.mlmt_context_cap), 0.0)
+        bonus = torch.where(has, context_utilization_bonus(with_c, without_c, opts.context_coef,
+                                                           opts.context_cap), 0.0)
         extras["refine_bonus"] = bonus
         count = max(1, int(has.sum()))   # means over the trajectories that reached the refinement
         metrics["mlmt_context_gain_mean"] = float(((with_c - without_c) * has).sum() / count)

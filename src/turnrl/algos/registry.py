@@ -1,31 +1,50 @@
-"""Algorithms: one signature, one registry.
+"""Algorithms and policy losses: one signature each, one registry each.
 
 An algorithm is an advantage function over a rollout batch,
 
     advantages(inputs: AdvantageInputs, cfg) -> advantages [B, T]
                                                (or (advantages, returns) [B, T] with a critic)
 
-`cfg` is the `algorithm` params section (gamma, lam, turn_coef, ... and `options`, a plugin's
-own keys). The training loop builds the inputs, calls the function and runs the same clipped
-policy-gradient update on the result for every algorithm. Optional, declared on an `Algorithm`:
+and a policy loss turns a mini-batch's tensors into the update's loss,
+
+    loss(batch: Mapping[str, Tensor], cfg) -> (loss 0-dim, metrics {name: 0-dim tensor})
+
+`cfg` is the `algorithm` params section (gamma, clip_low, kl_coef, ...), with `cfg.options` the
+algorithm's own options and `cfg.policy_loss_options` the loss's own, each checked by the
+options model it registered. The training loop builds the inputs, calls the advantage function,
+and the policy worker calls the loss named by `algorithm.policy_loss` on the result for every
+algorithm. Optional, declared on an `Algorithm`:
 
 - `critic=True`: the loop fits a value model (PPO's) and puts its values in `inputs.values`;
   the function returns (advantages, returns), the returns being the critic's targets.
 - `prepare(trajs, batch, scorer, cfg) -> (extras, metrics)`: inputs that need the models
   (MLMT's per-turn KL and context-utilization reward), computed before the advantages through
   a `Scorer`; `extras` arrive as `inputs.extras`, `metrics` are logged.
+- `options`: a pydantic model of the algorithm's keys under `algorithm.options` (unknown keys
+  and bad values are params errors before any work); none: any keys, passed as given.
 
-A new algorithm is one function and one `register("name", Algorithm(fn))`, or an import path in
-params: `algorithm.name: my_algos.module:advantages` (an Algorithm, or a bare function).
+Built-ins and plugins register the same way, where they are defined (`turnrl.algos.builtin`):
 
-This module imports no torch until an algorithm is resolved, so params are checked fast.
+    @register("my_algo", options=MyOptions)          # or register("my_algo", fn_or_Algorithm)
+    def my_algo(inputs, cfg): ...
+
+    @register_loss("my_loss")
+    def my_loss(batch, cfg): ...
+
+or are named by import path in params: `algorithm.name: my_algos.module:advantages` (an
+Algorithm or a bare function), `algorithm.policy_loss: my_algos.module:loss` (a PolicyLoss or a
+bare function). Both go through the same checks.
 """
 from __future__ import annotations
 
+import copy
+import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from turnrl.plugins import Registry, check_call
+from pydantic import BaseModel, ConfigDict
+
+from turnrl.plugins import PluginError, Registry, check_call, validate_options
 
 if TYPE_CHECKING:
     import torch
@@ -67,40 +86,170 @@ class Scorer:
     eos_id: int | None = None                               # the chat template's end-of-turn token
 
 
+class NoOptions(BaseModel):
+    """The options model of a method that has none: any key under its options is an error."""
+    model_config = ConfigDict(extra="forbid")
+
+
 @dataclass(frozen=True)
 class Algorithm:
     advantages: Callable[..., Any]
     critic: bool = False
     prepare: Callable[..., tuple[dict, dict]] | None = None
     name: str = ""
+    options: type[BaseModel] | None = None
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A policy loss and the model of its `algorithm.policy_loss_options` (none: any keys).
+
+    loss(batch, cfg) -> (loss, metrics). `batch` maps names to the mini-batch's tensors, every
+    per-token one [B, T] (B rows of this rank's mini-batch, T tokens of prompt and response;
+    entry t is about token t):
+        logp         the policy's logprob of each token, carrying the gradient
+        old_logp     the logprob the ratio is taken to (detached): the policy before this update,
+                     or the sampling engine's under train.overlap_rollout
+        ref_logp     the frozen reference model's logprob (detached)
+        advantages   the algorithm's advantages
+        mask         1 on the tokens the update trains on (the batch's loss_mask)
+        engine_logprobs  the behaviour policy's logprob: what the rollout engine sampled with
+    and whatever else the trainer's batch holds (input_ids, attention_mask, ... and the
+    per-token tensors later modes add). `cfg` is the algorithm section. `loss` is a 0-dim
+    tensor; `metrics` 0-dim tensors, logged as the mean over the update's tokens, except
+    names ending in `_max`, logged as the largest."""
+    fn: Callable[..., Any]
+    name: str = ""
+    options: type[BaseModel] | None = None
+
+    def __call__(self, batch: Mapping[str, "torch.Tensor"], cfg: Any) -> tuple["torch.Tensor", dict]:
+        return self.fn(batch, cfg)
+
+
+def _with_options(fn: Callable, model: type[BaseModel] | None, attribute: str, key: str) -> Callable:
+    """`fn` called with `cfg.<attribute>` checked by `model`, defaults filled in (as a dict)."""
+    if model is None or fn is None:
+        return fn
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        *rest, cfg = args
+        values = validate_options(model, dict(getattr(cfg, attribute, None) or {}), key)
+        if hasattr(cfg, "model_copy"):   # a pydantic section: a copy, the params object stays as written
+            cfg = cfg.model_copy(update={attribute: values})
+        else:
+            cfg = copy.copy(cfg)
+            setattr(cfg, attribute, values)
+        return fn(*rest, cfg)
+    return call
 
 
 def _as_algorithm(obj: Any, name: str, key: str) -> Algorithm:
+    obj = getattr(obj, _DECLARED, obj)   # a function registered by the decorator: what it declared
     if not isinstance(obj, Algorithm):
         obj = Algorithm(advantages=obj)
     where = f"{key} = {name!r}"
     check_call(obj.advantages, where, "advantages(inputs, cfg) -> advantages [B, T]", positional=2)
     if obj.prepare is not None:
         check_call(obj.prepare, where, "prepare(trajs, batch, scorer, cfg) -> (extras, metrics)", positional=4)
-    return Algorithm(obj.advantages, obj.critic, obj.prepare, obj.name or name)
+    _check_model(obj.options, where)
+    return Algorithm(_with_options(obj.advantages, obj.options, "options", "algorithm.options"), obj.critic,
+                     _with_options(obj.prepare, obj.options, "options", "algorithm.options"),
+                     obj.name or name, obj.options)
 
 
-# name -> Algorithm, or the import path of one (the built-ins: turnrl.algos.builtin)
-_REGISTRY = Registry("algorithm", "my_algos.module:advantages", _as_algorithm, {
-    name: f"turnrl.algos.builtin:{name.upper()}"
-    for name in ("grpo", "dr_grpo", "rloo", "mt_grpo", "ms_grpo", "ms_po", "mlmt", "ppo")
-})
+def _as_loss(obj: Any, name: str, key: str) -> PolicyLoss:
+    obj = getattr(obj, _DECLARED, obj)
+    if not isinstance(obj, PolicyLoss):
+        obj = PolicyLoss(fn=obj)
+    where = f"{key} = {name!r}"
+    check_call(obj.fn, where, "loss(batch, cfg) -> (loss, metrics)", positional=2)
+    _check_model(obj.options, where)
+    return PolicyLoss(_with_options(obj.fn, obj.options, "policy_loss_options", "algorithm.policy_loss_options"),
+                      obj.name or name, obj.options)
 
 
-def register(name: str, algorithm: Algorithm | Callable | str) -> None:
-    """Add an algorithm under `name`: an Algorithm, a bare advantage function, or an import path."""
-    _REGISTRY.register(name, algorithm)
+def _check_model(model: Any, where: str) -> None:
+    if model is not None and not (isinstance(model, type) and issubclass(model, BaseModel)):
+        raise PluginError(f"{where}: options = {model!r} must be a pydantic model class (or None: any keys)")
+
+
+#: The attribute the decorators leave on a function: its Algorithm or PolicyLoss, so the function
+#: named by import path (`module:function`) brings its critic, prepare and options along.
+_DECLARED = "__turnrl_declared__"
+
+# name -> Algorithm / PolicyLoss (the built-ins: registered by turnrl.algos.builtin on first use)
+_ALGORITHMS = Registry("algorithm", "my_algos.module:advantages", _as_algorithm, builtins="turnrl.algos.builtin")
+_LOSSES = Registry("policy loss", "my_algos.module:loss", _as_loss, builtins="turnrl.algos.builtin")
+
+
+def register(name: str, algorithm: Algorithm | Callable | str | None = None, *, critic: bool = False,
+             prepare: Callable | None = None, options: type[BaseModel] | None = None) -> Any:
+    """Add an algorithm under `name`: an Algorithm, a bare advantage function or an import path;
+    without one, a decorator for the advantage function (`critic`, `prepare`, `options` as on
+    Algorithm), which returns it unchanged."""
+    if algorithm is not None:
+        return _ALGORITHMS.register(name, algorithm)
+
+    def decorate(fn: Callable) -> Callable:
+        declared = Algorithm(fn, critic=critic, prepare=prepare, name=name, options=options)
+        _ALGORITHMS.register(name, declared)
+        setattr(fn, _DECLARED, declared)
+        return fn
+    return decorate
+
+
+def register_loss(name: str, loss: PolicyLoss | Callable | str | None = None, *,
+                  options: type[BaseModel] | None = None) -> Any:
+    """Add a policy loss under `name` (a PolicyLoss, a bare function or an import path); without
+    one, a decorator for the loss function, which returns it unchanged."""
+    if loss is not None:
+        return _LOSSES.register(name, loss)
+
+    def decorate(fn: Callable) -> Callable:
+        declared = PolicyLoss(fn, name=name, options=options)
+        _LOSSES.register(name, declared)
+        setattr(fn, _DECLARED, declared)
+        return fn
+    return decorate
 
 
 def names() -> list[str]:
-    return _REGISTRY.names()
+    return _ALGORITHMS.names()
+
+
+def loss_names() -> list[str]:
+    return _LOSSES.names()
 
 
 def resolve(name: str, key: str = "algorithm.name") -> Algorithm:
     """The Algorithm `name` stands for; PluginError naming `key` if it is unknown or unusable."""
-    return _REGISTRY.resolve(name, key)
+    return _ALGORITHMS.resolve(name, key)
+
+
+def resolve_loss(name: str, key: str = "algorithm.policy_loss") -> PolicyLoss:
+    """The PolicyLoss `name` stands for; PluginError naming `key` if it is unknown or unusable."""
+    return _LOSSES.resolve(name, key)
+
+
+def check_options(algorithm: Algorithm | PolicyLoss, options: dict[str, Any], key: str) -> dict[str, Any]:
+    """`options` checked by the method's options model, defaults filled in (no model: as given)."""
+    if algorithm.options is None:
+        return dict(options or {})
+    return validate_options(algorithm.options, dict(options or {}), key)
+
+
+def compute_policy_loss(loss: PolicyLoss, batch: Mapping[str, "torch.Tensor"], cfg: Any
+                        ) -> tuple["torch.Tensor", dict[str, "torch.Tensor"]]:
+    """What the policy worker calls on each mini-batch: `loss(batch, cfg)`, its result checked
+    (a plugin's mistake is named here, not as a failure deep in DeepSpeed)."""
+    out = loss(batch, cfg)
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)
+            and getattr(out[0], "dim", lambda: -1)() == 0):
+        raise PluginError(f"algorithm.policy_loss = {loss.name!r} returned {type(out).__name__}; it must return "
+                          "(loss: a 0-dim tensor, metrics: a dict of 0-dim tensors)")
+    return out
+
+
+__all__ = ["AdvantageInputs", "Algorithm", "NoOptions", "PolicyLoss", "Scorer", "check_options",
+           "compute_policy_loss", "loss_names", "names", "register", "register_loss", "resolve", "resolve_loss"]

@@ -10,6 +10,9 @@ A trajectory's reward is its outcome plus the weighted sum of the functions' val
 is also logged per step as `reward_<name>_mean`. A function that raises or returns NaN, None or
 a non-number stops the step with a `RewardFunctionError` naming it, or, with
 `reward.on_error: zero`, scores 0 and is counted (`reward_<name>_errors`).
+
+Each entry of `reward.functions` resolves through a `turnrl.plugins.Registry`, as environments
+and algorithms do: an import path, or a name that `register` added.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import logging
 import math
 from typing import Any, Callable, Sequence
 
-from turnrl.plugins import check_call, load_object
+from turnrl.plugins import PluginError, Registry, check_call
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +29,26 @@ SIGNATURE = "fn(prompt, completion, answer, **info) -> float"
 
 class RewardFunctionError(RuntimeError):
     """A reward function failed on a trajectory (reward.on_error: fail)."""
+
+
+def _as_function(obj: Any, name: str, key: str) -> Callable[..., Any]:
+    if not callable(obj):
+        raise PluginError(f"{key} = {name!r}: {obj!r} is not a function {SIGNATURE}")
+    check_call(obj, f"{key} = {name!r}", SIGNATURE, positional=3, extra_keywords=True)
+    return obj
+
+
+# name -> a reward function or its import path (none built in: an import path resolves as such)
+_REGISTRY = Registry("reward function", "my_pkg.rewards:brevity", _as_function)
+
+
+def register(name: str, fn: Callable[..., Any] | str) -> None:
+    """Add a reward function under `name`, for `reward.functions: [name]`."""
+    _REGISTRY.register(name, fn)
+
+
+def resolve(name: str, key: str = "reward.functions") -> Callable[..., Any]:
+    return _REGISTRY.resolve(name, key)
 
 
 class RewardFunctions:
@@ -37,9 +60,7 @@ class RewardFunctions:
         self.on_error = on_error
         self.fns: list[Callable[..., Any]] = []
         for i, path in enumerate(self.paths):
-            fn = load_object(path, f"reward.functions[{i}]")
-            check_call(fn, f"reward.functions[{i}] = {path!r}", SIGNATURE, positional=3, extra_keywords=True)
-            self.fns.append(fn)
+            self.fns.append(resolve(path, f"reward.functions[{i}]"))
         self.names = _short_names(self.paths)
         self._warned: set[str] = set()
 

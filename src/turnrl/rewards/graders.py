@@ -9,7 +9,9 @@
 - an import path `my_pkg.grading:grade`: `grade(completion, answers) -> bool | float` (> 0 is
   right), `answers` the row's list of acceptable answers.
 
-A grader is `(response text, row) -> Grade`.
+A grader is `(response text, row) -> Grade`. Built-ins and plugins resolve through one
+`turnrl.plugins.Registry`: a name is a registered `Grader` (the built-ins, or what `register`
+added) or an import path to a `Grader` or to a plain `grade(completion, answers)` function.
 """
 from __future__ import annotations
 
@@ -17,10 +19,11 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from turnrl.plugins import PluginError, check_call, is_import_path, load_object
+from turnrl.plugins import PluginError, Registry, check_call
 from turnrl.rewards.math import extract_answer, grade_any, references
 from turnrl.rewards.qa import exact_match
 
+#: The built-in graders' names (what `names()` lists before anything is registered).
 BUILTIN = ("math", "exact")
 
 
@@ -57,15 +60,41 @@ def _user(fn: Callable, path: str) -> Callable[[str, dict], Grade]:
     return grade
 
 
-def grader(name: str, key: str = "grader") -> Callable[[str, dict], Grade]:
+@dataclass(frozen=True)
+class Grader:
+    """A grader with the whole row: grade(response text, row) -> Grade."""
+    grade: Callable[[str, dict], Grade]
+    name: str = ""
+
+    def __call__(self, text: str, example: dict) -> Grade:
+        return self.grade(text, example)
+
+
+def _as_grader(obj: object, name: str, key: str) -> Grader:
+    if isinstance(obj, Grader):
+        check_call(obj.grade, f"{key} = {name!r}", "grade(text, row) -> Grade", positional=2)
+        return obj if obj.name else Grader(obj.grade, name)
+    if not callable(obj):
+        raise PluginError(f"{key} = {name!r}: {obj!r} is neither a Grader nor a function "
+                          "grade(completion, answers) -> bool")
+    check_call(obj, f"{key} = {name!r}", "grade(completion, answers) -> bool", positional=2)
+    return Grader(_user(obj, name), name)
+
+
+# name -> Grader (the built-ins), a grade function, or the import path of either
+_REGISTRY = Registry("grader", "my_pkg.grading:grade", _as_grader,
+                     {"math": Grader(_math, "math"), "exact": Grader(_exact, "exact")})
+
+
+def register(name: str, grader: Grader | Callable | str) -> None:
+    """Add a grader under `name`: a Grader, a grade(completion, answers) function or an import path."""
+    _REGISTRY.register(name, grader)
+
+
+def names() -> list[str]:
+    return _REGISTRY.names()
+
+
+def grader(name: str, key: str = "grader") -> Grader:
     """The grader `name` stands for; PluginError naming `key` if it is unknown or unusable."""
-    if name == "math":
-        return _math
-    if name == "exact":
-        return _exact
-    if not is_import_path(name):
-        raise PluginError(f"{key} = {name!r}: must be math, exact or an import path module:function "
-                          "(completion, answers) -> bool")
-    fn = load_object(name, key)
-    check_call(fn, key, "grade(completion, answers) -> bool", positional=2)
-    return _user(fn, name)
+    return _REGISTRY.resolve(name, key)

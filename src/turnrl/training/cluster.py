@@ -63,7 +63,8 @@ def needs_critic(cfg: Config) -> bool:
 def plugin_modules(cfg: Config) -> list[str]:
     """The project's own packages behind the import paths of params, for Ray's py_modules."""
     from turnrl.plugins import is_import_path, local_packages
-    named = [cfg.env.name, cfg.algorithm.name, *cfg.reward.functions, *(b.grader for b in cfg.eval.benchmarks),
+    named = [cfg.env.name, cfg.algorithm.name, cfg.algorithm.policy_loss, *cfg.reward.functions,
+             *(b.grader for b in cfg.eval.benchmarks),
              *_strings(cfg.env.options)]   # import paths inside the options too (the tools env's functions)
     return local_packages([p for p in named if is_import_path(p)])
 

@@ -31,7 +31,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from turnrl.algos import (entropy_from_logits, explained_variance, kl_estimate, logprobs_from_logits,
-                          masked_mean, policy_loss_with_kl, value_loss)
+                          masked_mean, value_loss)
+from turnrl.algos.registry import compute_policy_loss, resolve_loss
 from turnrl.config import Config, LoraCfg
 from turnrl.training.checkpoint import step_seed
 
@@ -328,11 +329,10 @@ class PolicyWorker(_TrainerRank):
                     sums.setdefault(key, []).append(token_weight * share[key])
                 for key in ("logp_gap_max", "logp_gap_p99"):   # p99: of the rank whose share has the largest
                     maxes.setdefault(key, []).append(share[key])
-            loss, info = policy_loss_with_kl(logp, logp.detach() if old_logp is None else old_logp[mine],
-                                             ref_logp[mine], mb["advantages"], mb["loss_mask"],
-                                             kl_coef=alg.kl_coef, kl_kind=alg.kl_estimator,
-                                             clip_low=alg.clip_low, clip_high=alg.clip_high,
-                                             dual_clip=alg.dual_clip, agg=alg.loss_agg)
+            # algorithm.policy_loss (turnrl.algos.registry): every tensor of the mini-batch, by name
+            loss, info = compute_policy_loss(resolve_loss(alg.policy_loss), {
+                **mb, "logp": logp, "old_logp": logp.detach() if old_logp is None else old_logp[mine],
+                "ref_logp": ref_logp[mine], "mask": mb["loss_mask"]}, alg)
             loss = weight * loss
             ent_mean = masked_mean(entropy(logits if alg.entropy_coef else logits.detach()), mb["loss_mask"])
             if alg.entropy_coef:
@@ -341,10 +341,10 @@ class PolicyWorker(_TrainerRank):
                 self.engine.backward(loss * self.world_size)   # DeepSpeed averages gradients over ranks
                 self.engine.step()
             row = {"loss": loss.item(), "entropy": token_weight * ent_mean.item()}
-            row.update({k: token_weight * float(v) for k, v in info.items() if k != "ratio_max"})
+            row.update({k: token_weight * float(v) for k, v in info.items() if not k.endswith("_max")})
             for k, v in row.items():
                 sums.setdefault(k, []).append(v)
-            for k, v in {"ratio_max": float(info["ratio_max"]),
+            for k, v in {**{k: float(v) for k, v in info.items() if k.endswith("_max")},
                          "grad_norm": float(self.engine.get_global_grad_norm() or 0.0) if update else 0.0}.items():
                 maxes.setdefault(k, []).append(v)
         return {"sum": sums, "max": maxes, "same": same}
