@@ -30,3 +30,12 @@ ShareMemCommBuilder().load(verbose=False)
 print(f"turnrl setup ok: torch {__import__('torch').__version__}, vllm {vllm.__version__}, "
       f"transformers {transformers.__version__}")
 PY
+
+# `dvc plots show` offline: DVC's page loads vega from a CDN, so it is blank with no network. The
+# versions it names come from the npm registry (cached in .cache/plots/, nothing committed) and are
+# inlined in a local template, set in .dvc/config.local. Without npm, DVC's own page is used.
+if command -v npm >/dev/null; then
+    .venv/bin/python -m turnrl.pipeline.plots_template
+else
+    echo "note: npm not found; dvc plots show will load vega from its CDN (install Node.js and npm, rerun setup.sh)"
+fi

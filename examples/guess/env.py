@@ -4,7 +4,7 @@ The policy guesses a whole number in a range; after each wrong guess the environ
 "Higher." or "Lower.", until the guess is right or `max_guesses` run out. Binary search finds
 any number from 1 to 16 in four guesses, so the feedback, not luck, is what pays.
 
-    env.name: examples.guess.env:ENV
+    env.name: 'examples.guess.env:ENV'
     env.options: {max_guesses: 4}
 
 A row is {prompt: "I picked a number from 1 to 16. ...", answer: "11"}: the range is in the

