@@ -58,6 +58,7 @@ Compare two evaluations with `turnrl report A/metrics.json B/metrics.json --out 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections import defaultdict
@@ -77,7 +78,7 @@ NO_ANSWER = {
     "truncated": "no answer: the response hit the token limit before its answer was complete",
     "token_budget": "no answer: the trajectory's token budget ran out",
     "max_turns": "no answer within the turn limit",
-    "no_action": "no answer found (no <answer> or \\boxed{})",
+    "no_action": "no answer found",
     ENV_ERROR: "the environment raised",
 }
 
@@ -127,10 +128,12 @@ def breakdown(trajs: Sequence[Trajectory], key: str, k: int = 1) -> dict:
             for g, v in sorted(groups.items())}
 
 
-def grading_reason(t: Trajectory) -> str:
-    """Why the trajectory was judged right or wrong, in words."""
+def grading_reason(t: Trajectory, env: str | None = None) -> str:
+    """Why the trajectory was judged right or wrong, in words, from whoever judged it: the
+    environment's (or its grader's) `info["grade"]`, search's exact match; else, for an
+    environment that gives no reason, `scored <outcome> by <env>` with its answer."""
     info = t.info
-    if info.get("grade"):                       # math_answer, intervention: math-verify's verdict
+    if info.get("grade"):                       # math_answer, intervention, math_refine, plugins: their verdict
         return str(info["grade"])
     if "exact_match" in info:                   # search: exact match against the gold answers
         verdict = "exact match" if info["exact_match"] else "no exact match"
@@ -139,20 +142,30 @@ def grading_reason(t: Trajectory) -> str:
     if t.finish == ENV_ERROR:
         return f"the environment raised: {info.get('env_error', '')}"
     extracted = info.get("extracted")
-    if extracted is None or t.finish != "answer":
-        return NO_ANSWER.get(t.finish, "no answer found")
-    from turnrl.rewards.math import grade_any  # the same grading the environments use
-    return grade_any(f"<answer>{extracted}</answer>", t.example).reason
+    if env == "code_tool" and extracted is not None and t.finish == "answer":
+        # code_tool grades its <answer> with math-verify but reports no verdict: the same grading gives it
+        from turnrl.rewards.math import grade_any
+        return grade_any(f"<answer>{extracted}</answer>", t.example).reason
+    if extracted is None and t.finish in NO_ANSWER:
+        return NO_ANSWER[t.finish]
+    said = f": answer {extracted!r}" if extracted is not None else ""
+    return f"scored {t.outcome:g} by {env or 'the environment'}{said} (finish {t.finish})"
 
 
-def records(trajs: Sequence[Trajectory], decode: Callable, decoding: str, benchmark: str, k: int = 1) -> list[dict]:
+def extra_fields(example: dict) -> str:
+    """A row's fields beyond the schema's, as JSON (the generations' `extra` column)."""
+    return json.dumps({k: v for k, v in example.items() if k not in sources.SCHEMA_FIELDS}, default=str)
+
+
+def records(trajs: Sequence[Trajectory], decode: Callable, decoding: str, benchmark: str, k: int = 1,
+            env: str | None = None) -> list[dict]:
     return [{
         "benchmark": benchmark, "id": str(t.example.get("id")), "sample": i % k,
         "prompt": t.example.get("prompt"), "answer": str(t.example.get("answer")),
         "subject": t.example.get("subject"), "level": t.example.get("level"),
         "trajectory": decode(t.response_ids), "extracted": t.info.get("extracted"),
-        "correct": t.outcome > 0, "reason": grading_reason(t), "reward": t.outcome, "finish": t.finish,
-        "turns": t.num_turns, "tokens": t.policy_tokens(), "decoding": decoding,
+        "correct": t.outcome > 0, "reason": grading_reason(t, env), "reward": t.outcome, "finish": t.finish,
+        "turns": t.num_turns, "tokens": t.policy_tokens(), "decoding": decoding, "extra": extra_fields(t.example),
     } for i, t in enumerate(trajs)]
 
 
@@ -197,7 +210,7 @@ class _Run:
         decoding = "greedy" if e.temperature == 0 else f"temperature={e.temperature},top_p={e.top_p}"
         block = {**summarize(trajs, k), **fields, "temperature": e.temperature, "top_p": e.top_p,
                  "samples_per_problem": k, "seed": self.cfg.seed}
-        rows = records(trajs, self.decode, decoding, name, k)
+        rows = records(trajs, self.decode, decoding, name, k, fields["env"])
         if name == "task" and e.greedy and e.temperature > 0:
             greedy = run_rollouts(self.engine, problems, make_env, self.fmt, budgets, temperature=0.0,
                                   seed=self.cfg.seed, env_workers=self.cfg.env.workers, progress=True,
@@ -206,7 +219,7 @@ class _Run:
             g = summarize(greedy)
             block.update({"accuracy_greedy": g["accuracy"], "mean_response_tokens_greedy": g["mean_response_tokens"],
                           "tokens_per_correct_greedy": g["tokens_per_correct"]})
-            rows += records(greedy, self.decode, "greedy", name)
+            rows += records(greedy, self.decode, "greedy", name, env=fields["env"])
         for key in ("subject", "level"):   # MATH-500's 7 subjects and 5 levels; sets without them skip it
             values = [p.get(key) for p in problems]
             if values and None not in values and len(set(values)) > 1:
@@ -281,7 +294,8 @@ def evaluate(cfg: Config, engine, tokenizer, data_dir: Path, out_dir: Path,
     run = _Run(cfg, engine, tokenizer, data_dir, out_dir)
     run.keep = keep
 
-    metrics: dict = {"task": run.block("task", load_split(data_dir, "heldout"), "multi")}
+    heldout = load_split(data_dir, "heldout")
+    metrics: dict = {"task": run.block("task", heldout[:cfg.eval.limit] if cfg.eval.limit else heldout, "multi")}
     for bench in cfg.eval.benchmarks:
         problems, reason = read(bench)
         if problems is None:
@@ -353,7 +367,8 @@ def log_to_mlflow(metrics: dict, out_dir: Path, metrics_name: str, trajectories:
     per_block = run.cfg.tracking.traces.per_benchmark
     for block, trajs in (trajectories or {}).items():
         tracking.log_traces(run, tracing.evaluation_traces(trajs, block, stage or "evaluation", per_block,
-                                                           reason=grading_reason, env=run.cfg.env.name))
+                                                           reason=lambda t: grading_reason(t, run.cfg.env.name),
+                                                           env=run.cfg.env.name))
 
 
 def load_engine(cfg: Config, model_folder: str | Path):
