@@ -335,7 +335,8 @@ def test_checkpoint_command_end_to_end_twice_on_vllm(tmp_path, tiny_model_dir, m
         assert run.returncode == 0, run.stderr[-3000:]
     first, second = (json.loads((tmp_path / o / "metrics.json").read_text()) for o in ("out1", "out2"))
     assert first == second and list(first) == ["task", *benchmarks]
-    assert first["task"]["n"] == 6 and first["task"]["samples_per_problem"] == 2 and "accuracy_greedy" in first["task"]
+    assert first["task"]["n"] == 4 and "accuracy_greedy" in first["task"]       # eval.limit: 4 cuts the task too
+    assert first["task"]["samples_per_problem"] == 2
     for block in ["task", *benchmarks]:
         a, b = (pd.read_parquet(tmp_path / o / f"{block}.parquet") for o in ("out1", "out2"))
         pd.testing.assert_frame_equal(a, b)
@@ -363,3 +364,78 @@ def test_checkpoint_command_scores_the_benchmark_file_it_is_given(tmp_path, tiny
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["mine"]["n"] == 3                                    # the new file, not the 5 preprocessed
     assert set(pd.read_parquet(tmp_path / "out" / "mine.parquet")["prompt"]) == {f"What is {i}*2?" for i in range(3)}
+
+
+MEASURE_ENV = '''
+from turnrl.envs import EnvSpec, StepResult
+
+SEEN = []   # every example reset() was given
+
+
+class Measure:
+    system_prompt = "Say the word's length."
+    stop = ("</n>",)
+    observation_role = "user"
+
+    def reset(self, example):
+        SEEN.append(example)
+        self.example = example
+        return example["prompt"]
+
+    def step(self, text):
+        said = text.replace("</n>", "").strip()
+        ok = said == str(self.example["length"])
+        info = {"outcome": float(ok), "reason": "answer", "extracted": said}
+        if self.example["meta"]["graded"]:
+            info["grade"] = f"length {self.example['length']}, said {said}"
+        return StepResult(None, float(ok), True, info)
+
+
+ENV = EnvSpec(factory=Measure)
+'''
+
+
+def test_a_rows_own_fields_reach_reset_and_the_generations_and_limit_cuts_the_task(tmp_path, tiny_model_dir,
+                                                                                   monkeypatch):
+    """A plugin task on a file of its own: the rows' unmapped fields (an int, a nested dict)
+    reach reset() equal and the generations' `extra` column; the reason is the environment's
+    own (`info["grade"]`) or the generic one, never <answer>/\\boxed{} wording; eval.limit cuts
+    the task block's sampled and greedy passes."""
+    from conftest import ScriptedEngine
+    (tmp_path / "measure_env.py").write_text(MEASURE_ENV)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    words = ["cat", "horse", "ox", "zebra", "yak", "mouse", "bee", "eel"]
+    rows = [{"key": f"w{i}", "question": f"How long is {w}?", "target": w, "length": len(w),
+             "meta": {"letters": sorted(set(w)), "graded": i % 2 == 0, "at": {"row": i}}} for i, w in enumerate(words)]
+    (tmp_path / "words.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = Config.model_validate({
+        "env": {"name": "measure_env:ENV"}, "model": {"path": str(tiny_model_dir)},
+        "data": {"train_set": "words.jsonl", "heldout_set": "words.jsonl", "heldout_examples": 4,
+                 "fields": {"id": "key", "prompt": "question", "answer": "target"}},
+        "rollout": {"max_turns": 1}, "eval": {"benchmarks": [], "limit": 3}})
+    preprocess(cfg, tmp_path / "data")
+    import measure_env
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    metrics = evaluate(cfg, ScriptedEngine(tokenizer, ["3</n>", "3</n>"]), tokenizer, tmp_path / "data",
+                       tmp_path / "eval")
+    by_id = {r["key"]: r for r in rows}
+    assert len(measure_env.SEEN) == 6                                   # 3 problems, sampled and greedy
+    for example in measure_env.SEEN:
+        original = by_id[example["id"]]
+        assert example["length"] == original["length"] and isinstance(example["length"], int)
+        assert example["meta"] == original["meta"]                      # nested dict, list inside, equal
+        assert "key" not in example and "question" not in example       # mapped fields are the schema's
+    assert metrics["task"]["n"] == 3
+    generations = pd.read_parquet(tmp_path / "eval" / "task.parquet")
+    assert len(generations) == 6 and set(generations["decoding"]) == {"greedy", "temperature=1.0,top_p=1.0"}
+    for _, g in generations.iterrows():
+        original = by_id[g["id"]]
+        assert json.loads(g["extra"]) == {"length": original["length"], "meta": original["meta"]}
+        if original["meta"]["graded"]:
+            assert g["reason"] == f"length {original['length']}, said 3"
+        else:
+            assert g["reason"] == f"scored {1 if original['length'] == 3 else 0} by measure_env:ENV: answer '3' " \
+                                  "(finish answer)"
+        assert "<answer>" not in g["reason"] and "boxed" not in g["reason"]
