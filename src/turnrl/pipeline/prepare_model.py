@@ -3,27 +3,63 @@ from __future__ import annotations
 
 import json
 import tempfile
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
 from turnrl import envs
-from turnrl.config import Config
+from turnrl.config import Config, ConfigError
 from turnrl.data import synthetic
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.multi_turn import Trajectory, replay
 from turnrl.models.tiny import build_model, build_tokenizer, save, seeded_rng, warm_start
 
 
+class WarmStartError(ConfigError):
+    """The environment, or its demonstration function, failed during the tiny model's warm
+    start: bad input (exit 2), said in one line naming the plugin, the row and the exception."""
+
+
+def _failure(env_name: str, row: dict, what: str, exc: BaseException) -> WarmStartError:
+    text = " ".join(str(exc).split())
+    return WarmStartError(
+        f"env.name = {env_name!r}: the warm start (model.path: tiny) {what} on row {row.get('id')!r} and it "
+        f"raised {type(exc).__name__}{': ' + text[:300] if text else ''}; fix the environment or its "
+        "demonstration (docs/plugins.md, \"The warm start\"), or set model.path to a checkpoint")
+
+
 def demonstrations(task: synthetic.SyntheticTask, rows: list[dict], count: int, good_fraction: float,
-                   seed: int, name: str) -> list[tuple[dict, synthetic.Demonstration, bool]]:
+                   seed: int, name: str, env_name: str = "") -> list[tuple[dict, synthetic.Demonstration, bool]]:
     """(row, demonstration, good) triples; a share `good_fraction` of them good."""
+    if task.demonstration is None:
+        raise WarmStartError(f"env.name = {env_name or task.name!r}: model.path: tiny is warm-started on the "
+                             "environment's demonstrations and it gives none; add EnvSpec(task=SyntheticTask(name, "
+                             "demonstration=fn)) (docs/plugins.md, \"The warm start\") or set model.path to a checkpoint")
     rng = seeded_rng(seed, name)
     out = []
     for _ in range(count):
         row, good = rows[rng.randrange(len(rows))], rng.random() < good_fraction
-        out.append((row, task.demonstrate(row, rng, good), good))
+        try:
+            demo = task.demonstrate(row, rng, good)
+        except Exception as exc:   # the plugin's demonstration function
+            raise _failure(env_name or task.name, row, f"asked for a {'good' if good else 'bad'} demonstration",
+                           exc) from exc
+        out.append((row, demo, good))
     return out
+
+
+def replay_demonstration(make_env: Callable[[], envs.Env], fmt: ChatFormat, row: dict,
+                         demo: synthetic.Demonstration, env_name: str) -> Trajectory:
+    """`replay` of one demonstration through the environment; its exception a WarmStartError."""
+    try:
+        return replay(make_env(), fmt, row, demo.turns)
+    except Exception as exc:
+        frames = [f.name for f in traceback.extract_tb(exc.__traceback__)]
+        after = frames[frames.index("replay") + 1:] if "replay" in frames else frames[1:]
+        called = after[0] if after and after[0] in ("reset", "step") else "the environment"
+        what = f"replayed a demonstration through {called if called == 'the environment' else called + '()'}"
+        raise _failure(env_name, row, what, exc) from exc
 
 
 def build_tiny(cfg: Config, out_dir: Path, log_metrics: Callable[[int, dict], None] | None = None) -> dict:
@@ -60,14 +96,16 @@ def _build_tiny(cfg: Config, out_dir: Path, data_dir: Path, log_metrics) -> dict
     if env.prepare_data is not None:
         env.prepare_data(heldout_rows + train_rows, data_dir, **cfg.env.checked_options())
     make_env = cfg.env.factory(max_turns=cfg.rollout.max_turns, seed=cfg.seed, data_dir=data_dir)
-    skill = demonstrations(task, train_rows, spec.demonstrations, task.skill_good_fraction, cfg.seed, "skill")
-    prior = demonstrations(task, train_rows, spec.demonstrations // 2, spec.good_fraction, cfg.seed, "prior")
+    skill = demonstrations(task, train_rows, spec.demonstrations, task.skill_good_fraction, cfg.seed, "skill",
+                           cfg.env.name)
+    prior = demonstrations(task, train_rows, spec.demonstrations // 2, spec.good_fraction, cfg.seed, "prior",
+                           cfg.env.name)
 
     def replays(fmt: ChatFormat, demos) -> list[Trajectory]:
         # Each scripted demonstration runs through the real environment (the tool really runs,
         # the index really answers), so the warm start sees exactly the layout rollouts produce.
         with ThreadPoolExecutor(max_workers=cfg.env.workers) as pool:
-            return list(pool.map(lambda d: replay(make_env(), fmt, d[0], d[1].turns), demos))
+            return list(pool.map(lambda d: replay_demonstration(make_env, fmt, d[0], d[1], cfg.env.name), demos))
 
     # The tokenizer learns from the conversations as the model will see them.
     bytes_only = ChatFormat(build_tokenizer([""], 300), cfg.model.template_type)

@@ -1,0 +1,149 @@
+"""`turnrl env [NAME] [-S key=value ...] [--row N] [--step TEXT ...]`: look at an environment by hand.
+
+Prints the environment's resolved options (defaults filled in, checked as `env.options` is),
+its system prompt, stop strings and observation role, its tool schemas (the `tools`
+environment, or any with a `tools` attribute: what the chat template renders), the row and the
+first observation `reset` gives for it, then steps it with each `--step` text in turn, printing
+every StepResult, until one is done.
+
+    turnrl env                                        # params.yaml's env.name and env.options
+    turnrl env examples.guess.env:ENV -S max_guesses=3 --step '<guess>8</guess>' --step '<guess>12</guess>'
+    turnrl env tools -S 'functions=["examples.tools.calc:calculator"]'
+
+NAME: a registered name or an import path; empty: params.yaml's `env.name`, with its
+`env.options` (then `-S` changes single options). `-S key=value`: an option, the value read as
+YAML (as `dvc exp run -S`). The row (`--row N`, default 0) is the Nth of data/processed/
+heldout.parquet when the preprocess stage wrote it, else of the environment's synthetic
+held-out rows (`--data PATH` names another processed parquet or data file).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from turnrl import envs
+from turnrl.plugins import PluginError
+
+PROCESSED = Path("data/processed/heldout.parquet")
+
+
+class EnvCliError(ValueError):
+    """Bad input to `turnrl env`; the message says what to fix."""
+
+
+def _options(pairs: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise EnvCliError(f"-S {pair!r}: write an option as key=value (e.g. -S max_guesses=3)")
+        try:
+            out[key.strip().removeprefix("env.options.")] = yaml.safe_load(value) if value else ""
+        except yaml.YAMLError as exc:
+            raise EnvCliError(f"-S {pair!r}: the value is not YAML ({str(exc).splitlines()[0]}); quote it") from None
+    return out
+
+
+def _from_params(params: str) -> tuple[str, dict[str, Any], int]:
+    """(env.name, env.options, rollout.max_turns) of a params file."""
+    from turnrl.config import load_config
+    cfg = load_config(params)
+    return cfg.env.name, dict(cfg.env.options), cfg.rollout.max_turns
+
+
+def _row(spec: envs.EnvSpec, index: int, data: str | None) -> tuple[dict, str]:
+    """The `index`th row and where it came from."""
+    from turnrl.data import sources
+    if data or PROCESSED.is_file():
+        path = Path(data) if data else PROCESSED
+        rows = sources.read_parquet(path) if path.suffix == ".parquet" else sources.load_rows(path)
+        where = str(path)
+    elif spec.task is not None and spec.task.rows is not None:
+        rows, where = spec.task.rows(index + 1, seed=0, split="heldout", exclude=set()), "synthetic held-out rows"
+    else:
+        raise EnvCliError(f"no rows to reset {spec.name or 'the environment'} with: it has no synthetic rows and "
+                          f"{PROCESSED} does not exist; run `dvc repro preprocess` or give --data FILE")
+    if not 0 <= index < len(rows):
+        raise EnvCliError(f"--row {index}: {where} has {len(rows)} rows (0 to {len(rows) - 1})")
+    return rows[index], where
+
+
+def _show(label: str, value: Any) -> None:
+    """`label: value` on one line when short, else the value indented below (JSON for data)."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    if "\n" in text or len(text) > 100:
+        if not isinstance(value, str):
+            text = json.dumps(value, indent=2, ensure_ascii=False, default=str)
+        text = "\n" + "\n".join("  " + line for line in text.splitlines())
+    else:
+        text = " " + text
+    print(f"{label}:{text}")
+
+
+def explore(name: str, options: dict[str, Any], row: int = 0, steps: list[str] | tuple[str, ...] = (),
+            data: str | None = None, max_turns: int = 3) -> None:
+    """Print the environment `name` with `options`, a row's first observation and each step."""
+    spec = envs.resolve(name, "NAME")
+    resolved = envs.check_options(spec, options, "env.options")
+    data_dir = PROCESSED.parent if PROCESSED.parent.is_dir() else None
+    env = spec.bind(resolved, envs.EnvContext(data_dir=data_dir, max_turns=max_turns, seed=0))()
+    print(f"environment: {name}")
+    _show("options", resolved)
+    _show("system prompt", getattr(env, "system_prompt", None))
+    print(f"stop: {list(getattr(env, 'stop', ()))}    observation role: {getattr(env, 'observation_role', 'user')}")
+    if getattr(env, "tools", None):
+        _show("tool schemas", env.tools)
+    example, where = _row(spec, row, data)
+    _show(f"row {row} ({where})", example)
+    _show("first observation", env.reset(example))
+    for turn, text in enumerate(steps, start=1):
+        result = env.step(text)
+        if inspect.isawaitable(result):
+            result = asyncio.run(result)
+        print(f"step {turn}: {text!r}")
+        _show("  observation", result.observation)
+        print(f"  reward: {result.reward}    done: {result.done}")
+        _show("  info", result.info)
+        if result.done and turn < len(steps):
+            print(f"done after step {turn}: the remaining {len(steps) - turn} step(s) are not run")
+            break
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="turnrl env", description=__doc__.split("\n")[0].split(": ", 1)[1])
+    parser.add_argument("name", nargs="?", default="", help="registered name or import path; empty: params.yaml's env")
+    parser.add_argument("-S", "--set", dest="options", action="append", default=[], metavar="KEY=VALUE",
+                        help="an environment option (its value read as YAML)")
+    parser.add_argument("--row", type=int, default=0, help="which row to reset with (default 0)")
+    parser.add_argument("--step", dest="steps", action="append", default=[], metavar="TEXT",
+                        help="a policy turn to step with (repeat for more turns)")
+    parser.add_argument("--data", default=None, help="rows from this file instead of data/processed/heldout.parquet")
+    parser.add_argument("--params", default="params.yaml", help="the params file NAME defaults from")
+    args = parser.parse_args(argv)
+    from turnrl.config import ConfigError
+    from turnrl.data.sources import DataSourceError
+    try:
+        name, options, max_turns = args.name, {}, 3
+        if not name:
+            name, options, max_turns = _from_params(args.params)
+        explore(name, {**options, **_options(args.options)}, args.row, args.steps, args.data, max_turns)
+    except (EnvCliError, PluginError, ConfigError, DataSourceError) as exc:
+        print(f"turnrl env: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:   # the environment itself raised: its traceback is what one debugs
+        traceback.print_exc()
+        print(f"turnrl env: the environment raised {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
