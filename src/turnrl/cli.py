@@ -16,7 +16,8 @@ import sys
 
 COMMANDS = {"config": "turnrl.config", "presets": "turnrl.presets",
             "evaluate": "turnrl.pipeline.evaluate", "report": "turnrl.pipeline.report", "doctor": "turnrl.models.doctor",
-            "serve-search": "turnrl.pipeline.serve_search"}
+            "serve-search": "turnrl.pipeline.serve_search",
+            "env": "turnrl.pipeline.env_cli"}
 
 
 def main(argv: list[str] | None = None) -> int:
