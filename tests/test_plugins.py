@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -344,3 +345,93 @@ def test_a_plugin_ships_with_the_job_to_a_cluster_node_that_does_not_have_it(tmp
     assert runs["shipped"].returncode == 0, runs["shipped"].stderr[-3000:]
     assert "('examples.guess.env', 'Higher.')" in runs["shipped"].stdout
     assert "failed: RayTaskError" in runs["plain"].stdout and "no module named 'examples'" in runs["plain"].stdout, runs["plain"].stdout[-2000:] + runs["plain"].stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- the warm start runs the environment
+BROKEN_RESET = '''
+from turnrl.data.synthetic import Demonstration, SyntheticTask
+from turnrl.envs import EnvSpec, StepResult
+
+
+class Fragile:
+    system_prompt = "Answer."
+    stop = ("</a>",)
+    observation_role = "user"
+
+    def reset(self, example):
+        raise KeyError("case")            # a row field the environment expected
+
+    def step(self, text):
+        return StepResult(None, 1.0, True, {"outcome": 1.0, "reason": "answer"})
+
+
+def rows(count, *, seed, split, exclude):
+    return [{"id": f"{split}-{i}", "prompt": f"Say {i}.", "answer": str(i), "answers": [str(i)],
+             "subject": None, "level": None, "source": "fragile"} for i in range(count)]
+
+
+ENV = EnvSpec(factory=Fragile, task=SyntheticTask(
+    "fragile", rows=rows, demonstration=lambda row, rng, good: Demonstration([f"{row['answer']}</a>"])))
+'''
+
+
+def test_an_environment_that_raises_in_the_warm_start_is_one_line_and_exit_2(tmp_path):
+    """`python stages/prepare_model.py` (what `dvc repro` runs) with model.path: tiny replays the
+    demonstrations through the plugin's environment: its reset raising ends the stage with exit 2
+    and one line naming the plugin, the row and the exception, no traceback."""
+    (tmp_path / "stages").mkdir()
+    shutil.copy(ROOT / "stages/prepare_model.py", tmp_path / "stages/prepare_model.py")
+    (tmp_path / "fragile_env.py").write_text(BROKEN_RESET)
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["env"] = {"name": "fragile_env:ENV", "options": {}}
+    params["model"]["path"] = "tiny"
+    params["model"]["warmstart"].update(demonstrations=8, skill_steps=1, prior_steps=1)
+    params["data"].update(train_set="synthetic", heldout_set="synthetic", train_examples=8, heldout_examples=2)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    proc = subprocess.run([sys.executable, "stages/prepare_model.py"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env={"PATH": str(Path(sys.executable).parent), "HOME": str(tmp_path),
+                                            "PYTHONPATH": str(tmp_path), "MLFLOW_DISABLE_TELEMETRY": "true"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("turnrl prepare_model:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("turnrl prepare_model: env.name = 'fragile_env:ENV': the warm start (model.path: tiny) "
+                               "replayed a demonstration through reset() on row 'train-")
+    assert "raised KeyError: 'case'" in lines[0] and "set model.path to a checkpoint" in lines[0]
+
+
+# ----------------------------------------------------------------------------- turnrl env
+def test_turnrl_env_prints_options_tools_the_first_observation_and_steps(tmp_path, monkeypatch, capsys):
+    from turnrl.cli import main
+    monkeypatch.setenv("DVC_ROOT", str(ROOT))
+    monkeypatch.chdir(tmp_path)                                    # no data/processed here
+    data = str(ROOT / "examples/guess/heldout.jsonl")
+    code = main(["env", "examples.guess.env:ENV", "-S", "max_guesses=2", "--data", data, "--row", "1",
+                 "--step", "<guess>6</guess>", "--step", "<guess>3</guess>", "--step", "<guess>1</guess>"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert 'options: {"max_guesses": 2}' in out and "stop: ['</guess>']" in out
+    assert "first observation: Game 10001: I picked a number from 1 to 12. Guess it." in out
+    assert "step 1: '<guess>6</guess>'\n  observation: Lower.\n  reward: 1.0    done: False" in out
+    assert '"reason": "max_turns", "guesses": 2' in out                     # two guesses allowed: done
+    assert "done after step 2: the remaining 1 step(s) are not run" in out
+    # the tools environment shows the schema it generated from the function; rows: its synthetic ones
+    code = main(["env", "tools", "-S", "functions=[examples.tools.calc:calculator]", "--step",
+                 '<tool_call>{"name": "calculator", "arguments": {"expression": "2*21"}}</tool_call>'])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert '"name": "calculator"' in out and '"required": [\n' in out and "row 0 (synthetic held-out rows)" in out
+    assert 'observation: ["42"]' in out
+    # bad input: one line, exit 2
+    assert main(["env", "examples.guess.env:ENV", "-S", "max_guesses=0"]) == 2
+    assert capsys.readouterr().err.strip() == ("turnrl env: env.options.max_guesses = 0: must be greater than 0")
+    assert main(["env", "examples.guess.env:ENV"]) == 2
+    assert "run `dvc repro preprocess` or give --data FILE" in capsys.readouterr().err
+    # data/processed, when the preprocess stage wrote it, gives the rows (their own fields included)
+    from turnrl.data.sources import write_rows
+    write_rows([{"id": "p0", "prompt": "I picked a number from 1 to 4.", "answer": "3", "answers": ["3"],
+                 "subject": None, "level": None, "source": "mine", "case": {"seed": 7}}],
+               tmp_path / "data/processed/heldout.parquet")
+    assert main(["env", "examples.guess.env:ENV", "--step", "<guess>3</guess>"]) == 0
+    out = capsys.readouterr().out
+    assert "row 0 (data/processed/heldout.parquet)" in out and '"seed": 7' in out and '"outcome": 1.0' in out
