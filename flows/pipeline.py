@@ -6,6 +6,10 @@ every stage the same MLflow parent run through `TURNRL_PIPELINE_KEY=prefect:<flo
 and (3) runs `dvc repro --single-item <stage>` for each stage in dvc.yaml order, so dvc.lock
 stays the record of what ran with which params and unchanged stages are skipped by DVC.
 
+Before the stages, the task `check-params` runs `turnrl config` on the result in the project:
+data and benchmark files, field mappings, stdio MCP commands, plugins (turnrl.pipeline.checks),
+so a bad value fails the flow in seconds, with exit code 2, never retried.
+
 Each stage is a task run named after the stage; its output is streamed into the Prefect run
 logs. A failed stage is retried (transient failures: a worker died, a lock was busy), except
 when the stage exited with 2: the stage scripts use 2 for bad input (params, data, model
@@ -236,6 +240,30 @@ def dvc_stage(stage: str, project_dir: str, pipeline_key: str) -> dict[str, Any]
     return {"stage": stage, "status": status, "seconds": seconds}
 
 
+CHECK = "check-params"   # the flow's first task: `turnrl config` on params.yaml in the project
+
+
+@task(name=CHECK, task_run_name=CHECK, retries=0, cache_policy=NO_CACHE)
+def check_params(project_dir: str, pipeline_key: str) -> dict[str, Any]:
+    """What the stages would check before their heavy work (turnrl.pipeline.checks: data and
+    benchmark files, their field mappings, stdio MCP commands, plugins), run as `python -m
+    turnrl.config --quiet` in the project with the stages' environment: a bad value fails the
+    flow in seconds, before any stage, and is not retried (exit 2)."""
+    logger = get_run_logger()
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "turnrl.config", PARAMS_FILE, "--quiet"], cwd=project_dir,
+                          env=stage_env(project_dir, pipeline_key), capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL)
+    seconds = round(time.perf_counter() - start, 1)
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        for line in lines[-40:]:
+            logger.error("%s", line)
+        raise StageFailed(CHECK, proc.returncode, "\n".join(lines[-40:]))
+    logger.info("params checked in %.1f s: the files and commands they name are there", seconds)
+    return {"stage": CHECK, "status": "ok", "seconds": seconds}
+
+
 # --------------------------------------------------------------------------- artifacts
 RESULTS_KEY, LINK_KEY = "turnrl-results", "turnrl-mlflow-run"
 
@@ -357,9 +385,9 @@ def pipeline(overrides: dict[str, Any] | None = None, stages: list[str] | None =
     done: list[dict[str, Any]] = []
     failed = None
     try:
-        for stage in selected:
+        for stage in [CHECK, *selected]:   # the params check first: a bad value fails before any stage
             try:
-                done.append(dvc_stage(stage, str(project), key))
+                done.append(check_params(str(project), key) if stage == CHECK else dvc_stage(stage, str(project), key))
             except BaseException as exc:
                 failed = (stage, exc)
                 raise

@@ -231,7 +231,7 @@ def test_flow_runs_stages_in_dvc_order_and_writes_overrides(prefect_harness, tmp
     state = pl.pipeline(overrides={"train.steps": 3}, stages=["c", "a"], project_dir=str(project),
                         return_state=True)
     assert state.is_completed(), state.message
-    assert [r["stage"] for r in state.result()] == ["a", "c"]
+    assert [r["stage"] for r in state.result()] == [pl.CHECK, "a", "c"]   # the params check first
     assert runs(project) == ["a", "c"]
     assert yaml.safe_load((project / "params.yaml").read_text())["train"]["steps"] == 3
     assert "# steps" in (project / "params.yaml").read_text()
@@ -250,6 +250,21 @@ def test_flow_fails_on_a_bad_override_before_any_stage(prefect_harness, tmp_path
         state.result()
     assert runs(project) == []
     assert (project / "params.yaml").read_text() == before
+
+
+def test_flow_checks_the_files_params_name_before_any_stage(prefect_harness, fast_retries, tmp_path):
+    """A data file that is not there: the flow's first task (turnrl config) fails in seconds,
+    exit 2, not retried, and no stage runs."""
+    project = make_toy_project(tmp_path / "toy", {"a": "ok"})
+    state = pl.pipeline(overrides={"data.train_set": "missing.jsonl"}, project_dir=str(project), return_state=True)
+    assert state.is_failed()
+    with pytest.raises(pl.StageFailed) as info:
+        state.result()
+    assert info.value.stage == pl.CHECK and info.value.exit_code == 2
+    assert "data.train_set = 'missing.jsonl': no such file" in info.value.detail
+    assert runs(project) == []
+    text = _artifacts(state)[pl.RESULTS_KEY].data
+    assert f"**Failed at stage `{pl.CHECK}`**: exit code 2 (bad input" in text
 
 
 def test_flow_rejects_unknown_stages(prefect_harness, tmp_path):

@@ -809,19 +809,28 @@ def load_config(path: str | Path = "params.yaml", overrides: list[str] | tuple[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m turnrl.config [params.yaml]`: validate and print the resolved config."""
+    """`python -m turnrl.config [params.yaml] [-S key=value ...]`: validate params, check what
+    the stages would check before heavy work (turnrl.pipeline.checks: data and benchmark files,
+    their field mappings, stdio MCP commands), print the resolved config. Exit 2 on a problem."""
     import argparse
     import sys
     parser = argparse.ArgumentParser(prog="python -m turnrl.config",
-                                     description="Validate a params file and print the resolved config "
-                                                 "(every key, defaults filled in).")
+                                     description="Validate a params file, check the files and commands it names, "
+                                                 "and print the resolved config (every key, defaults filled in).")
     parser.add_argument("params", nargs="?", default="params.yaml", help="the params file (default: params.yaml)")
+    parser.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a param, e.g. -S train.steps=3 (repeatable; as `dvc exp run -S`)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="print nothing when everything checks out")
     args = parser.parse_args(argv)
+    from turnrl.pipeline import checks
     try:
-        cfg = load_config(args.params)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        cfg = load_config(args.params, args.overrides)
+        checks.require(checks.all_problems(cfg))
+    except (ConfigError, checks.ConfigError) as exc:   # run as __main__, this module's class is another one
+        print("\n".join(f"error: {line}" for line in str(exc).splitlines()), file=sys.stderr)   # a line a problem
         return 2
+    if args.quiet:
+        return 0
     from turnrl import envs
     resolved = cfg.model_dump()
     resolved["env"]["options"] = envs.check_options(envs.resolve(cfg.env.name), cfg.env.options)   # defaults shown

@@ -446,10 +446,12 @@ def main(argv: list[str] | None = None) -> int:
     """`turnrl evaluate PATH --out DIR ...`: exit 0, or 2 with a one-line error on bad input."""
     from turnrl.config import ConfigError, load_config
     from turnrl.data.sources import DataSourceError
+    from turnrl.pipeline import checks
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(args.params, args.overrides)
+        checks.before_evaluate(cfg)   # benchmark files, their fields, MCP commands: before evaluating anything
         check_inputs(cfg, args.model, args.data)
     except (ConfigError, FileNotFoundError, DataSourceError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -1,0 +1,164 @@
+"""Checks first: what the stages would find wrong with params, found before any heavy work.
+
+`turnrl config`, every stage's start (`pipeline.stage.run_stage`, before its MLflow run), the
+Prefect flow's first task and `turnrl evaluate` call these, so a data file that is not there, a
+field mapping that names no field of the file, a missing benchmark file or a stdio MCP server
+whose command does not exist fails in seconds with exit 2, not minutes later inside a stage.
+
+Every function is pure (it reads files, it starts nothing) and returns a list of problems, one
+line each, naming the params key, its value and the fix. Schema and plugin checks are
+`turnrl.config.load_config`'s; these are the ones that need the files and the machine.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Mapping
+from itertools import islice
+from pathlib import Path
+
+from turnrl.config import Config, ConfigError
+
+FIRST_ROWS = 20   # the rows a field mapping is checked against (preprocess then reads them all)
+
+
+def all_problems(cfg: Config) -> list[str]:
+    """Everything: what `turnrl config` and the Prefect flow's first task check."""
+    return data_problems(cfg) + benchmark_problems(cfg) + tool_problems(cfg)
+
+
+def stage_problems(cfg: Config, stage: str) -> list[str]:
+    """What stage `stage` needs: preprocess (the pipeline's first) checks everything; the
+    stages that run the environment check its tools; the report checks nothing."""
+    if stage == "preprocess":
+        return all_problems(cfg)
+    return [] if stage == "report" else tool_problems(cfg)
+
+
+def before_evaluate(cfg: Config) -> None:
+    """`turnrl evaluate`'s first step: ConfigError (exit 2) listing every missing benchmark
+    file, bad benchmark field mapping and missing MCP command, before anything is evaluated."""
+    require(benchmark_problems(cfg) + tool_problems(cfg))
+
+
+def require(problems: list[str]) -> None:
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+# --------------------------------------------------------------------------- data files
+def data_problems(cfg: Config) -> list[str]:
+    """data.train_set / data.heldout_set: a file that exists, whose first rows have the fields
+    that data.fields maps (or, without data.fields, fields the loader can guess)."""
+    from turnrl.data import sources
+    problems: list[str] = []
+    seen: set[str] = set()
+    for key, name in (("data.train_set", cfg.data.train_set), ("data.heldout_set", cfg.data.heldout_set)):
+        if name == "synthetic" or name in sources.DATASETS or name in seen:
+            continue   # a registered set is found (data dir or hub) by preprocess, which says how to provide it
+        seen.add(name)
+        if not _looks_like_path(name):
+            problems.append(f"{key} = {name!r}: not a registered data set nor a file path; use synthetic, a "
+                            f"registered name ({', '.join(sorted(sources.DATASETS))}) or a .jsonl/.parquet path")
+            continue
+        missing = _missing_file(key, name)
+        if missing:
+            problems.append(missing)
+            continue
+        problems += mapping_problems(Path(name), cfg.data.fields or None, "data.fields")
+    return problems
+
+
+def benchmark_problems(cfg: Config) -> list[str]:
+    """eval.benchmarks: each `path` given exists and its first rows have the mapped fields."""
+    from turnrl.data import sources
+    problems: list[str] = []
+    for i, bench in enumerate(cfg.eval.benchmarks):
+        if not bench.path:
+            continue   # a registered set: an unavailable one is reported by the evaluation, not an error
+        missing = _missing_file(f"eval.benchmarks.{i}.path", bench.path,
+                                f"or remove benchmark {bench.name!r} from eval.benchmarks")
+        if missing:
+            problems.append(missing)
+            continue
+        registered = sources.DATASETS.get(bench.name)
+        fields = bench.fields or (dict(registered.fields) if registered is not None else None)
+        problems += mapping_problems(Path(bench.path), fields, f"eval.benchmarks.{i}.fields")
+    return problems
+
+
+def _looks_like_path(name: str) -> bool:
+    return bool(Path(name).suffix) or "/" in name or os.sep in name   # as turnrl.data.sources.load tells them
+
+
+def _missing_file(key: str, value: str, alternative: str = "") -> str | None:
+    path = Path(value).expanduser()
+    if path.is_file():
+        return None
+    what = "is a folder, not a file" if path.is_dir() else "no such file"
+    where = "" if path.is_absolute() else f" (relative to {Path.cwd()}, where the stages run)"
+    return (f"{key} = {value!r}: {what}{where}; fix the path to a .jsonl/.json/.parquet file"
+            f"{' ' + alternative if alternative else ''}")
+
+
+def mapping_problems(path: Path, fields: Mapping[str, str] | None, key: str) -> list[str]:
+    """The field mapping `fields` (schema field -> the file's field; None: guessed as the loader
+    does) against the first rows of `path`: a mapped field none of them has is a typo. (A row
+    that lacks one is a malformed row: preprocess names its line, or drops it with
+    data.bad_rows: drop.)"""
+    from turnrl.data import sources
+    try:
+        rows = [rec for _, rec in islice(sources._iter_records(path), FIRST_ROWS) if isinstance(rec, Mapping)]
+        if not fields:
+            fields = sources._guess_fields(path)
+        else:
+            fields = sources._check_fields(fields, key)
+    except sources.DataSourceError as exc:
+        return [f"{key}: {exc}"]
+    except OSError as exc:
+        return [f"{key}: {path} cannot be read ({exc.strerror or exc}); check the file"]
+    if not rows:
+        return [f"{key}: {path} has no JSON object rows in its first {FIRST_ROWS} lines; give one object per line"]
+    has = lambda rec, field: _has(sources, rec, field)  # noqa: E731
+    columns = sorted({str(c) for rec in rows for c in rec})
+    problems = []
+    for schema, field in fields.items():
+        if not any(has(rec, field) for rec in rows):
+            problems.append(f"{key}.{schema} = {field!r}: no such field in the first {len(rows)} rows of {path} "
+                            f"(its fields: {', '.join(columns)}); map {schema} to one of them")
+    return problems
+
+
+def _has(sources, rec: Mapping, field: str) -> bool:
+    try:
+        sources._get(rec, field)
+    except KeyError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- tools
+def tool_problems(cfg: Config) -> list[str]:
+    """env.options.mcp: each stdio server's command exists (on PATH, or the file it names)."""
+    try:
+        options = cfg.env.checked_options()
+    except Exception:   # noqa: BLE001 - load_config has reported the options already
+        return []
+    problems = []
+    for i, server in enumerate(options.get("mcp") or []):
+        command = server.get("command") if isinstance(server, Mapping) else None
+        if not command:
+            continue   # an HTTP server: reachable or not at run time, with retries
+        exe, key = str(command[0]), f"env.options.mcp.{i}.command"
+        if "/" in exe or os.sep in exe:
+            found = Path(server.get("cwd") or ".", exe).expanduser()
+            ok = found.is_file() and os.access(found, os.X_OK)
+            why = f"{found} is not an executable file" if found.exists() else f"{found}: no such file"
+        else:
+            search = (server.get("env") or {}).get("PATH") or os.environ.get("PATH", "")
+            ok, why = shutil.which(exe, path=search) is not None, f"{exe!r} is not a command on PATH"
+        if not ok:
+            problems.append(f"{key} = {list(command)!r}: {why}; install it, or give its full path "
+                            f"(e.g. [{sys.executable}, my_server.py])")
+    return problems
