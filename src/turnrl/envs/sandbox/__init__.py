@@ -9,7 +9,7 @@ stdin=/dev/null, a fresh working directory and bounded output capture. What else
 the host; ``sandbox_capabilities()`` probes once and reports the active layers. On a Linux host
 where we are root (our container) the full stack is:
 
-* setup helper ("boot", below): unshares mount, network, pid and IPC namespaces (ctypes
+* setup helper (boot.py): unshares mount, network, pid and IPC namespaces (ctypes
   ``unshare``), builds a read-only view of the filesystem with a private tmpfs ``/tmp`` (the
   working directory) and ``/dev/shm``, a fresh ``/proc``, hides the directory that keeps the
   interpreter from unprivileged users (``/root`` here) behind a tmpfs that re-exposes only the
