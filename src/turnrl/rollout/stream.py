@@ -1,0 +1,199 @@
+"""Continuous rollouts for asynchronous training: the engine never waits for the trainer.
+
+    driver  --feed(examples)-->  inbox  --admit-->  groups in flight (n trajectories each)
+    each engine step: pending weights are loaded first (partial rollout: a turn in flight goes
+        on under the new weights), answers that are back rejoin, the engine decodes
+    a group whose n trajectories all ended  -->  finished  --take_groups()-->  driver
+
+It is the multi-turn loop of `turnrl.rollout.multi_turn` (`_Rollout`: its turns, budgets,
+environments and rejoin rule "ready") run as a service: trajectories are admitted while fewer
+than `max_groups` groups are in flight, and handed out a group at a time as soon as the group is
+done, so a slow tool holds back its own group only.
+
+Every policy turn keeps the engine's logprob of each sampled token and the policy version
+the weights had when the turn started (`Trajectory.turn_versions`); a turn that straddles a
+weight load is stamped with the older version (the logprobs stay exact: the engine reports
+them under the weights that sampled each token).
+"""
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from typing import Callable, Mapping
+
+from tqdm.auto import tqdm
+
+from turnrl.envs.base import Env
+from turnrl.rollout.chat import ChatFormat
+from turnrl.rollout.multi_turn import BatchStepper, Budgets, Engine, Trajectory, _EventLoop, _Rollout, _start
+
+
+class Stream(_Rollout):
+    """A `_Rollout` whose trajectories come and go (dicts by index instead of one fixed list).
+    The driver's thread calls `feed`, `take_groups`, `load_weights` and `stop`; `run` is the
+    generating thread's loop."""
+
+    def __init__(self, engine: Engine | Mapping[str, Engine], make_env: Callable[[], Env], fmt: ChatFormat,
+                 budgets: Budgets, *, n: int, max_groups: int, temperature: float, top_p: float,
+                 env_workers: int = 4, version: int = 0):
+        probe = make_env()   # the environment's stop strings and whether its step is a coroutine
+        self.fmt, self.budgets, self.seed, self.observation_lag, self.rejoin = fmt, budgets, None, 0, "ready"
+        self.by_level = engine if isinstance(engine, Mapping) else {"low": engine}
+        options = dict(stop=tuple(probe.stop), temperature=temperature, top_p=top_p)
+        self.steppers = {}
+        for e in self.by_level.values():
+            if id(e) not in self.steppers:
+                self.steppers[id(e)] = e.stepper(**options) if hasattr(e, "stepper") else BatchStepper(e, **options)
+        self.envs: dict[int, Env | None] = {}
+        self.trajs: dict[int, Trajectory] = {}
+        self.turn_of: dict[int, int] = {}
+        self.level_at: dict[int, str] = {}
+        self.asked_at: dict[int, float] = {}
+        self.version_at: dict[int, int] = {}   # the policy version when each trajectory's current turn started
+        self.bar = tqdm(disable=True)
+        self.events = None
+        if inspect.iscoroutinefunction(getattr(probe, "step", None)):
+            self.events = _EventLoop()
+        self.pool = ThreadPoolExecutor(max_workers=env_workers)
+        self.waiting = []
+        self.step = 0
+        self.make_env, self.n, self.max_groups = make_env, n, max_groups
+        self.version = version
+        self._pending_weights: tuple[int, Callable[[], None]] | None = None
+        self._group_of: dict[int, int] = {}
+        self._left: dict[int, int] = {}          # group -> trajectories not yet ended
+        self._next_index = self._next_group = 0
+        self._inbox: deque = deque()
+        self._finished: deque = deque()
+        self._lock = threading.Condition()
+        self._stopped = False
+        self.busy_s = 0.0   # seconds spent decoding (the engine's busy time)
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------------ the driver's side
+    def feed(self, examples: list[dict]) -> None:
+        """Queue examples; each becomes a group of n trajectories when there is room."""
+        with self._lock:
+            self._inbox.extend(examples)
+            self._lock.notify_all()
+
+    def take_groups(self, max_groups: int, timeout_s: float) -> list[list[Trajectory]]:
+        """Up to `max_groups` finished groups, waiting at most `timeout_s` for the first.
+        Raises what ended the generating thread, if something did."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._finished or self._stopped, timeout=timeout_s)
+            if self.error is not None:
+                raise RuntimeError(f"the rollout stream stopped: {self.error!r}") from self.error
+            out = []
+            while self._finished and len(out) < max_groups:
+                out.append(self._finished.popleft())
+            return out
+
+    def load_weights(self, version: int, apply: Callable[[], None]) -> None:
+        """New weights: `apply()` runs on the generating thread before its next engine step."""
+        with self._lock:
+            self._pending_weights = (version, apply)
+            self._lock.notify_all()
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {"inbox": len(self._inbox), "in_flight": len(self._left), "finished": len(self._finished)}
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            self._lock.notify_all()
+
+    # ------------------------------------------------------------------ the generating thread
+    def run(self, pool: ThreadPoolExecutor | None = None) -> None:
+        try:
+            while not self._stopped:
+                self._apply_weights()
+                self._admit()
+                self.take_answers()
+                busy = [s for s in self.steppers.values() if s.busy()]
+                if busy:
+                    start = time.perf_counter()
+                    self.decode(busy)
+                    self.busy_s += time.perf_counter() - start
+                elif self.waiting:
+                    wait_futures([e[3] for e in self.waiting], timeout=0.05, return_when=FIRST_COMPLETED)
+                else:
+                    with self._lock:
+                        self._lock.wait_for(lambda: self._inbox or self._stopped or self._pending_weights,
+                                            timeout=0.05)
+        except BaseException as exc:   # the driver's next take_groups raises it
+            self.error = exc
+            raise
+        finally:
+            for stepper in self.steppers.values():
+                stepper.abort()
+            if self.events is not None:
+                self.events.close()
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.stop()
+
+    def _apply_weights(self) -> None:
+        with self._lock:
+            pending, self._pending_weights = self._pending_weights, None
+        if pending is not None:
+            version, apply = pending
+            apply()
+            self.version = version
+
+    def _admit(self) -> None:
+        """Start the queued examples' groups while fewer than max_groups are in flight."""
+        while True:
+            with self._lock:
+                if not self._inbox or len(self._left) >= self.max_groups:
+                    return
+                example = self._inbox.popleft()
+            group = self._next_group
+            self._next_group += 1
+            self._left[group] = self.n
+            for _ in range(self.n):
+                i = self._next_index
+                self._next_index += 1
+                env, t = _start(self.make_env, example, self.fmt)
+                self.envs[i], self.trajs[i], self.turn_of[i], self.level_at[i] = env, t, 0, "low"
+                self._group_of[i] = group
+                if env is not None:
+                    self.start_turn(i)
+                else:   # its environment failed to start: ended already
+                    self.end(i)
+
+    def start_turn(self, i: int) -> None:
+        self.version_at[i] = self.version
+        super().start_turn(i)
+
+    def env_step(self, i: int, text: str):
+        self._stamp_versions_of(i)   # the turn the engine just finished goes to the environment
+        return super().env_step(i, text)
+
+    def end(self, i: int, finish: str | None = None) -> None:
+        if finish is not None:
+            self.trajs[i].finish = finish
+        self._stamp_versions_of(i)   # a turn cut by the token limit ends here, not in env_step
+        group = self._group_of[i]
+        self._left[group] -= 1
+        if self._left[group]:
+            return
+        del self._left[group]
+        members = sorted(k for k, g in self._group_of.items() if g == group)
+        done = [self.trajs.pop(k) for k in members]
+        for k in members:
+            for table in (self.envs, self.turn_of, self.level_at, self.asked_at, self.version_at, self._group_of):
+                table.pop(k, None)
+        with self._lock:
+            self._finished.append(done)
+            self._lock.notify_all()
+
+    def _stamp_versions_of(self, i: int) -> None:
+        """Trajectory i's finished turns get the version their turn started under."""
+        t = self.trajs[i]
+        while len(t.turn_versions) < t.num_turns:
+            t.turn_versions.append(self.version_at.get(i, self.version))
