@@ -3,8 +3,8 @@ same engine, decoding and grading, so numbers compare across runs and models.
 
 Blocks of the metrics (`metrics/baseline.json`, `metrics/eval.json`):
 
-- `task`: the training environment's held-out set, always through the environment's own
-  multi-turn protocol (`env.name`: tool turns, interventions, refinement). With
+- `task`: the training environment's held-out set (its first `eval.limit` problems when
+  set), always through the environment's own multi-turn protocol (`env.name`: tool turns, interventions, refinement). With
   `eval.greedy` a greedy pass is reported beside the sampled one (`accuracy_greedy`): a warm
   start can be greedy-perfect and sample-poor, or the reverse.
 - one block per benchmark of `eval.benchmarks` (registered: math500, aime24, aime25, amc23,
@@ -29,7 +29,9 @@ engine gives the same numbers.
 
 Per-problem generations go to `out_dir/<block>.parquet`, one row per trajectory: problem id,
 prompt, reference answer, full trajectory text (policy turns and observations), extracted
-answer, correct, the grading reason (why right or wrong), tokens, turns, decoding.
+answer, correct, the grading reason (why right or wrong: the environment's or grader's own,
+`info["grade"]`, else `scored <outcome> by <env>`), tokens, turns, decoding, and `extra` (the
+row's own fields beyond the schema, as JSON).
 
 Any Hugging Face checkpoint folder, evaluated exactly as `baseline_eval` and `eval` do:
 
