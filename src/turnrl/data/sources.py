@@ -11,7 +11,10 @@ Every loader returns rows shaped as::
      "source": str}           # the data set name
 
 plus any extra keys the field mapping names (``nq_open`` adds ``passages``: a list of
-``{"title", "text"}`` with the gold passage first).
+``{"title", "text"}`` with the gold passage first), plus every field of the record the mapping
+does not use, unchanged (a row's own metadata, for the environment's ``reset``; MATH-500's
+``solution``). A record's field named like a schema field but not mapped to it is shadowed.
+Written with :func:`write_rows`, the extra fields round-trip through parquet as JSON.
 
 Where a set comes from, in order:
 
