@@ -95,7 +95,7 @@ def training_curve(project: Path, seed: int, algorithm: str, metric: str) -> lis
             and r.data.params.get("seed") == str(seed) and r.data.params.get("algorithm.name") == algorithm]
     if not runs:
         return []
-    from turnrl.tracking import mlflow_name   # runs since issue 24 log metrics in sections (rollout/reward_mean)
+    from turnrl.tracking.recorder import mlflow_name   # metrics are logged in sections (rollout/reward_mean)
     history = (client.get_metric_history(runs[0].info.run_id, mlflow_name(metric))
                or client.get_metric_history(runs[0].info.run_id, metric))
     return [m.value for m in sorted(history, key=lambda m: m.step)]

@@ -271,9 +271,9 @@ RESULTS_KEY, LINK_KEY = "turnrl-results", "turnrl-mlflow-run"
 def mlflow_parent(project: Path, key: str) -> dict[str, str] | None:
     """The pipeline's MLflow parent run for `key` in the project's tracking store (params.yaml
     tracking.uri, else its mlflow.db): {run_id, name, experiment_id, link}, or None."""
-    from turnrl import tracking
+    from turnrl.tracking.runs import find_parent, run_link, tracking_uri
     cfg = parse_config(yaml.safe_load((project / PARAMS_FILE).read_text()), source=PARAMS_FILE)
-    uri = tracking.tracking_uri(cfg, project)
+    uri = tracking_uri(cfg, project)
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
         return None
     for name, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0"), ("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")):
@@ -281,11 +281,11 @@ def mlflow_parent(project: Path, key: str) -> dict[str, str] | None:
     from mlflow import MlflowClient
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name(cfg.tracking.experiment)
-    run = experiment and tracking.find_parent(client, experiment.experiment_id, key)
+    run = experiment and find_parent(client, experiment.experiment_id, key)
     if not run:
         return None
     return {"run_id": run.info.run_id, "name": run.info.run_name, "experiment_id": experiment.experiment_id,
-            "link": tracking.run_link(cfg, experiment.experiment_id, run.info.run_id), "uri": uri}
+            "link": run_link(cfg, experiment.experiment_id, run.info.run_id), "uri": uri}
 
 
 def results_markdown(project: Path, done: list[dict[str, Any]], failed: tuple[str, BaseException] | None,

@@ -26,7 +26,7 @@ WHICH = {
 
 
 def main(cfg, which: str):
-    from turnrl import tracking
+    from turnrl.tracking import artifacts, model_logging, runs
     from turnrl.pipeline.evaluate import evaluate, load_levels, log_to_mlflow
     from turnrl.pipeline.preprocess import BENCHMARK_DIR
     _, model, metrics_path, out = WHICH[which]
@@ -36,18 +36,18 @@ def main(cfg, which: str):
     metrics = evaluate(cfg, engine, tokenizer, DATA, out, keep=trajectories)
     write_json(metrics_path, metrics)
 
-    run = tracking.current_run()
-    tracking.log_datasets(run, {"heldout": (DATA / "heldout.parquet", "evaluation"),
-                                **{b.name: (DATA / BENCHMARK_DIR / f"{b.name}.parquet", "evaluation")
-                                   for b in cfg.eval.benchmarks}})
+    run = runs.current_run()
+    artifacts.log_datasets(run, {"heldout": (DATA / "heldout.parquet", "evaluation"),
+                                 **{b.name: (DATA / BENCHMARK_DIR / f"{b.name}.parquet", "evaluation")
+                                    for b in cfg.eval.benchmarks}})
     log_to_mlflow(metrics, out, metrics_path.name, trajectories=trajectories, stage=which)
     other = WHICH["final" if which == "baseline" else "baseline"][2]
     earlier = json.loads(other.read_text()) if other.exists() else None
     # baseline_eval: a metrics/eval.json already there is an older model's, not this pipeline's result
     baseline, final = (metrics, None) if which == "baseline" else (earlier, metrics)
-    tracking.log_headline(run, baseline, final)
+    runs.log_headline(run, baseline, final)
     if which == "final":
-        tracking.register_policy(run, model, baseline or {}, metrics)
+        model_logging.register_policy(run, model, baseline or {}, metrics)
 
 
 if __name__ == "__main__":

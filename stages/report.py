@@ -12,7 +12,7 @@ OUT = Path("report")
 
 
 def main(cfg):
-    from turnrl import tracking
+    from turnrl.tracking import artifacts, runs
     from turnrl.pipeline.report import render
     for path, stage in [(BASELINE, "baseline_eval"), (TRAINED, "eval")]:
         if not path.exists():
@@ -20,10 +20,10 @@ def main(cfg):
     path = render(json.loads(BASELINE.read_text()), json.loads(TRAINED.read_text()), OUT,
                   baseline_gens=Path("eval/baseline"), trained_gens=Path("eval/final"),
                   curves=Path("plots/train.csv"), sources=(str(BASELINE), str(TRAINED)))
-    run = tracking.current_run()
-    tracking.log_artifacts(run, path.parent, "report")
-    tracking.log_headline(run, json.loads(BASELINE.read_text()), json.loads(TRAINED.read_text()),
-                          extra=f"The full report: artifacts `report/report.md` of the report run ({run.run_id}).")
+    run = runs.current_run()
+    artifacts.log_artifacts(run, path.parent, "report")
+    runs.log_headline(run, json.loads(BASELINE.read_text()), json.loads(TRAINED.read_text()),
+                      extra=f"The full report: artifacts `report/report.md` of the report run ({run.run_id}).")
 
 
 if __name__ == "__main__":

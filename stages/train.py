@@ -37,9 +37,8 @@ def main(cfg):
 
     import mlflow
 
-    from turnrl import tracking
+    from turnrl.tracking import artifacts, model_logging, runs, traces
     from turnrl.pipeline import plots
-    from turnrl.tracking import traces
     from turnrl.models.folders import model_dir
     from turnrl.pipeline.preprocess import load_split
     from turnrl.training import health
@@ -49,29 +48,29 @@ def main(cfg):
     from transformers import AutoTokenizer
 
     start = time.perf_counter()
-    run = tracking.current_run()
+    run = runs.current_run()
     source = model_dir(INITIAL)
     tokenizer = AutoTokenizer.from_pretrained(source)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
-    tracking.log_datasets(run, {"train": (DATA / "train.parquet", "training")})
+    artifacts.log_datasets(run, {"train": (DATA / "train.parquet", "training")})
     overhead = {"s": 0.0}   # this callback's own time, logged with the next step (MLflow only)
 
     def on_step(step, metrics, trajs):
         t0 = time.perf_counter()
-        tracking.log_metrics({**{k: v for k, v in metrics.items() if k != "step"}, "tracking_s": overhead["s"]},
-                                    step)
+        runs.log_metrics({**{k: v for k, v in metrics.items() if k != "step"}, "tracking_s": overhead["s"]},
+                                step)
         if step == 1 or step % cfg.train.samples_logged_every == 0 or step == cfg.train.steps:
-            tracking.log_table(run, lambda: sample_table(trajs, decode), f"samples/step_{step:05d}.json")
+            artifacts.log_table(run, lambda: sample_table(trajs, decode), f"samples/step_{step:05d}.json")
         if traces.traced_step(step, cfg.tracking.traces.every, cfg.train.steps):
-            tracking.log_traces(run, traces.rollout_traces(trajs, step, cfg.rollout.n, cfg.tracking.traces.per_step,
-                                                           env=cfg.env.name, algorithm=cfg.algorithm.name))
+            traces.log_traces(run, traces.rollout_traces(trajs, step, cfg.rollout.n, cfg.tracking.traces.per_step,
+                                                         env=cfg.env.name, algorithm=cfg.algorithm.name))
         overhead["s"] = time.perf_counter() - t0
 
     store, resume = checkpoints(cfg)
     if resume is not None:
         mlflow.set_tag("turnrl.resumed_from_step", resume.step)
         # steps the crashed run had not sent before it died (metrics are sent in the background)
-        tracking.backfill_steps(run, resume.state["history"])
+        runs.backfill_steps(run, resume.state["history"])
     shutil.rmtree(FINAL, ignore_errors=True)
     where = {}   # ranks, engines, nodes: filled once the actors are up
     try:
@@ -121,13 +120,13 @@ def main(cfg):
     # MLflow: after the local results, none of which depends on it
     run.recorder.now("tags", "turnrl.health", lambda: mlflow.set_tag(
         "turnrl.health", json.dumps(health_summary["flags"])[:5000] if health_summary["flags"] else "ok"))
-    tracking.log_dict(run, where, "actors.json")
-    tracking.log_metrics({f"summary/{k}": v for k, v in summary.items()})
-    tracking.log_parent(run, metrics={"train/wall_s": summary["wall_s"], "train/step_s_mean": summary["step_s_mean"],
-                                      "train/reward_last5": summary["reward_last5"],
-                                      "train/accuracy_last5": summary["accuracy_last5"]})
-    tracking.log_artifacts(run, "plots/train_curves.png", "plots")
-    tracking.log_policy(run, FINAL)
+    artifacts.log_dict(run, where, "actors.json")
+    runs.log_metrics({f"summary/{k}": v for k, v in summary.items()})
+    runs.log_parent(run, metrics={"train/wall_s": summary["wall_s"], "train/step_s_mean": summary["step_s_mean"],
+                                  "train/reward_last5": summary["reward_last5"],
+                                  "train/accuracy_last5": summary["accuracy_last5"]})
+    artifacts.log_artifacts(run, "plots/train_curves.png", "plots")
+    model_logging.log_policy(run, FINAL)
 
 
 if __name__ == "__main__":

@@ -127,9 +127,10 @@ def test_disk_full_in_any_stage_body_is_reported_not_a_traceback(tmp_path, monke
     (tmp_path / "params.yaml").write_text("seed: 0\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TURNRL_PARAMS", str(tmp_path / "params.yaml"))
-    import turnrl.tracking as tracking
     from contextlib import nullcontext
-    monkeypatch.setattr(tracking, "stage_run", lambda *args, **kwargs: nullcontext())   # no MLflow here
+
+    from turnrl.tracking import runs
+    monkeypatch.setattr(runs, "stage_run", lambda *args, **kwargs: nullcontext())   # no MLflow here
 
     def body(cfg: Config) -> None:
         real_write_text = Path.write_text

@@ -4,13 +4,13 @@ holds a stage up. Against a real sqlite store (the default backend); the Recorde
 rule also against a client that fails the way an unreachable server does."""
 import logging
 import os
+import socket
 import time
 
 import mlflow
 import pytest
 
-from turnrl import tracking
-from turnrl.tracking import traces
+from turnrl.tracking import artifacts, logs, model_logging, recorder, runs, traces
 from turnrl.config import Config
 
 
@@ -40,16 +40,16 @@ def _client(store):
 def test_stages_with_one_key_share_a_parent(cfg, tmp_path, monkeypatch):
     monkeypatch.setenv("TURNRL_PIPELINE_KEY", "unit:1")
     for stage in ["preprocess", "train"]:
-        with tracking.stage_run(stage, cfg):
-            tracking.log_metrics({"task.pass@1": 0.5, "nan": float("nan"), "text": "x", "reward_mean": 0.25,
-                                  "step_s": 2.0}, step=1)
+        with runs.stage_run(stage, cfg):
+            runs.log_metrics({"task.pass@1": 0.5, "nan": float("nan"), "text": "x", "reward_mean": 0.25,
+                              "step_s": 2.0}, step=1)
     monkeypatch.setenv("TURNRL_PIPELINE_KEY", "unit:2")
-    with tracking.stage_run("eval", cfg):
+    with runs.stage_run("eval", cfg):
         pass
     client = _client(cfg.tracking.uri)
-    runs = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
-    parents = {r.info.run_id: r for r in runs if "mlflow.parentRunId" not in r.data.tags}
-    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    found = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
+    parents = {r.info.run_id: r for r in found if "mlflow.parentRunId" not in r.data.tags}
+    children = [r for r in found if "mlflow.parentRunId" in r.data.tags]
     assert len(parents) == 2 and len(children) == 3
     by_stage = {r.data.tags["turnrl.pipeline.stage"]: r for r in children}
     assert by_stage["preprocess"].data.tags["mlflow.parentRunId"] == by_stage["train"].data.tags["mlflow.parentRunId"]
@@ -64,37 +64,120 @@ def test_stages_with_one_key_share_a_parent(cfg, tmp_path, monkeypatch):
     assert sum(by_kind.values()) == pytest.approx(train.metrics["timing/mlflow_thread_cpu_s"], abs=1e-6)
     assert train.params["train.steps"] == str(cfg.train.steps)
     assert (tmp_path / "mlartifacts").is_dir()
-    # the parent carries what identifies the pipeline run, so runs compare in the runs table
+    # the parent carries what identifies the pipeline run, so found compare in the found table
     parent = parents[by_stage["train"].data.tags["mlflow.parentRunId"]].data.params
     assert parent["env.name"] == "code_tool" and parent["algorithm.name"] == "grpo" and parent["seed"] == "0"
-    assert {r.info.status for r in runs} == {"FINISHED"}
+    assert {r.info.status for r in found} == {"FINISHED"}
 
 
 def test_a_failing_stage_marks_its_runs_failed(cfg, monkeypatch, tmp_path):
     monkeypatch.setenv("TURNRL_PIPELINE_KEY", "unit:3")
     with pytest.raises(RuntimeError):
-        with tracking.stage_run("train", cfg):
+        with runs.stage_run("train", cfg):
             raise RuntimeError("boom")
     client = _client(cfg.tracking.uri)
-    runs = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
-    assert {r.info.status for r in runs} == {"FAILED"}
+    found = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
+    assert {r.info.status for r in found} == {"FAILED"}
 
 
-def test_an_unreachable_server_says_what_to_check(monkeypatch, tmp_path):
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _down_server(tmp_path, monkeypatch, **tracking_cfg):
+    """A tracking.uri where nothing listens (a server that is down), in a project at tmp_path."""
     monkeypatch.chdir(tmp_path)
-    cfg = Config.model_validate({"tracking": {"uri": "http://127.0.0.1:9"}})
+    monkeypatch.delenv("DVC_ROOT", raising=False)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
-    with pytest.raises(RuntimeError, match="tracking.uri"):
-        with tracking.stage_run("train", cfg):
+    uri = f"http://127.0.0.1:{_free_port()}"
+    return uri, Config.model_validate({"tracking": {"uri": uri, "system_metrics": False, **tracking_cfg}})
+
+
+def test_a_server_down_at_the_start_stops_the_stage_in_one_line_when_asked(tmp_path, monkeypatch):
+    uri, cfg = _down_server(tmp_path, monkeypatch, on_unreachable="fail")
+    with pytest.raises(runs.TrackingUnavailable) as info:
+        with runs.stage_run("train", cfg):
+            pytest.fail("the stage ran")
+    text = str(info.value)
+    assert "\n" not in text and f"tracking.uri={uri} does not answer (connection refused)" in text, text
+    assert "mlflow server" in text and "tracking.on_unreachable: local" in text
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_server_down_at_the_start_records_to_the_local_store(tmp_path, monkeypatch, caplog):
+    """tracking.on_unreachable: local (the default): each stage says so in one warning and
+    records to the project's mlflow.db, its runs (and their one parent) tagged with the uri."""
+    uri, cfg = _down_server(tmp_path, monkeypatch)
+    monkeypatch.setenv("TURNRL_PIPELINE_KEY", "unit:fallback")
+    with caplog.at_level(logging.WARNING):
+        for stage in ("preprocess", "train"):
+            with runs.stage_run(stage, cfg) as run:
+                runs.log_metrics({"reward_mean": 0.5}, step=1)
+                assert run.recorder.uri == runs.local_uri()
+    ours = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("turnrl")]
+    assert len(ours) == 2 and all("\n" not in m and f"tracking.uri {uri} does not answer" in m for m in ours), ours
+    assert "the train stage records to the project's local store sqlite:///" in ours[1]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and not r.name.startswith("turnrl")
+                and uri in r.getMessage()]
+    client = _client(f"sqlite:///{tmp_path.resolve()}/mlflow.db")
+    experiment = client.get_experiment_by_name("turnrl")
+    found = client.search_runs([experiment.experiment_id], f"tags.`{runs.FALLBACK_TAG}` = '{uri}'")
+    by_stage = {r.data.tags.get("turnrl.pipeline.stage", "parent"): r for r in found}
+    assert set(by_stage) == {"preprocess", "train", "parent"} and len(found) == 3
+    train = by_stage["train"]
+    assert train.info.status == "FINISHED" and train.data.metrics["rollout/reward_mean"] == 0.5
+    assert train.data.tags["mlflow.parentRunId"] == by_stage["parent"].info.run_id
+
+
+def test_a_store_that_is_not_usable_is_one_line_naming_tracking_uri(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = Config.model_validate({"tracking": {"uri": "nosuchscheme://x", "system_metrics": False}})
+    with pytest.raises(runs.TrackingUnavailable, match="Check tracking.uri in params.yaml") as info:
+        with runs.stage_run("train", cfg):
             pass
+    assert "\n" not in str(info.value) and "nosuchscheme://x" in str(info.value)
+
+
+@pytest.mark.parametrize("mode", ["local", "fail"])
+def test_a_stage_started_with_the_server_down(tmp_path, mode):
+    """The real entry point (stages/preprocess.py through run_stage), tracking.uri a port where
+    nothing listens: `local` finishes (exit 0) with one line about it and the run in the local
+    store; `fail` stops before the stage's work (exit 1) with one line. No traceback."""
+    import subprocess
+    import sys
+
+    import yaml
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    uri = f"http://127.0.0.1:{_free_port()}"
+    params = {"data": {"train_examples": 16, "heldout_examples": 4}, "eval": {"benchmarks": []},
+              "tracking": {"uri": uri, "system_metrics": False, "on_unreachable": mode}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    env = {k: v for k, v in os.environ.items() if k not in ("DVC_ROOT", "TURNRL_PIPELINE_KEY", "TURNRL_PARAMS")}
+    env.update(PYTHONPATH=os.path.join(root, "src"), MLFLOW_HTTP_REQUEST_TIMEOUT="5")
+    done = subprocess.run([sys.executable, os.path.join(root, "stages", "preprocess.py")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    about = [line for line in (done.stdout + done.stderr).splitlines() if uri in line or "tracking" in line.lower()]
+    assert "Traceback" not in done.stderr and len(about) == 1, done.stderr[-3000:]
+    if mode == "fail":
+        assert done.returncode == 1 and not (tmp_path / "data").exists()
+        assert about[0].startswith(f"turnrl preprocess: the tracking server tracking.uri={uri} does not answer")
+        return
+    assert done.returncode == 0 and (tmp_path / "data/processed/train.parquet").exists(), done.stderr[-3000:]
+    assert "WARNING" in about[0] and "records to the project's local store" in about[0]
+    client = _client(f"sqlite:///{tmp_path.resolve()}/mlflow.db")
+    run, = client.search_runs([client.get_experiment_by_name("turnrl").experiment_id],
+                              f"tags.`turnrl.pipeline.stage` = 'preprocess' and tags.`{runs.FALLBACK_TAG}` = '{uri}'")
+    assert run.info.status == "FINISHED" and run.data.metrics["data/train_n"] == 16
 
 
 def test_a_resumed_stage_continues_its_run_under_a_new_pipeline(cfg, monkeypatch, tmp_path):
     client = _client(cfg.tracking.uri)
     monkeypatch.setenv("TURNRL_PIPELINE_KEY", "unit:crashed")
-    with tracking.stage_run("train", cfg) as run:
-        tracking.log_metrics({"reward_mean": 0.1}, step=1)
+    with runs.stage_run("train", cfg) as run:
+        runs.log_metrics({"reward_mean": 0.1}, step=1)
         first = run.info.run_id
     crashed_parent = client.get_run(first).data.tags["mlflow.parentRunId"]
     client.update_run(first, "RUNNING")            # as a kill -9 leaves them
@@ -102,9 +185,9 @@ def test_a_resumed_stage_continues_its_run_under_a_new_pipeline(cfg, monkeypatch
 
     monkeypatch.setenv("TURNRL_PIPELINE_KEY", "unit:rerun")
     longer = cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": 60})})
-    with tracking.stage_run("train", longer, resume_run_id=first) as run:
+    with runs.stage_run("train", longer, resume_run_id=first) as run:
         assert run.info.run_id == first
-        tracking.log_metrics({"reward_mean": 0.2}, step=2)
+        runs.log_metrics({"reward_mean": 0.2}, step=2)
     resumed = client.get_run(first)
     assert resumed.info.status == "FINISHED" and resumed.data.params["train.steps"] == str(cfg.train.steps)
     assert resumed.data.tags["turnrl.params_changed_on_resume"] == '{"train.steps": "60"}'
@@ -114,7 +197,7 @@ def test_a_resumed_stage_continues_its_run_under_a_new_pipeline(cfg, monkeypatch
     assert new_parent.data.tags["turnrl.pipeline.stage.train"] == f"resumed run {first}"
 
     # a run id this store does not have: a new run that names it
-    with tracking.stage_run("train", cfg, resume_run_id="0" * 32) as run:
+    with runs.stage_run("train", cfg, resume_run_id="0" * 32) as run:
         assert run.info.run_id != first
     assert client.get_run(run.info.run_id).data.tags["turnrl.resumed_from_run"] == "0" * 32
 
@@ -122,7 +205,7 @@ def test_a_resumed_stage_continues_its_run_under_a_new_pipeline(cfg, monkeypatch
 def test_parent_params_name_the_knobs_changed_from_their_defaults():
     cfg = Config.model_validate({"train": {"lr": 1e-4}, "algorithm": {"kl_coef": 0.01}, "rollout": {"temperature": 0.7},
                                  "tracking": {"experiment": "x"}})
-    params = tracking.identifying_params(cfg)
+    params = runs.identifying_params(cfg)
     assert params["train.lr"] == "0.0001" and params["algorithm.kl_coef"] == "0.01"
     assert params["rollout.temperature"] == "0.7"
     assert "train.steps" in params and "env.name" in params            # identifying, changed or not
@@ -147,7 +230,7 @@ def test_parent_params_name_the_knobs_changed_from_their_defaults():
     ("eval/task/accuracy", "eval/task/accuracy"), ("something_new", "train/something_new"),
 ])
 def test_metric_sections(key, name):
-    assert tracking.mlflow_name(key) == name
+    assert recorder.mlflow_name(key) == name
 
 
 # --------------------------------------------------------------------------- traces
@@ -251,11 +334,11 @@ def test_traces_are_searchable_by_step_reward_and_finish(cfg, tmp_path, monkeypa
     good = _trajectory(CodeToolEnv(), ["<code>print(12*34)</code>", "<answer>408</answer>"])
     bad = _trajectory(CodeToolEnv(), ["<answer>400</answer>"])
     monkeypatch.setenv("TURNRL_PIPELINE_KEY", "unit:traces")
-    with tracking.stage_run("train", cfg) as run:
+    with runs.stage_run("train", cfg) as run:
         for step in (1, 2):
-            tracking.log_traces(run, traces.rollout_traces([good, bad, bad, good], step, 2, 4, env="code_tool"))
-        tracking.log_traces(run, traces.evaluation_traces([good, bad], "task", "final", 8,
-                                                          reason=lambda t: "exact"))
+            traces.log_traces(run, traces.rollout_traces([good, bad, bad, good], step, 2, 4, env="code_tool"))
+        traces.log_traces(run, traces.evaluation_traces([good, bad], "task", "final", 8,
+                                                        reason=lambda t: "exact"))
     mlflow.set_tracking_uri(cfg.tracking.uri)
     exp = run.experiment_id
 
@@ -287,8 +370,8 @@ def test_stages_seeded_alike_make_distinct_trace_ids(cfg, monkeypatch):
     for stage, key in (("baseline_eval", "unit:ids-a"), ("eval", "unit:ids-b")):
         monkeypatch.setenv("TURNRL_PIPELINE_KEY", key)
         random.seed(cfg.seed)
-        with tracking.stage_run(stage, cfg) as run:
-            tracking.log_traces(run, traces.evaluation_traces([traj, traj], "task", stage, 8))
+        with runs.stage_run(stage, cfg) as run:
+            traces.log_traces(run, traces.evaluation_traces([traj, traj], "task", stage, 8))
         mlflow.set_tracking_uri(cfg.tracking.uri)
         ids += [t.info.trace_id for t in mlflow.search_traces(locations=[run.experiment_id], run_id=run.run_id,
                                                                return_type="list")]
@@ -302,14 +385,14 @@ def test_a_stage_that_traced_exits_without_a_traceback(tmp_path):
     import subprocess
     import sys
     script = (
-        "from turnrl import tracking, traces\n"
+        "from turnrl.tracking import runs, traces\n"
         "from turnrl.config import Config\n"
         "from turnrl.envs.code_tool import CodeToolEnv\n"
         "from tests.test_tracking import _trajectory\n"
         f"cfg = Config.model_validate({{'tracking': {{'uri': 'sqlite:///{tmp_path}/m.db', 'system_metrics': False}}}})\n"
         "t = _trajectory(CodeToolEnv(), ['<answer>408</answer>'])\n"
-        "with tracking.stage_run('eval', cfg) as run:\n"
-        "    tracking.log_traces(run, traces.evaluation_traces([t], 'task', 'eval', 8))\n"
+        "with runs.stage_run('eval', cfg) as run:\n"
+        "    traces.log_traces(run, traces.evaluation_traces([t], 'task', 'eval', 8))\n"
         "print('traced', flush=True)\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root, "TURNRL_PIPELINE_KEY": "unit:exit"}
@@ -329,7 +412,7 @@ def test_the_recorder_gives_up_on_an_outage_once_and_never_blocks(tmp_path, capl
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
-    rec = tracking.Recorder(f"sqlite:///{tmp_path / 'x.db'}", retry_s=1.0, stage="train")
+    rec = recorder.Recorder(f"sqlite:///{tmp_path / 'x.db'}", retry_s=1.0, stage="train")
     sent, attempts = [], []
 
     def ok(step):
@@ -370,7 +453,7 @@ def test_the_recorder_gives_up_on_an_outage_once_and_never_blocks(tmp_path, capl
 
 def test_a_short_outage_is_ridden_out(tmp_path):
     import requests
-    rec = tracking.Recorder(f"sqlite:///{tmp_path / 'x.db'}", retry_s=10.0)
+    rec = recorder.Recorder(f"sqlite:///{tmp_path / 'x.db'}", retry_s=10.0)
     calls = []
 
     def flaky(client):
@@ -385,7 +468,7 @@ def test_a_short_outage_is_ridden_out(tmp_path):
 
 
 def test_repeated_warnings_are_shown_once():
-    f = tracking.OnceFilter()
+    f = logs.OnceFilter()
     record = lambda msg, level=logging.WARNING: logging.LogRecord("vllm.x", level, "f", 1, msg, (), None)  # noqa: E731
     assert f.filter(record("RotaryEmbedding: Failed to load weights"))
     assert not f.filter(record("RotaryEmbedding: Failed to load weights"))
@@ -396,18 +479,50 @@ def test_repeated_warnings_are_shown_once():
     assert f.filter(record("engine died", logging.ERROR)) and f.filter(record("engine died", logging.ERROR))
 
 
+def test_vllms_rotary_warning_after_a_weight_push_is_dropped(capsys, tmp_path):
+    """The logging configuration quiet_logs gives vLLM (the file its engines and the Ray actors
+    read), applied the way an engine applies it, drops the expected `RotaryEmbedding: Failed to
+    load weights` of vLLM's own reload logger and lets the same warning for a layer whose weights
+    were really not pushed through."""
+    import json
+
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging
+    from vllm.model_executor.model_loader.reload import layerwise
+    assert layerwise.logger.name == logs.RELOAD_LOGGER       # where vLLM 0.32 logs it
+    vllm_logger = logging.getLogger("vllm")
+    saved = vllm_logger.handlers[:], vllm_logger.level, vllm_logger.propagate, layerwise.logger.filters[:]
+    layerwise.logger.filters.clear()                         # only the configured handler's filters
+    try:
+        path = tmp_path / "vllm-logging.json"
+        path.write_text(json.dumps(logs.vllm_logging_config("WARNING")))
+        configure_logging(LoggingConfig(log_level="WARNING", configure_logging=True, pylogging_config_file=str(path)))
+        for layer in ("RotaryEmbedding", "Llama3RotaryEmbedding", "RotaryEmbedding", "Qwen2Attention"):
+            layerwise.logger.warning("%s: Failed to load weights", layer)
+    finally:
+        vllm_logger.handlers[:], layerwise.logger.filters[:] = saved[0], saved[3]
+        vllm_logger.setLevel(saved[1])
+        vllm_logger.propagate = saved[2]
+    out = capsys.readouterr().out
+    assert "RotaryEmbedding" not in out and out.count("Qwen2Attention: Failed to load weights") == 1, out
+    f = logs.RotaryCacheFilter()
+    other = logging.LogRecord("vllm.other", logging.WARNING, "f", 1, "%s: Failed to load weights",
+                              ("RotaryEmbedding",), None)
+    assert f.filter(other)                                   # another logger's message is not ours to drop
+
+
 def test_system_metrics_on_the_stage_run(store, request, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TURNRL_PIPELINE_KEY", "unit:system")
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.5")
-    runs = {}
+    metrics = {}
     for on in (True, False):
         cfg = _config(store, request, system_metrics=on)
-        with tracking.stage_run(f"stage-{on}", cfg) as run:
+        with runs.stage_run(f"stage-{on}", cfg) as run:
             time.sleep(1.6)
-        runs[on] = _client(store).get_run(run.run_id).data.metrics
-    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(runs[True])
-    assert not any(k.startswith("system/") for k in runs[False])
+        metrics[on] = _client(store).get_run(run.run_id).data.metrics
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(metrics[True])
+    assert not any(k.startswith("system/") for k in metrics[False])
 
 
 # --------------------------------------------------------------------------- data and the model
@@ -420,9 +535,9 @@ def test_data_sets_are_run_inputs_with_their_dvc_md5(cfg, tmp_path, monkeypatch)
     (tmp_path / "dvc.lock").write_text("schema: '2.0'\nstages:\n  preprocess:\n    cmd: x\n    outs:\n"
                                        "    - path: data/processed\n      md5: abc123.dir\n")
     monkeypatch.setenv("TURNRL_PIPELINE_KEY", "unit:data")
-    with tracking.stage_run("train", cfg) as run:
-        tracking.log_datasets(run, {"train": ("data/processed/train.parquet", "training"),
-                                    "missing": ("data/processed/nothing.parquet", "evaluation")})
+    with runs.stage_run("train", cfg) as run:
+        artifacts.log_datasets(run, {"train": ("data/processed/train.parquet", "training"),
+                                     "missing": ("data/processed/nothing.parquet", "evaluation")})
     client = _client(cfg.tracking.uri)
     md5 = hashlib.md5((tmp_path / "data/processed/train.parquet").read_bytes()).hexdigest()
     for run_id in (run.run_id, run.parent_id):
@@ -440,11 +555,11 @@ def test_the_policy_is_a_transformers_model_that_loads_and_registers(store, requ
     monkeypatch.setenv("TURNRL_PIPELINE_KEY", f"unit:model:{copy}")
     shutil.copytree(tiny_model_dir, tmp_path / "models/final")
     cfg = _config(store, request, model_copy_max_mb=1000 if copy else 0, register_model=f"turnrl-unit-{copy}")
-    with tracking.stage_run("train", cfg) as run:
-        model_id = tracking.log_policy(run, "models/final")
-    with tracking.stage_run("eval", cfg) as evaluation:
-        version = tracking.register_policy(evaluation, "models/final", {"task": {"accuracy": 0.25}},
-                                           {"task": {"accuracy": 0.75}, "math500": {"accuracy": 0.1}})
+    with runs.stage_run("train", cfg) as run:
+        model_id = model_logging.log_policy(run, "models/final")
+    with runs.stage_run("eval", cfg) as evaluation:
+        version = model_logging.register_policy(evaluation, "models/final", {"task": {"accuracy": 0.25}},
+                                                {"task": {"accuracy": 0.75}, "math500": {"accuracy": 0.1}})
     mlflow.set_tracking_uri(store)
     logged = mlflow.get_logged_model(model_id)
     assert logged.source_run_id == run.run_id and logged.tags["turnrl.storage"] == ("copy" if copy else

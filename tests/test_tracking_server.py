@@ -79,9 +79,9 @@ def test_training_goes_on_when_the_tracking_server_dies(tiny_model_dir, tmp_path
 
     assert code == 0, out[-4000:]
     assert killed_at is not None and "Traceback" not in out
-    # quiet logs: vLLM's warning after each weight push at most once (Ray's log forwarding may not
-    # deliver an actor's line before the driver exits), its per-push INFO lines not at all
-    assert out.count("RotaryEmbedding: Failed to load weights") <= 1 and "Reloading weights inplace" not in out
+    # quiet logs: vLLM's expected warning after each weight push (the rotary cache is computed, not
+    # pushed: turnrl.tracking.logs.RotaryCacheFilter) and its per-push INFO lines not at all
+    assert "RotaryEmbedding: Failed to load weights" not in out and "Reloading weights inplace" not in out
     # every local result
     curve = (root / "plots/train.csv").read_text().splitlines()
     assert len(curve) == STEPS + 1

@@ -531,6 +531,10 @@ class TrackingCfg(_Section):
         "a Model Registry name: each pipeline run's eval adds a version of the final policy; empty: none"))
     retry_s: float = Field(30.0, ge=0, description=(
         "an unreachable tracking server is retried this long, then the stage goes on without it (one warning)"))
+    on_unreachable: Literal["local", "fail"] = Field("local", description=(
+        "a tracking.uri server that does not answer when a stage starts: `local` records the stage to the "
+        "project's sqlite:///mlflow.db instead (one warning; runs tagged turnrl.tracking_fallback), "
+        "`fail` stops the stage with one line"))
     ui_url: str = Field("", description=(
         "the MLflow UI's address for links (Prefect artifacts); empty: tracking.uri if http(s), "
         "else http://127.0.0.1:5000 (`mlflow ui`)"))

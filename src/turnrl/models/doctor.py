@@ -184,13 +184,13 @@ def check_ray(cfg: Config) -> Check:
 
 
 def check_mlflow(cfg: Config) -> Check:
-    from turnrl import tracking
+    from turnrl.tracking.runs import ensure_experiment, tracking_uri
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    uri = tracking.tracking_uri(cfg)
+    uri = tracking_uri(cfg)
     try:
         import mlflow
         mlflow.set_tracking_uri(uri)
-        experiment = tracking._experiment_id(mlflow, "turnrl-doctor")
+        experiment = ensure_experiment(mlflow, "turnrl-doctor")
         client = mlflow.MlflowClient()
         run = client.create_run(experiment, run_name="doctor")
         client.log_metric(run.info.run_id, "ok", 1.0)

@@ -346,29 +346,30 @@ def log_to_mlflow(metrics: dict, out_dir: Path, metrics_name: str, trajectories:
     import mlflow
     import pandas as pd
 
-    from turnrl import tracking
     from turnrl.tracking import traces as tracing
-    run = tracking.current_run()
+    from turnrl.tracking.artifacts import log_dict, log_table
+    from turnrl.tracking.runs import current_run, log_metrics, param_value
+    run = current_run()
     settings = {f"eval/{block}/{key}": value for block, values in metrics.items() if isinstance(values, dict)
                 for key, value in values.items() if key in SETTINGS}
     numbers = {f"eval/{k.replace('.', '/', 1)}": v for k, v in flat_metrics(metrics).items()
                if k.split(".", 1)[1] not in SETTINGS}
     if run is None:   # outside a stage run (a bare active run)
         mlflow.log_dict(metrics, metrics_name)
-        mlflow.log_params({k: tracking._param(v) for k, v in settings.items()})
-        tracking.log_metrics(numbers)
+        mlflow.log_params({k: param_value(v) for k, v in settings.items()})
+        log_metrics(numbers)
         for table in sorted(Path(out_dir).glob("*.parquet")):
             mlflow.log_table(pd.read_parquet(table), f"generations/{table.stem}.json")
         return
-    tracking.log_dict(run, metrics, metrics_name)
+    log_dict(run, metrics, metrics_name)
     run.recorder.submit("params", "evaluation settings", lambda c: c.log_batch(
-        run.run_id, params=[mlflow.entities.Param(k, tracking._param(v)) for k, v in settings.items()]))
-    tracking.log_metrics(numbers)
+        run.run_id, params=[mlflow.entities.Param(k, param_value(v)) for k, v in settings.items()]))
+    log_metrics(numbers)
     for table in sorted(Path(out_dir).glob("*.parquet")):
-        tracking.log_table(run, pd.read_parquet(table), f"generations/{table.stem}.json")
+        log_table(run, pd.read_parquet(table), f"generations/{table.stem}.json")
     per_block = run.cfg.tracking.traces.per_benchmark
     for block, trajs in (trajectories or {}).items():
-        tracking.log_traces(run, tracing.evaluation_traces(trajs, block, stage or "evaluation", per_block,
+        tracing.log_traces(run, tracing.evaluation_traces(trajs, block, stage or "evaluation", per_block,
                                                            reason=lambda t: grading_reason(t, run.cfg.env.name),
                                                            env=run.cfg.env.name))
 
@@ -459,8 +460,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return BAD_INPUT_EXIT
     if args.mlflow:
-        from turnrl import tracking
-        with tracking.stage_run("evaluate_checkpoint", cfg):
+        from turnrl.tracking.runs import stage_run
+        with stage_run("evaluate_checkpoint", cfg):
             import mlflow
             mlflow.set_tag("turnrl.checkpoint", str(args.model.resolve()))
             metrics = evaluate_checkpoint(cfg, args.model, args.out, args.data)

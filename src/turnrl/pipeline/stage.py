@@ -3,7 +3,9 @@
 Exit codes: 2 for bad input (params, data, model path: retrying will not help, and the
 Prefect flow does not retry it), 1 for anything else. A full disk is reported as such (what
 was being written, where to free space), with exit code 1: it is not bad input, and a retry
-after space was freed succeeds.
+after space was freed succeeds. So is a tracking store that cannot be opened (one line naming
+tracking.uri; a server that does not answer only with `tracking.on_unreachable: fail`, else
+the stage records to the project's mlflow.db): a retry once the server is up succeeds.
 """
 from __future__ import annotations
 
@@ -33,14 +35,17 @@ def run_stage(name: str, body: Callable[[Config], Any],
         print(f"turnrl {name}: invalid params\n{exc}", file=sys.stderr)
         raise SystemExit(BAD_INPUT_EXIT) from None
 
-    from turnrl import tracking
     from turnrl.data.sources import DataSourceError
+    from turnrl.tracking import runs
     try:
-        with tracking.stage_run(name, cfg, resume_run(cfg) if resume_run else None):
+        with runs.stage_run(name, cfg, resume_run(cfg) if resume_run else None):
             body(cfg)
     except (DataSourceError, FileNotFoundError, ConfigError) as exc:   # e.g. params that cannot work together
         print(f"turnrl {name}: {exc}", file=sys.stderr)
         raise SystemExit(BAD_INPUT_EXIT) from None
+    except runs.TrackingUnavailable as exc:   # a server that is down: starting it and rerunning will do
+        print(f"turnrl {name}: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
     except OSError as exc:
         if exc.errno not in DISK_FULL_ERRNOS:
             raise

@@ -135,11 +135,31 @@ def _numbers(info: dict) -> dict[str, float]:
         k: bool(v) for k, v in info.items() if isinstance(v, bool)}
 
 
-def plan(t, *, name: str, tags: dict[str, Any], attributes: dict[str, Any] | None = None,
-         advantage: float | None = None, correct: tuple[bool, str] | None = None) -> TracePlan:
-    """The trace of trajectory `t` (a turnrl.rollout.multi_turn.Trajectory): spans with their times,
-    tags, and the feedback to attach (`reward`, and `correct` with its reason when given)."""
-    now = time.time()
+def _tool_span(t, k: int, text: str, last_env: int, last_tool: int, turn_reward, observed: int) -> SpanPlan:
+    """The environment's step after turn `k`: the tool named by the turn's closing tag, its
+    arguments, the observation (or the trajectory's end), and the error where it failed."""
+    info = t.info or {}
+    e_start, e_end = t.env_times[k]
+    tool, arguments = action(text)
+    observation = t.observations[k] if k < len(t.observations) else None
+    if observation is not None:
+        result: Any = _clip(observation)
+    else:   # the step that ended the trajectory (or one cut by a budget before its result joined)
+        result = {"done": k == last_env, "finish": t.finish, "outcome": t.outcome,
+                  **{key: info[key] for key in ("extracted", "prediction", "reason") if key in info}}
+    error = None
+    if k == last_env and t.finish == "env_error":
+        error = str(info.get("env_error") or "the environment raised")
+    elif k == last_tool and info.get("tool_ok") is False:
+        error = str(info.get("tool_error") or info.get("error") or "the tool call failed")
+    return SpanPlan(name=tool, span_type="TOOL", start_ns=_ns(e_start), end_ns=_ns(e_end),
+                    inputs={"arguments": _clip(arguments)}, outputs={"result": result}, error=error,
+                    attributes={"tool": tool, "seconds": round(e_end - e_start, 4), "turn_reward": turn_reward,
+                                "observation_tokens": observed, **({"error": error} if error else {})})
+
+
+def _turn_spans(t, now: float) -> list[SpanPlan]:
+    """A span per turn: the policy's generation and the environment's step after it."""
     turns = t.num_turns
     turn_times = list(getattr(t, "turn_times", []) or [])
     env_times = list(getattr(t, "env_times", []) or [])
@@ -148,7 +168,6 @@ def plan(t, *, name: str, tags: dict[str, Any], attributes: dict[str, Any] | Non
     # the step that made the last tool call: the last one the trajectory went on after
     ended_by_env = t.finish not in ("max_turns", "token_budget", "truncated")
     last_tool = last_env - 1 if ended_by_env else last_env
-    info = t.info or {}
     children: list[SpanPlan] = []
     context = len(t.prompt_ids)
     for k in range(turns):
@@ -169,30 +188,22 @@ def plan(t, *, name: str, tags: dict[str, Any], attributes: dict[str, Any] | Non
         turn_end = g_end
         turn_reward = t.turn_rewards[k] if k < len(t.turn_rewards) else None
         if k < len(env_times):
-            e_start, e_end = env_times[k]
-            tool, arguments = action(text)
-            observation = t.observations[k] if k < len(t.observations) else None
-            if observation is not None:
-                result: Any = _clip(observation)
-            else:   # the step that ended the trajectory (or one cut by a budget before its result joined)
-                result = {"done": k == last_env, "finish": t.finish, "outcome": t.outcome,
-                          **{key: info[key] for key in ("extracted", "prediction", "reason") if key in info}}
-            error = None
-            if k == last_env and t.finish == "env_error":
-                error = str(info.get("env_error") or "the environment raised")
-            elif k == last_tool and info.get("tool_ok") is False:
-                error = str(info.get("tool_error") or info.get("error") or "the tool call failed")
-            spans.append(SpanPlan(
-                name=tool, span_type="TOOL", start_ns=_ns(e_start), end_ns=_ns(e_end),
-                inputs={"arguments": _clip(arguments)}, outputs={"result": result}, error=error,
-                attributes={"tool": tool, "seconds": round(e_end - e_start, 4), "turn_reward": turn_reward,
-                            "observation_tokens": observed_tokens.get(k, 0),
-                            **({"error": error} if error else {})}))
-            turn_end = max(turn_end, e_end)
+            spans.append(_tool_span(t, k, text, last_env, last_tool, turn_reward, observed_tokens.get(k, 0)))
+            turn_end = max(turn_end, env_times[k][1])
         children.append(SpanPlan(
             name=f"turn {k + 1}" + (" (high level)" if level == "high" else ""), span_type="CHAIN",
             start_ns=_ns(g_start), end_ns=_ns(turn_end), children=spans,
             attributes={"turn": k + 1, "level": level, "turn_reward": turn_reward, "tokens": out_tokens}))
+    return children
+
+
+def plan(t, *, name: str, tags: dict[str, Any], attributes: dict[str, Any] | None = None,
+         advantage: float | None = None, correct: tuple[bool, str] | None = None) -> TracePlan:
+    """The trace of trajectory `t` (a turnrl.rollout.multi_turn.Trajectory): spans with their times,
+    tags, and the feedback to attach (`reward`, and `correct` with its reason when given)."""
+    now = time.time()
+    info = t.info or {}
+    children = _turn_spans(t, now)
     starts = [c.start_ns for c in children] or [_ns(now)]
     end = max([c.end_ns for c in children] or [_ns(now)])
     final_text = t.turn_texts[-1] if t.turn_texts else ""
@@ -205,7 +216,7 @@ def plan(t, *, name: str, tags: dict[str, Any], attributes: dict[str, Any] | Non
         reward["correct"], reward["reason"] = correct
     children.append(SpanPlan(name="reward", span_type="EVALUATOR", start_ns=end, end_ns=end,
                              inputs={"finish": t.finish, "answer": answer}, outputs=reward))
-    root_attributes = {"finish": t.finish, "reward": t.reward, "outcome": t.outcome, "turns": turns,
+    root_attributes = {"finish": t.finish, "reward": t.reward, "outcome": t.outcome, "turns": t.num_turns,
                        "policy_tokens": t.policy_tokens(), "levels": list(t.levels),
                        **({"advantage": advantage, "advantage_kind": "group-normalized reward (R-mean)/(std+1e-6)"}
                           if advantage is not None else {}),
@@ -218,7 +229,7 @@ def plan(t, *, name: str, tags: dict[str, Any], attributes: dict[str, Any] | Non
                              "finish": t.finish, "reward": t.reward},
                     attributes=root_attributes, children=children,
                     error=str(info.get("env_error")) if t.finish == "env_error" else None)
-    all_tags = {k: _tag(v) for k, v in {"finish": t.finish, "reward": t.reward, "turns": turns, **tags}.items()}
+    all_tags = {k: _tag(v) for k, v in {"finish": t.finish, "reward": t.reward, "turns": t.num_turns, **tags}.items()}
     feedback = [{"name": "reward", "value": float(t.reward),
                  "rationale": f"outcome {t.outcome:g}" + "".join(f" + {k} {v:g}" for k, v in t.rewards.items())}]
     if correct is not None:
@@ -269,6 +280,15 @@ def log(client, trace: TracePlan, *, experiment_id: str, run_id: str | None) -> 
 
 def _attrs(attributes: dict) -> dict:
     return {k: v for k, v in attributes.items() if v is not None}
+
+
+def log_traces(run, plans: list[TracePlan], run_id: str | None = None) -> None:
+    """Queue traces on the stage run's Recorder (`run`: a turnrl.tracking.runs.StageRun), linked
+    to the stage run (or `run_id`)."""
+    for trace in plans:
+        run.recorder.submit("traces", trace.root.name,
+                            lambda c, p=trace: log(c, p, experiment_id=run.experiment_id,
+                                                   run_id=run_id or run.run_id))
 
 
 # --------------------------------------------------------------------------- what the stages trace
