@@ -52,16 +52,20 @@ class GuessEnv:
     def step(self, text: str) -> StepResult:
         found = _GUESS.search(text)
         if found is None:
-            return StepResult(None, 0.0, True, {"outcome": 0.0, "reason": "no_action", "guesses": self.guesses})
+            return StepResult(None, 0.0, True, {"outcome": 0.0, "reason": "no_action", "guesses": self.guesses,
+                                                "grade": "no <guess>N</guess> in the turn"})
         guess = int(found.group(1))
         self.guesses += 1
         consistent = 1.0 if self.low <= guess <= self.high else 0.0
         if guess == self.secret:
             return StepResult(None, consistent, True, {"outcome": 1.0, "reason": "answer", "guesses": self.guesses,
-                                                       "extracted": str(guess)})
+                                                       "extracted": str(guess),
+                                                       "grade": f"found {guess} in {self.guesses} guesses"})
         if self.guesses >= self.max_guesses:
             return StepResult(None, consistent, True, {"outcome": 0.0, "reason": "max_turns", "guesses": self.guesses,
-                                                       "extracted": str(guess)})
+                                                       "extracted": str(guess),
+                                                       "grade": f"not found in {self.guesses} guesses (last {guess}, "
+                                                                f"the number was {self.secret})"})
         if guess < self.secret:
             self.low = max(self.low, guess + 1)
             return StepResult("Higher.", consistent, False, {"guesses": self.guesses})

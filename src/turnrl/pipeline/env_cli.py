@@ -82,7 +82,8 @@ def _show(label: str, value: Any) -> None:
     if "\n" in text or len(text) > 100:
         if not isinstance(value, str):
             text = json.dumps(value, indent=2, ensure_ascii=False, default=str)
-        text = "\n" + "\n".join("  " + line for line in text.splitlines())
+        indent = " " * (len(label) - len(label.lstrip()) + 2)
+        text = "\n" + "\n".join(indent + line for line in text.splitlines())
     else:
         text = " " + text
     print(f"{label}:{text}")
