@@ -413,7 +413,8 @@ def test_turnrl_env_prints_options_tools_the_first_observation_and_steps(tmp_pat
     assert 'options: {"max_guesses": 2}' in out and "stop: ['</guess>']" in out
     assert "first observation: Game 10001: I picked a number from 1 to 12. Guess it." in out
     assert "step 1: '<guess>6</guess>'\n  observation: Lower.\n  reward: 1.0    done: False" in out
-    assert '"reason": "max_turns", "guesses": 2' in out                     # two guesses allowed: done
+    assert '"reason": "max_turns"' in out and '"guesses": 2' in out      # two guesses allowed: done
+    assert '"grade": "not found in 2 guesses (last 3, the number was 2)"' in out
     assert "done after step 2: the remaining 1 step(s) are not run" in out
     # the tools environment shows the schema it generated from the function; rows: its synthetic ones
     code = main(["env", "tools", "-S", "functions=[examples.tools.calc:calculator]", "--step",
