@@ -365,6 +365,8 @@ class HealthCfg(_Section):
         "mean per-token KL to the starting model (kl_ref), `window` steps in a row"))
     logp_gap_p99_max: float = Field(0.5, gt=0, description=(
         "p99 over sampled tokens of |logp engine - logp trainer|"))
+    tool_error_frac_max: float = Field(0.5, ge=0, lt=1, description=(
+        "a tool's share of failed calls at a step (tools/<name>/error_frac: raised, timed out, unreachable)"))
 
 
 class TrainCfg(_Section):

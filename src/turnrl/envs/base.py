@@ -14,6 +14,10 @@ intervention); it is never trained on. `reward` is this turn's reward (turn-leve
 read it); when `done`, `info["outcome"]` holds the trajectory's outcome reward (e.g. answer
 correctness) and `info["reason"]` why it ended. Numbers in `info` are logged per step as
 `env_<key>_mean`; `info["tool_ok"]` marks a tool call (tool_call_rate, tool_success_rate).
+`info` is passed on to reward functions as keyword arguments, so it must not use their names
+(`RESERVED_INFO_KEYS`). A step that returns anything else (None, a reward of None, an int
+observation, no info dict, a non-numeric outcome, a reserved key) ends its trajectory as an
+environment error naming the plugin and what was wrong (`step_result_problem`).
 
 Optional, each used where present:
 
@@ -36,6 +40,8 @@ the environment reads (a search corpus) during `preprocess`.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -46,12 +52,56 @@ from pydantic import BaseModel
 LEVELS = ("low", "high")
 
 
+#: Keys an environment's `info` must not have: reward functions are called as
+#: fn(prompt, completion, answer, **info) with turns, observations, finish and example added.
+RESERVED_INFO_KEYS = ("prompt", "completion", "answer", "turns", "observations", "finish", "example")
+STEP_RESULT_EXPECTED = ("StepResult(observation: str | list[str] | None, reward: number, done: bool, info: dict; "
+                        "info['outcome'] a number when done)")
+
+
 @dataclass
 class StepResult:
     observation: str | list[str] | None     # a list: several messages (one tool result per call)
     reward: float
     done: bool
     info: dict[str, Any] = field(default_factory=dict)
+
+
+def _number_problem(value: Any, what: str) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return f"{what} is {value!r} ({type(value).__name__}), not a number"
+    if not math.isfinite(value):
+        return f"{what} is {value!r}, not a finite number"
+    return None
+
+
+def step_result_problem(result: Any) -> str | None:
+    """What is wrong with what a `step` returned (the first problem), or None if it is a good
+    `StepResult` (duck-typed: any object with its four attributes)."""
+    if not all(hasattr(result, a) for a in ("observation", "reward", "done", "info")):
+        return f"returned {type(result).__name__}" + (f" {result!r}"[:80] if result is None else "")
+    obs = result.observation
+    if not (obs is None or isinstance(obs, str) or
+            (isinstance(obs, (list, tuple)) and all(isinstance(m, str) for m in obs))):
+        kinds = ", ".join(sorted({type(m).__name__ for m in obs})) if isinstance(obs, (list, tuple)) else ""
+        return (f"returned an observation of {type(obs).__name__}" + (f" of {kinds}" if kinds else "") +
+                ", not a string, a list of strings or None")
+    problem = _number_problem(result.reward, "the reward")
+    if problem is not None:
+        return f"returned a StepResult whose {problem}"
+    if not (isinstance(result.done, bool) or type(result.done).__name__ == "bool_"):
+        return f"returned done = {result.done!r} ({type(result.done).__name__}), not a bool"
+    if not isinstance(result.info, dict):
+        return f"returned info = {result.info!r}"[:120] + f" ({type(result.info).__name__}), not a dict"
+    reserved = sorted(set(result.info) & set(RESERVED_INFO_KEYS))
+    if reserved:
+        return (f"returned info with the reserved key(s) {', '.join(map(repr, reserved))} (reward functions "
+                "take them as arguments); rename them")
+    if result.done and "outcome" in result.info:
+        problem = _number_problem(result.info["outcome"], "info['outcome']")
+        if problem is not None:
+            return f"returned a final StepResult whose {problem}"
+    return None
 
 
 class Env(Protocol):

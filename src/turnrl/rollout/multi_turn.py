@@ -48,7 +48,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 from tqdm.auto import tqdm
 
-from turnrl.envs.base import Env, StepResult
+from turnrl.envs.base import STEP_RESULT_EXPECTED, Env, StepResult, step_result_problem
 from turnrl.rollout.chat import ChatFormat
 
 ENV_ERROR = "env_error"   # Trajectory.finish of a trajectory its environment's exception ended
@@ -130,6 +130,8 @@ class Trajectory:
     # environment step, for traces and timing metrics
     turn_times: list[tuple[float, float]] = field(default_factory=list)
     env_times: list[tuple[float, float]] = field(default_factory=list)
+    # the policy version that sampled each policy turn (asynchronous training; see rollout.stream)
+    turn_versions: list[int] = field(default_factory=list)
 
     @property
     def num_turns(self) -> int:
@@ -194,7 +196,7 @@ def level_of(env: Env, turn: int) -> str:
 
 def error_text(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
+    return f"{type(exc).__name__}: {text[:400]}" if text else type(exc).__name__
 
 
 def error_result(exc: BaseException) -> StepResult:
@@ -202,11 +204,30 @@ def error_result(exc: BaseException) -> StepResult:
     return StepResult(None, 0.0, True, {"outcome": 0.0, "reason": ENV_ERROR, "env_error": error_text(exc)})
 
 
+class MalformedStep(ValueError):
+    """An environment's `step` returned something other than a good `StepResult`."""
+
+
+def env_name(env: Env) -> str:
+    """The plugin an environment comes from, for messages: module.Class."""
+    cls = type(env)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def checked(env: Env, result: object) -> StepResult:
+    """`result` if it is a good StepResult, else the env_error end of the trajectory saying
+    which plugin returned what, and what a step must return."""
+    problem = step_result_problem(result)
+    if problem is None:
+        return result
+    return error_result(MalformedStep(f"{env_name(env)}.step {problem}; it must return {STEP_RESULT_EXPECTED}"))
+
+
 def _safe_step(env: Env, text: str) -> tuple[StepResult, tuple[float, float]]:
-    """The environment's answer (an env_error result if it raised) and when it ran."""
+    """The environment's answer (an env_error result if it raised or returned garbage) and when it ran."""
     start = time.time()
     try:
-        result = env.step(text)
+        result = checked(env, env.step(text))
     except Exception as exc:   # noqa: BLE001 - the environment is user code: end this trajectory only
         result = error_result(exc)
     return result, (start, time.time())
@@ -215,7 +236,7 @@ def _safe_step(env: Env, text: str) -> tuple[StepResult, tuple[float, float]]:
 async def _safe_astep(env: Env, text: str) -> tuple[StepResult, tuple[float, float]]:
     start = time.time()
     try:
-        result = await env.step(text)
+        result = checked(env, await env.step(text))
     except Exception as exc:   # noqa: BLE001
         result = error_result(exc)
     return result, (start, time.time())
@@ -291,127 +312,149 @@ def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict]
             env, t = _start(make_env, example, fmt)
             envs.append(env)
             trajs.append(t)
-    live = [e for e in envs if e is not None]
-    if not live:
+    if not any(e is not None for e in envs):
         return trajs
+    rollout = _Rollout(engine, envs, trajs, fmt, budgets, temperature=temperature, top_p=top_p, seed=seed,
+                       observation_lag=observation_lag, rejoin=rejoin, progress=progress, desc=desc)
+    with ThreadPoolExecutor(max_workers=env_workers) as pool:
+        rollout.run(pool)
+    return trajs
 
-    options = dict(stop=tuple(live[0].stop), temperature=temperature, top_p=top_p)
-    two_levels = isinstance(engine, Mapping)
-    by_level = engine if two_levels else {"low": engine}
-    steppers: dict[int, Stepper] = {}      # one per distinct engine, whatever levels it plays
-    for e in by_level.values():
-        if id(e) not in steppers:
-            steppers[id(e)] = e.stepper(**options) if hasattr(e, "stepper") else BatchStepper(e, **options)
-    turn_of = [0] * len(trajs)
-    level_at: list[str] = ["low"] * len(trajs)   # the level of each trajectory's current turn
-    asked_at = [0.0] * len(trajs)                # when its current turn went to the engine
-    bar = tqdm(total=len(trajs), desc=desc, unit="traj", disable=not progress, leave=False)
-    events = _EventLoop() if inspect.iscoroutinefunction(live[0].step) else None
 
-    def env_step(i: int, text: str) -> Future:
-        if events is not None:
-            return events.submit(_safe_astep(envs[i], text))
-        return pool.submit(_safe_step, envs[i], text)
+# An answer on its way: (the engine step it is due at, trajectory, its last sample, the env's work).
+_Pending = tuple[int, int, Sample, Future]
 
-    def start_turn(i: int) -> None:
-        t, turn = trajs[i], turn_of[i]
-        room = min(budgets.max_tokens_per_turn, budgets.max_tokens_total - len(t.response_ids),
-                   budgets.max_context - len(t.prompt_ids) - len(t.response_ids))
-        if room <= 0:                      # e.g. a prompt longer than the context
-            t.finish = "token_budget"
-            bar.update()
-            return
+
+class _Rollout:
+    """The state of one `run_rollouts` call: each trajectory's turn, level and pending answer."""
+
+    def __init__(self, engine: Engine | Mapping[str, Engine], envs: list[Env | None], trajs: list[Trajectory],
+                 fmt: ChatFormat, budgets: Budgets, *, temperature: float, top_p: float, seed: int | None,
+                 observation_lag: int, rejoin: str, progress: bool, desc: str):
+        self.envs, self.trajs, self.fmt, self.budgets, self.seed = envs, trajs, fmt, budgets, seed
+        self.observation_lag, self.rejoin = observation_lag, rejoin
+        live = [e for e in envs if e is not None]
+        options = dict(stop=tuple(live[0].stop), temperature=temperature, top_p=top_p)
+        self.by_level = engine if isinstance(engine, Mapping) else {"low": engine}
+        self.steppers: dict[int, Stepper] = {}      # one per distinct engine, whatever levels it plays
+        for e in self.by_level.values():
+            if id(e) not in self.steppers:
+                self.steppers[id(e)] = e.stepper(**options) if hasattr(e, "stepper") else BatchStepper(e, **options)
+        self.turn_of = [0] * len(trajs)
+        self.level_at: list[str] = ["low"] * len(trajs)   # the level of each trajectory's current turn
+        self.asked_at = [0.0] * len(trajs)                # when its current turn went to the engine
+        self.bar = tqdm(total=len(trajs), desc=desc, unit="traj", disable=not progress, leave=False)
+        self.events = _EventLoop() if inspect.iscoroutinefunction(live[0].step) else None
+        self.pool: ThreadPoolExecutor | None = None
+        # a heap by due step with rejoin "lag", in arrival order with "ready"
+        self.waiting: list[_Pending] = []
+        self.step = 0
+
+    def run(self, pool: ThreadPoolExecutor) -> None:
+        self.pool = pool
         try:
-            level = level_at[i] = level_of(envs[i], turn)
+            for i in range(len(self.trajs)):
+                if self.envs[i] is not None:
+                    self.start_turn(i)
+                else:             # its environment failed to start
+                    self.bar.update()
+            while True:
+                self.take_answers()
+                busy = [s for s in self.steppers.values() if s.busy()]
+                if busy:
+                    self.decode(busy)
+                elif not self.waiting:
+                    break
+                elif self.rejoin == "lag":
+                    self.step = self.waiting[0][0]            # nothing to decode: the next answer
+                else:                                         # nothing to decode: until one is back
+                    wait_futures([e[3] for e in self.waiting], return_when=FIRST_COMPLETED)
+        finally:
+            for stepper in self.steppers.values():
+                stepper.abort()
+            if self.events is not None:
+                self.events.close()
+            self.bar.close()
+
+    def env_step(self, i: int, text: str) -> Future:
+        if self.events is not None:
+            return self.events.submit(_safe_astep(self.envs[i], text))
+        return self.pool.submit(_safe_step, self.envs[i], text)
+
+    def end(self, i: int, finish: str | None = None) -> None:
+        if finish is not None:
+            self.trajs[i].finish = finish
+        self.bar.update()
+
+    def start_turn(self, i: int) -> None:
+        t, turn, b = self.trajs[i], self.turn_of[i], self.budgets
+        room = min(b.max_tokens_per_turn, b.max_tokens_total - len(t.response_ids),
+                   b.max_context - len(t.prompt_ids) - len(t.response_ids))
+        if room <= 0:                      # e.g. a prompt longer than the context
+            return self.end(i, "token_budget")
+        try:
+            level = self.level_at[i] = level_of(self.envs[i], turn)
         except Exception as exc:   # noqa: BLE001 - a broken role() ends this trajectory
             t.record(error_result(exc))
-            bar.update()
-            return
-        engine_of = by_level.get(level, by_level["low"])
-        asked_at[i] = time.time()
-        steppers[id(engine_of)].add(i, t.prompt_ids + t.response_ids, room,
-                                    None if seed is None else _seed(seed, i, turn))
+            return self.end(i)
+        engine_of = self.by_level.get(level, self.by_level["low"])
+        self.asked_at[i] = time.time()
+        self.steppers[id(engine_of)].add(i, t.prompt_ids + t.response_ids, room,
+                                         None if self.seed is None else _seed(self.seed, i, turn))
 
-    def end_turn(i: int, sample: Sample, result: StepResult) -> None:
+    def end_turn(self, i: int, sample: Sample, result: StepResult) -> None:
         """The environment's answer to trajectory i's turn: end it, or start its next turn."""
-        t, turn = trajs[i], turn_of[i]
+        t, turn = self.trajs[i], self.turn_of[i]
         if t.record(result):
-            bar.update()
-            return
-        if turn == budgets.max_turns - 1:
-            t.finish = "max_turns"
-            bar.update()
-            return
+            return self.end(i)
+        if turn == self.budgets.max_turns - 1:
+            return self.end(i, "max_turns")
         rendered, text = observation_texts(result.observation)
-        obs_ids = fmt.observation_ids(rendered, envs[i].observation_role, after_eos=fmt.ends_turn(sample.token_ids))
-        if len(t.response_ids) + len(obs_ids) >= budgets.max_tokens_total:
-            t.finish = "token_budget"
-            bar.update()
-            return
+        obs_ids = self.fmt.observation_ids(rendered, self.envs[i].observation_role,
+                                           after_eos=self.fmt.ends_turn(sample.token_ids))
+        if len(t.response_ids) + len(obs_ids) >= self.budgets.max_tokens_total:
+            return self.end(i, "token_budget")
         t.add_observation(turn, obs_ids, text)
-        turn_of[i] += 1
-        start_turn(i)
+        self.turn_of[i] += 1
+        self.start_turn(i)
 
-    def take(entry: tuple[int, int, Sample, Future]) -> None:
+    def take(self, entry: _Pending) -> None:
         _, i, sample, work = entry
         result, ran = work.result()
-        trajs[i].env_times.append(ran)
-        end_turn(i, sample, result)
+        self.trajs[i].env_times.append(ran)
+        self.end_turn(i, sample, result)
 
-    # answers on their way: (engine step they are due at, trajectory, its last sample, the env's work);
-    # a heap by due step with rejoin "lag", in arrival order with "ready"
-    waiting: list[tuple[int, int, Sample, Future]] = []
-    step = 0
-    with ThreadPoolExecutor(max_workers=env_workers) as pool:
-        try:
-            for i in range(len(trajs)):
-                if envs[i] is not None:
-                    start_turn(i)
-                else:             # its environment failed to start
-                    bar.update()
-            while True:
-                if rejoin == "lag":
-                    while waiting and waiting[0][0] <= step:     # due answers, in a fixed order
-                        take(heapq.heappop(waiting))
-                else:                                            # the answers back by now, without blocking
-                    back, pending = [], []
-                    for entry in waiting:
-                        (back if entry[3].done() else pending).append(entry)
-                    waiting = pending
-                    for entry in sorted(back, key=lambda e: e[1]):
-                        take(entry)
-                busy = [s for s in steppers.values() if s.busy()]
-                if not busy:
-                    if not waiting:
-                        break
-                    if rejoin == "lag":
-                        step = waiting[0][0]                  # nothing to decode: the next answer
-                    else:                                     # nothing to decode: until one is back
-                        wait_futures([e[3] for e in waiting], return_when=FIRST_COMPLETED)
+    def take_answers(self) -> None:
+        """The answers that rejoin now: those due (lag, in a fixed order) or back (ready)."""
+        if self.rejoin == "lag":
+            while self.waiting and self.waiting[0][0] <= self.step:
+                self.take(heapq.heappop(self.waiting))
+            return
+        back, pending = [], []                       # without blocking
+        for entry in self.waiting:
+            (back if entry[3].done() else pending).append(entry)
+        self.waiting = pending
+        for entry in sorted(back, key=lambda e: e[1]):
+            self.take(entry)
+
+    def decode(self, busy: list[Stepper]) -> None:
+        """One engine step; each finished turn goes to its environment."""
+        self.step += 1
+        for stepper in busy:
+            for i, sample in stepper.step():
+                t = self.trajs[i]
+                text = self.fmt.tokenizer.decode(sample.token_ids, skip_special_tokens=False)
+                t.add_turn(self.turn_of[i], sample.token_ids, sample.logprobs, text, self.level_at[i])
+                t.turn_times.append((self.asked_at[i], time.time()))
+                if sample.finish == "length":   # cut by the token limit: no complete action
+                    t.turn_rewards.append(0.0)
+                    self.end(i, "truncated")
                     continue
-                step += 1
-                for stepper in busy:
-                    for i, sample in stepper.step():
-                        text = fmt.tokenizer.decode(sample.token_ids, skip_special_tokens=False)
-                        trajs[i].add_turn(turn_of[i], sample.token_ids, sample.logprobs, text, level_at[i])
-                        trajs[i].turn_times.append((asked_at[i], time.time()))
-                        if sample.finish == "length":   # cut by the token limit: no complete action
-                            trajs[i].turn_rewards.append(0.0)
-                            trajs[i].finish = "truncated"
-                            bar.update()
-                            continue
-                        entry = (step + observation_lag, i, sample, env_step(i, text))
-                        if rejoin == "lag":
-                            heapq.heappush(waiting, entry)
-                        else:
-                            waiting.append(entry)
-        finally:
-            for stepper in steppers.values():
-                stepper.abort()
-            if events is not None:
-                events.close()
-            bar.close()
-    return trajs
+                entry = (self.step + self.observation_lag, i, sample, self.env_step(i, text))
+                if self.rejoin == "lag":
+                    heapq.heappush(self.waiting, entry)
+                else:
+                    self.waiting.append(entry)
 
 
 def replay(env: Env, fmt: ChatFormat, example: dict, turns: Sequence[str]) -> Trajectory:
@@ -440,9 +483,23 @@ def replay(env: Env, fmt: ChatFormat, example: dict, turns: Sequence[str]) -> Tr
 
 
 def tool_rates(trajs: Sequence[Trajectory]) -> dict[str, float]:
-    """For a tool environment (code_tool, search; its info has `tool_ok` once a call was
-    made): the share of trajectories that called the tool and whose last call ran. {} otherwise."""
-    if not any("tool_ok" in t.info for t in trajs):
+    """For a tool environment (code_tool, search, tools; its info has `tool_ok` once a call was
+    made): the share of trajectories that called the tool and whose last call ran; and where the
+    environment counts calls per tool (`info["tool_by_name"]` = {tool: [calls, failures]}, the
+    `tools` environment), `tools/<name>/error_frac`: the share of the calls that reached the tool
+    and failed (raised, timed out, unreachable). {} otherwise."""
+    if not any("tool_ok" in t.info or t.info.get("tool_by_name") for t in trajs):
         return {}
-    return {"tool_call_rate": sum("tool_ok" in t.info for t in trajs) / len(trajs),
-            "tool_success_rate": sum(bool(t.info.get("tool_ok")) for t in trajs) / len(trajs)}
+    out = {"tool_call_rate": sum("tool_ok" in t.info for t in trajs) / len(trajs),
+           "tool_success_rate": sum(bool(t.info.get("tool_ok")) for t in trajs) / len(trajs)}
+    totals: dict[str, list[int]] = {}
+    for t in trajs:
+        by_name = t.info.get("tool_by_name")
+        for name, (calls, failed) in (by_name.items() if isinstance(by_name, dict) else ()):
+            total = totals.setdefault(name, [0, 0])
+            total[0] += calls
+            total[1] += failed
+    for name, (calls, failed) in sorted(totals.items()):
+        if calls:
+            out[f"tools/{name}/error_frac"] = failed / calls
+    return out

@@ -12,6 +12,7 @@
 | `kl_runaway` | `kl_ref` (mean per-token KL to the starting model) > `kl_ref_max`, `window` steps in a row | the policy drifted far from its start (a one-step spike is not a drift) |
 | `logp_gap` | the p99 of abs(logp engine - logp trainer) over sampled tokens > `logp_gap_p99_max` | the engine samples from another policy than the one trained (a broken weight push, or stale weights) |
 | `non_finite` | NaN or Inf in a loss, gradient norm, KL or entropy | the update is garbage |
+| `tool_errors` | a tool's `tools/<name>/error_frac` (its calls that raised, timed out or could not reach it) > `tool_error_frac_max` at a step | a dead or broken tool: every call is an error observation and the reward loses what the tool gave (the message names the tool) |
 
 Each check writes `health_<check>` (1 failing, 0 not) into the step's metrics, so every run's
 plots/train.csv and MLflow run have them; `health_flags` counts the failing ones. The loop warns
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 CHECKS = ("no_signal", "entropy_collapse", "entropy_explosion", "truncation", "kl_runaway", "logp_gap",
-          "non_finite")
+          "non_finite", "tool_errors")
 #: Metrics whose non-finite value means the update itself went wrong.
 FINITE_KEYS = ("loss", "grad_norm", "kl_ref", "entropy", "value_loss", "high_loss", "high_grad_norm")
 
@@ -57,7 +58,7 @@ def _mean(values: Iterable[float]) -> float:
 class HealthMonitor:
     def __init__(self, cfg: Any):
         """`cfg`: `train.health` (no_signal_steps, window, entropy_low, entropy_high,
-        truncated_frac, kl_ref_max, logp_gap_p99_max)."""
+        truncated_frac, kl_ref_max, logp_gap_p99_max, tool_error_frac_max)."""
         self.cfg = cfg
         self.history: list[dict] = []
         self.failing: set[str] = set()
@@ -121,8 +122,24 @@ class HealthMonitor:
         if gap is not None and math.isfinite(gap) and gap > c.logp_gap_p99_max:
             flag("logp_gap", f"p99 |logp engine - logp trainer| {gap:.3g} > {c.logp_gap_p99_max} "
                              f"(max {metrics.get('logp_gap_max', float('nan')):.3g})")
+        failing_tools = _failing_tools(metrics, getattr(c, "tool_error_frac_max", 0.5))
+        if failing_tools:
+            flag("tool_errors", "tool " + ", ".join(f"{name}: {frac:.0%} of its calls failed" for name, frac in
+                                                    failing_tools) +
+                 f" (over {getattr(c, 'tool_error_frac_max', 0.5):.0%}; raised, timed out or unreachable): "
+                 "is it up? the error observations are in the trajectories")
         self.failing = {f.check for f in flags}
         return flags
+
+
+def _failing_tools(metrics: dict, most: float) -> list[tuple[str, float]]:
+    """(tool, error_frac) of the tools whose `tools/<name>/error_frac` is over `most`."""
+    out = []
+    for key, value in sorted(metrics.items()):
+        if key.startswith("tools/") and key.endswith("/error_frac") and isinstance(value, (int, float)) \
+                and value > most:
+            out.append((key[len("tools/"):-len("/error_frac")], float(value)))
+    return out
 
 
 def summarize(history: Iterable[dict]) -> dict[str, Any]:
