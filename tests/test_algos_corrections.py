@@ -101,3 +101,55 @@ def test_bad_settings_are_refused(bad):
         importance_weights(_t([0.0]), _t([1]), **bad)
     with pytest.raises(ValueError):
         rejection_mask(_t([0.0]), _t([1]), upper=0.5)
+
+
+def _batch(**over):
+    """A mini-batch as the policy worker hands it to a loss: logp carries the gradient."""
+    b = {"logp": torch.tensor([[-1.0, -1.0, -1.0]], requires_grad=True), "old_logp": _t([-1.0, -1.0, -1.0]),
+         "ref_logp": _t([-1.0, -1.0, -1.0]), "advantages": _t([1.0, 1.0, -1.0]), "mask": _t([1, 1, 1]),
+         "engine_logprobs": _t([-1.0 - LN(3), -1.0 - LN(0.5), -1.0])}   # rho = [3, 0.5, 1]
+    b.update(over)
+    return b
+
+
+class _Cfg:
+    kl_coef, kl_estimator, clip_low, clip_high, dual_clip, loss_agg = 0.0, "k3", 0.2, 0.28, None, "token-mean"
+
+    def __init__(self, name, **options):
+        from turnrl.algos.registry import resolve_loss
+        self.loss = resolve_loss(name)
+        self.policy_loss_options = options   # the registered options model checks and fills them
+
+
+def _loss_and_grad(name, batch, **options):
+    cfg = _Cfg(name, **options)
+    loss, metrics = cfg.loss.fn(batch, cfg)
+    loss.backward()
+    return loss.item(), batch["logp"].grad, metrics
+
+
+def test_tis_loss_weights_each_token_by_its_truncated_ratio():
+    """ratio pi/pi_prox = 1, so loss = mean(-A w) with w = min(rho, 2) = [2, 0.5, 1]:
+    (-2 - 0.5 + 1) / 3, and d loss / d logp_t = -A_t w_t / 3."""
+    loss, grad, metrics = _loss_and_grad("tis", _batch(), cap=2.0)
+    assert loss == pytest.approx(-0.5)
+    assert torch.allclose(grad, _t([-2 / 3, -0.5 / 3, 1 / 3]))
+    assert metrics["is_truncated_frac"].item() == pytest.approx(1 / 3)
+
+
+def test_mis_loss_drops_the_rejected_tokens_from_the_gradient():
+    loss, grad, metrics = _loss_and_grad("mis", _batch(), upper=2.0)   # rho 3 is rejected, 0.5 and 1 stay
+    # the rejected token leaves the normalizer too: token-mean over the 2 kept tokens
+    assert torch.allclose(grad, _t([0.0, -1 / 2, 1 / 2]))
+    assert metrics["is_masked_frac"].item() == pytest.approx(1 / 3)
+
+
+def test_decoupled_loss_weights_by_the_untruncated_ratio_and_can_interpolate():
+    _, grad, _ = _loss_and_grad("decoupled", _batch())
+    assert torch.allclose(grad, _t([-3 / 3, -0.5 / 3, 1 / 3]))
+    # interpolate: tokens of version 4 under trainer version 5 have pi_prox = mu exactly (rho 1), so
+    # the surrogate clips pi_theta / mu = [3, 0.5, 1]: token 0 (A > 0, ratio 3 > 1.28) is clipped
+    batch = _batch(versions=torch.tensor([[4, 4, 4]]), trainer_version=torch.tensor([[5, 5, 5]]))
+    _, grad, metrics = _loss_and_grad("decoupled", batch, proximal="interpolate")
+    assert torch.allclose(grad, _t([0.0, -0.5 / 3, 1 / 3]), atol=1e-6)
+    assert metrics["is_weight_max"].item() == pytest.approx(1.0)

@@ -11,6 +11,7 @@ import torch
 
 from turnrl.algos import advantages as adv
 from turnrl.algos import hierarchy
+from turnrl.algos import corrections  # noqa: F401  (registers the off-policy losses: tis, mis, decoupled)
 from turnrl.algos.kl import policy_loss_with_kl
 from turnrl.algos.registry import AdvantageInputs, NoOptions, register, register_loss
 

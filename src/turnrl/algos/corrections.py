@@ -16,10 +16,21 @@ Three policies (the decoupled-PPO view that AReaL and verl's rollout correction 
   by its geometric mean), whose ratio lies outside [1/C, C] leave the loss mask;
 - decoupled PPO: the clipped surrogate against pi_prox, weighted by rho_t (TIS with C = inf
   unless capped).
+
+Each is a registered policy loss (`algorithm.policy_loss: tis | mis | decoupled`, its settings
+in `algorithm.policy_loss_options`), so every algorithm can use it. They read the mini-batch's
+`old_logp` as pi_prox (the trainer recomputes it when the batch is off-policy: asynchronous
+training) and `engine_logprobs` as mu.
 """
 from __future__ import annotations
 
+from typing import Literal, Mapping
+
 import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from turnrl.algos.kl import policy_loss_with_kl
+from turnrl.algos.registry import register_loss
 
 from .losses import _LOG_RATIO_CLAMP, _where_mask, masked_mean
 
@@ -108,3 +119,81 @@ def importance_stats(raw: torch.Tensor, weights: torch.Tensor, mask: torch.Tenso
                 "is_truncated_frac": masked_mean((weights < raw * (1 - 1e-6)).float(), mask),
                 "is_masked_frac": masked_mean(1.0 - kept.float(), mask),
                 "is_ess": effective_sample_size(weights, kept)}
+
+
+# --------------------------------------------------------------------------- the registered losses
+class _Options(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TisOptions(_Options):
+    level: Literal["token", "sequence"] = Field("token", description="one weight per token, or per sequence")
+    cap: float = Field(2.0, gt=0, description="C: weights above it are truncated to it")
+
+
+class MisOptions(_Options):
+    level: Literal["token", "sequence", "geometric"] = Field("token", description=(
+        "reject tokens by their ratio, or whole sequences by the product of their ratios or its geometric mean"))
+    upper: float = Field(2.0, ge=1.0, description="C: ratios above it are rejected")
+    lower: float | None = Field(None, gt=0, le=1.0, description="ratios below it are rejected; null: 1 / upper")
+
+
+class DecoupledOptions(_Options):
+    cap: float | None = Field(None, gt=0, description="truncate the behaviour weight pi_prox / mu at C; null: not")
+    level: Literal["token", "sequence"] = "token"
+    proximal: Literal["recompute", "interpolate"] = Field("recompute", description=(
+        "pi_prox: the trainer's logprobs at the start of the update (recompute), or interpolated between mu and "
+        "the current policy by policy version (interpolate: from the batch's `versions` and `trainer_version`)"))
+
+
+def _surrogate(batch: Mapping[str, torch.Tensor], cfg, logp_prox: torch.Tensor, weights: torch.Tensor,
+               mask: torch.Tensor, raw: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped surrogate against pi_prox with importance `weights` on `mask`, + KL as in
+    `clipped`; its metrics with the correction's stats."""
+    loss, metrics = policy_loss_with_kl(batch["logp"], logp_prox, batch["ref_logp"], batch["advantages"], mask,
+                                        kl_coef=cfg.kl_coef, kl_kind=cfg.kl_estimator, clip_low=cfg.clip_low,
+                                        clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, agg=cfg.loss_agg,
+                                        weights=weights)
+    return loss, {**metrics, **importance_stats(raw, weights, batch["mask"], mask)}
+
+
+@register_loss("tis", options=TisOptions)
+def tis(batch: Mapping[str, torch.Tensor], cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Truncated importance sampling: the clipped surrogate against pi_prox (old_logp), each
+    token weighted by min(pi_prox / mu, cap) (per token or per sequence)."""
+    o = cfg.policy_loss_options   # checked by the options model below, defaults filled in
+    mask = batch["mask"]
+    log_rho = log_ratio(batch["old_logp"], batch["engine_logprobs"], mask)
+    raw = importance_weights(log_rho, mask, o["level"])
+    weights = importance_weights(log_rho, mask, o["level"], cap=o["cap"])
+    return _surrogate(batch, cfg, batch["old_logp"], weights, mask, raw)
+
+
+@register_loss("mis", options=MisOptions)
+def mis(batch: Mapping[str, torch.Tensor], cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Masked importance sampling (rejection): tokens or sequences whose pi_prox / mu lies
+    outside [lower, upper] leave the loss; the rest train unweighted against pi_prox."""
+    o = cfg.policy_loss_options   # checked by the options model below, defaults filled in
+    mask = batch["mask"]
+    log_rho = log_ratio(batch["old_logp"], batch["engine_logprobs"], mask)
+    kept = rejection_mask(log_rho, mask, o["upper"], o["lower"], o["level"])
+    raw = importance_weights(log_rho, mask, "token")
+    return _surrogate(batch, cfg, batch["old_logp"], kept, kept, raw)
+
+
+@register_loss("decoupled", options=DecoupledOptions)
+def decoupled(batch: Mapping[str, torch.Tensor], cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Decoupled PPO (AReaL): clip pi_theta / pi_prox, weight by pi_prox / mu. pi_prox is the
+    recomputed old_logp, or interpolated by version between mu and the current policy (this
+    forward's logp, detached: no forward pass of older weights)."""
+    o = cfg.policy_loss_options   # checked by the options model below, defaults filled in
+    mask = batch["mask"]
+    prox = batch["old_logp"]
+    if o["proximal"] == "interpolate":
+        current = int(batch["trainer_version"].reshape(-1)[0])
+        prox = interpolated_proximal_logprobs(batch["engine_logprobs"], batch["logp"],
+                                              batch["versions"], current_version=current)
+    log_rho = log_ratio(prox, batch["engine_logprobs"], mask)
+    raw = importance_weights(log_rho, mask, o["level"])
+    weights = importance_weights(log_rho, mask, o["level"], cap=o["cap"])
+    return _surrogate(batch, cfg, prox, weights, mask, raw)

@@ -86,16 +86,18 @@ def policy_loss_with_kl(
     clip_high: float = 0.2,
     dual_clip: float | None = None,
     agg: str = "token-mean",
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The policy update's loss: PPO's clipped surrogate + kl_coef * KL to the reference.
 
     All tensors [B, T]; logp carries the gradient, logp_old and logp_ref are detached. Without
     the KL term (kl_coef 0) a group whose trajectories all scored alike has zero advantage and
     gives no gradient at all, however far the policy has drifted; with it, it pulls back.
+    `weights` [B, T]: detached per-token weights on the surrogate (off-policy corrections).
     Returns (loss 0-dim, policy_loss's metrics).
     """
     loss, metrics = policy_loss(logp, logp_old, advantages, mask, clip_low=clip_low, clip_high=clip_high,
-                                dual_clip=dual_clip, agg=agg)
+                                dual_clip=dual_clip, agg=agg, weights=weights)
     if kl_coef:
         loss = loss + kl_coef * kl_loss(logp, logp_ref, mask, kind=kl_kind, agg=agg)
     return loss, metrics
