@@ -136,7 +136,7 @@ def test_built_in_algorithms_are_registered_by_their_decorators():
     assert algos.resolve("ms_grpo").advantages.__wrapped__ is builtin.mt_grpo is \
         algos.resolve("mt_grpo").advantages.__wrapped__   # two names, one function
     assert algos.resolve("ppo").critic and algos.resolve("mlmt").prepare is not None
-    assert algos.loss_names() == ["clipped"]
+    assert algos.loss_names() == ["clipped", "decoupled", "mis", "tis"]   # the off-policy corrections too
 
 
 def test_a_plugin_registers_with_the_decorator_and_its_options_are_checked(plugin_dir):
