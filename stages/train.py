@@ -41,7 +41,6 @@ def main(cfg):
     from turnrl.pipeline import plots
     from turnrl.models.folders import model_dir
     from turnrl.pipeline.preprocess import load_split
-    from turnrl.training import health
     from turnrl.training.cluster import ActorFailure
     from turnrl.training.health import UnhealthyTraining
     from turnrl.training.loop import EnvironmentFailure, sample_table, train
@@ -54,8 +53,10 @@ def main(cfg):
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
     artifacts.log_datasets(run, {"train": (DATA / "train.parquet", "training")})
     overhead = {"s": 0.0}   # this callback's own time, logged with the next step (MLflow only)
+    done = []   # every step's metrics so far (a resumed run's earlier ones first): what a failure keeps
 
     def on_step(step, metrics, trajs):
+        done.append(metrics)
         t0 = time.perf_counter()
         runs.log_metrics({**{k: v for k, v in metrics.items() if k != "step"}, "tracking_s": overhead["s"]},
                                 step)
@@ -71,51 +72,29 @@ def main(cfg):
         mlflow.set_tag("turnrl.resumed_from_step", resume.step)
         # steps the crashed run had not sent before it died (metrics are sent in the background)
         runs.backfill_steps(run, resume.state["history"])
+        done.extend(resume.state["history"])
     shutil.rmtree(FINAL, ignore_errors=True)
     where = {}   # ranks, engines, nodes: filled once the actors are up
     try:
         history = train(cfg, source, str(DATA), load_split(DATA, "train"), str(FINAL), on_step=on_step,
-                        checkpoints=store, resume=resume, mlflow_run_id=run.run_id, info=where)
-    except (UnhealthyTraining, EnvironmentFailure) as exc:   # the curves so far still land; checkpoints are kept
-        plots.write_csv(exc.history, Path("plots/train.csv"))
-        flags = json.dumps(health.summarize(exc.history)["flags"])[:5000]   # `exc` is unbound after the except
-        run.recorder.now("tags", "turnrl.health", lambda: mlflow.set_tag("turnrl.health", flags))
-        print(f"turnrl train: {exc}", file=sys.stderr)
-        raise SystemExit(1) from None
-    except ActorFailure as exc:   # e.g. a reward function that failed (reward.on_error: fail): its message, not a traceback
-        print(f"turnrl train: {exc}. Checkpoints in {cfg.train.checkpoint_dir} are kept; a rerun resumes from the last",
-              file=sys.stderr)
-        raise SystemExit(1) from None
-    health_summary = health.summarize(history)
+                        checkpoints=store, resume=resume, mlflow_run_id=run.run_id, info=where,
+                        heldout_rows=load_split(DATA, "heldout") if cfg.train.eval_every else None)
+    except BaseException as exc:   # whatever ends it, the steps done land: curves, metrics/train.json, MLflow
+        keep_failed(run, done, exc, summarize(done, where, resume, start))
+        if isinstance(exc, ActorFailure):   # e.g. a reward function that failed (reward.on_error: fail)
+            print(f"turnrl train: {exc}. Checkpoints in {cfg.train.checkpoint_dir} are kept; a rerun resumes from "
+                  "the last", file=sys.stderr)
+            raise SystemExit(1) from None
+        if isinstance(exc, (UnhealthyTraining, EnvironmentFailure)):   # their message says checkpoints are kept
+            print(f"turnrl train: {exc}", file=sys.stderr)
+            raise SystemExit(1) from None
+        raise   # run_stage says what it was, in one line
+    summary = summarize(history, where, resume, start)
+    health_summary = summary["health"]
 
     plots.write_csv(history, Path("plots/train.csv"))
     plots.render_png(history, Path("plots/train_curves.png"),
                      title=f"{cfg.algorithm.name} on {cfg.env.name}, {cfg.train.steps} steps")
-    last = history[-5:]
-
-    def mean(key, rows=history):   # over the steps that have the metric (a resumed run's older ones may not)
-        values = [h[key] for h in rows if key in h]
-        return sum(values) / len(values) if values else None
-    summary = {
-        "steps": len(history),
-        "resumed_from_step": resume.step if resume else 0,
-        "trainer_ranks": where["trainer_ranks"],
-        "rollout_engines": where["rollout_engines"],
-        "nodes": where["nodes"],
-        "reward_first": history[0]["reward_mean"],
-        "reward_last5": mean("reward_mean", last),
-        "accuracy_last5": mean("accuracy", last),
-        "logp_gap_max": max(h["logp_gap_max"] for h in history),
-        "step_s_mean": mean("step_s"),
-        "rollout_s_mean": mean("rollout_s"),
-        "train_s_mean": mean("train_s"),
-        "sync_s_mean": mean("sync_s"),
-        "engine_idle_frac_mean": mean("engine_idle_frac"),
-        "trainer_idle_frac_mean": mean("trainer_idle_frac"),
-        "gen_tokens_per_s_mean": mean("gen_tokens_per_s"),
-        "wall_s": time.perf_counter() - start,
-        "health": health_summary,   # the checks that failed, from which step, for how many steps
-    }
     write_json("metrics/train.json", summary)
     # MLflow: after the local results, none of which depends on it
     run.recorder.now("tags", "turnrl.health", lambda: mlflow.set_tag(
@@ -127,6 +106,58 @@ def main(cfg):
                                   "train/accuracy_last5": summary["accuracy_last5"]})
     artifacts.log_artifacts(run, "plots/train_curves.png", "plots")
     model_logging.log_policy(run, FINAL)
+
+
+def summarize(history, where, resume, start):
+    """metrics/train.json's numbers, from the steps in `history` (none, for a run that failed
+    before its first step)."""
+    from turnrl.training import health
+    last = history[-5:]
+
+    def mean(key, rows=history):   # over the steps that have the metric (a resumed run's older ones may not)
+        values = [h[key] for h in rows if key in h]
+        return sum(values) / len(values) if values else None
+    return {
+        "steps": len(history),
+        "resumed_from_step": resume.step if resume else 0,
+        "trainer_ranks": where.get("trainer_ranks"),   # unset when the actors never came up
+        "rollout_engines": where.get("rollout_engines"),
+        "nodes": where.get("nodes"),
+        "reward_first": history[0]["reward_mean"] if history else None,
+        "reward_last5": mean("reward_mean", last),
+        "accuracy_last5": mean("accuracy", last),
+        "logp_gap_max": max((h["logp_gap_max"] for h in history if "logp_gap_max" in h), default=None),
+        "step_s_mean": mean("step_s"),
+        "rollout_s_mean": mean("rollout_s"),
+        "train_s_mean": mean("train_s"),
+        "sync_s_mean": mean("sync_s"),
+        "engine_idle_frac_mean": mean("engine_idle_frac"),
+        "trainer_idle_frac_mean": mean("trainer_idle_frac"),
+        "gen_tokens_per_s_mean": mean("gen_tokens_per_s"),
+        "wall_s": time.perf_counter() - start,
+        "health": health.summarize(history),   # the checks that failed, from which step, for how many steps
+    }
+
+
+def keep_failed(run, done, exc, summary):
+    """A failed run's steps, kept: plots/train.csv, metrics/train.json marked failed (why, how
+    many steps), and the MLflow run's tags and summary (its step metrics were logged as they
+    came). A failure here is a warning: the run's own failure is what gets reported."""
+    import mlflow
+
+    from turnrl.pipeline import plots
+    from turnrl.tracking import runs
+    reason = " ".join(str(exc).split())[:2000] or type(exc).__name__
+    try:
+        plots.write_csv(done, Path("plots/train.csv"))
+        write_json("metrics/train.json", {"failed": True, "reason": reason, **summary})
+        flags = json.dumps(summary["health"]["flags"])[:5000]
+        run.recorder.now("tags", "turnrl.failed", lambda: mlflow.set_tags(
+            {"turnrl.health": flags, "turnrl.failed": f"{type(exc).__name__}: {reason}"[:5000]}))
+        runs.log_metrics({f"summary/{k}": v for k, v in summary.items()
+                          if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    except Exception as err:   # noqa: BLE001 - e.g. a full disk: say so, and report the run's own failure
+        print(f"turnrl train: the steps done could not all be kept ({type(err).__name__}: {err})", file=sys.stderr)
 
 
 if __name__ == "__main__":

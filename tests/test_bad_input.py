@@ -150,3 +150,15 @@ def test_disk_full_in_any_stage_body_is_reported_not_a_traceback(tmp_path, monke
     assert f"the disk is full (No space left on device) while writing {tmp_path / 'metrics' / 'train.json'}" in err
     assert "dvc repro train" in err
     assert not list((tmp_path / "metrics").iterdir())         # no half-written file left
+
+
+@pytest.mark.slow   # a real stage process, stopped before its MLflow run: ~10 s
+def test_a_missing_data_file_stops_the_stage_before_its_mlflow_run(tmp_path):
+    """The checks (turnrl.pipeline.checks) run at the stage's start: exit 2, the key and the fix,
+    and no MLflow run was opened (no store was even created)."""
+    project = _project(tmp_path, train_set="mine.jsonl", heldout_set="mine.jsonl",
+                       fields={"prompt": "q", "answer": "a"})
+    proc = _stage(project, "preprocess.py")
+    assert proc.returncode == BAD_INPUT_EXIT, proc.stderr[-2000:]
+    assert f"turnrl preprocess: data.train_set = 'mine.jsonl': no such file (relative to {project}" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (project / "mlflow.db").exists()

@@ -1,4 +1,9 @@
-"""What every DVC stage script shares: validated params first, then an MLflow stage run.
+"""What every DVC stage script shares: validated params and the checks of the files and
+commands they name (turnrl.pipeline.checks) first, then an MLflow stage run.
+
+A failure is one line, `turnrl <stage>: <why>`: the message alone for the errors written for
+the user (a plugin, a reward function, an actor, the environment, an unhealthy run), the
+traceback first for an unexpected one (a bug: where it happened matters).
 
 Exit codes: 2 for bad input (params, data, model path: retrying will not help, and the
 Prefect flow does not retry it), 1 for anything else. A full disk is reported as such (what
@@ -34,6 +39,11 @@ def run_stage(name: str, body: Callable[[Config], Any],
     except ConfigError as exc:
         print(f"turnrl {name}: invalid params\n{exc}", file=sys.stderr)
         raise SystemExit(BAD_INPUT_EXIT) from None
+    from turnrl.pipeline.checks import stage_problems
+    problems = stage_problems(cfg, name)   # files and commands params name: before the MLflow run and any work
+    if problems:
+        print("\n".join(f"turnrl {name}: {problem}" for problem in problems), file=sys.stderr)
+        raise SystemExit(BAD_INPUT_EXIT)
 
     from turnrl.data.sources import DataSourceError
     from turnrl.tracking import runs
@@ -48,9 +58,36 @@ def run_stage(name: str, body: Callable[[Config], Any],
         raise SystemExit(1) from None
     except OSError as exc:
         if exc.errno not in DISK_FULL_ERRNOS:
-            raise
+            raise SystemExit(failure_exit(name, exc)) from None
         print(disk_full_message(name, exc), file=sys.stderr)
         raise SystemExit(1) from None
+    except Exception as exc:   # noqa: BLE001 - every failure is its one-line message, never a bare traceback
+        raise SystemExit(failure_exit(name, exc)) from None
+
+
+# Exceptions whose message is written for the user (it names the key or the plugin, and the fix):
+# that line alone. Looked up in sys.modules: a module never imported raised none of them.
+USER_FACING = (("turnrl.plugins", "PluginError", BAD_INPUT_EXIT),
+               ("turnrl.rewards.functions", "RewardFunctionError", 1),
+               ("turnrl.training.cluster", "ActorFailure", 1),
+               ("turnrl.training.loop", "EnvironmentFailure", 1),
+               ("turnrl.training.health", "UnhealthyTraining", 1))
+
+
+def failure_exit(stage: str, exc: BaseException) -> int:
+    """Print why `stage` failed as one line (`turnrl <stage>: ...`) and return its exit code. An
+    exception no user-facing message was written for (a bug) gets its traceback first."""
+    for module, name, code in USER_FACING:
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None and isinstance(exc, cls):
+            print(f"turnrl {stage}: {' '.join(str(exc).split())}", file=sys.stderr)
+            return code
+    import traceback
+    traceback.print_exception(exc, file=sys.stderr)
+    text = " ".join(str(exc).split())[:1000]
+    print(f"turnrl {stage}: failed: {type(exc).__name__}{': ' + text if text else ''} (an unexpected error: "
+          "the traceback above says where; please report it)", file=sys.stderr)
+    return 1
 
 
 def disk_full_message(stage: str, exc: OSError) -> str:
