@@ -131,16 +131,19 @@ def _with_options(fn: Callable, model: type[BaseModel] | None, attribute: str, k
     if model is None or fn is None:
         return fn
 
-    @functools.wraps(fn)
-    def call(*args: Any) -> Any:
-        *rest, cfg = args
+    def checked(cfg: Any) -> Any:
         values = validate_options(model, dict(getattr(cfg, attribute, None) or {}), key)
         if hasattr(cfg, "model_copy"):   # a pydantic section: a copy, the params object stays as written
-            cfg = cfg.model_copy(update={attribute: values})
-        else:
-            cfg = copy.copy(cfg)
-            setattr(cfg, attribute, values)
-        return fn(*rest, cfg)
+            return cfg.model_copy(update={attribute: values})
+        cfg = copy.copy(cfg)
+        setattr(cfg, attribute, values)
+        return cfg
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:   # cfg is the last argument, positional or by name
+        if "cfg" in kwargs:
+            return fn(*args, **{**kwargs, "cfg": checked(kwargs["cfg"])})
+        return fn(*args[:-1], checked(args[-1]), **kwargs)
     return call
 
 
