@@ -832,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.params, args.overrides)
         checks.require(checks.all_problems(cfg))
-    except (ConfigError, checks.ConfigError) as exc:   # run as __main__, this module's class is another one
+    except (ConfigError, checks.InputProblems) as exc:
         print("\n".join(f"error: {line}" for line in str(exc).splitlines()), file=sys.stderr)   # a line a problem
         return 2
     if args.quiet:

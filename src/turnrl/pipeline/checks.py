@@ -17,8 +17,13 @@ import sys
 from collections.abc import Mapping
 from itertools import islice
 from pathlib import Path
+from typing import Any
 
-from turnrl.config import Config, ConfigError
+from turnrl.data.sources import DataSourceError
+
+# `cfg` below is the validated params (turnrl.config.Config). This module does not import
+# turnrl.config: `turnrl config` (config.main) imports it, and imports must not go in a circle.
+Config = Any
 
 FIRST_ROWS = 20   # the rows a field mapping is checked against (preprocess then reads them all)
 
@@ -37,14 +42,19 @@ def stage_problems(cfg: Config, stage: str) -> list[str]:
 
 
 def before_evaluate(cfg: Config) -> None:
-    """`turnrl evaluate`'s first step: ConfigError (exit 2) listing every missing benchmark
+    """`turnrl evaluate`'s first step: InputProblems (exit 2) listing every missing benchmark
     file, bad benchmark field mapping and missing MCP command, before anything is evaluated."""
     require(benchmark_problems(cfg) + tool_problems(cfg))
 
 
+class InputProblems(DataSourceError):
+    """Files or commands that params name are missing or do not fit: one line per problem. A
+    DataSourceError, so every caller that reports bad data with exit 2 reports these too."""
+
+
 def require(problems: list[str]) -> None:
     if problems:
-        raise ConfigError("\n".join(problems))
+        raise InputProblems("\n".join(problems))
 
 
 # --------------------------------------------------------------------------- data files
