@@ -297,6 +297,7 @@ def test_an_mcp_stdio_server_that_dies_is_restarted_on_the_next_call(tmp_path):
 def test_an_mcp_endpoint_that_never_answers_fails_every_trajectory_at_once(fmt):
     """A socket that accepts and never answers: 16 trajectories end as env_error in about one
     connect_timeout_s, not 16 in a row."""
+    import mcp.client.stdio  # noqa: F401 - imported once per process (seconds on a loaded machine): not timed
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(64)
@@ -389,7 +390,8 @@ def test_hung_sync_function_calls_are_abandoned_and_later_calls_still_run(fault_
     assert r.observation == ["Error: hang timed out after 0.3 s"] * 2 and time.perf_counter() - start < 1
     start = time.perf_counter()
     assert step(env, call("calculator", expression="6 * 7")).observation == ["42"]
-    assert time.perf_counter() - start < 0.2
+    calculator_s = time.perf_counter() - start
+    assert calculator_s < 0.2
     refused = step(env, call("hang", x=3)).observation[0]
     assert refused.startswith("Error: hang failed: not run: 2 earlier calls of hang timed out and are still running")
     fault_tools.release.set()                                        # the hung calls return at last
@@ -399,7 +401,7 @@ def test_hung_sync_function_calls_are_abandoned_and_later_calls_still_run(fault_
     fault_tools.release.clear()
     assert step(env, call("hang", x=4)).observation == ["Error: hang timed out after 0.3 s"]   # runs again
     fault_tools.release.set()
-    measured("hung sync tool", calls_abandoned=3, later_call_seconds=time.perf_counter() - start)
+    measured("hung sync tool", calls_timed_out=3, calls_refused=1, seconds_of_6x7_after_them=calculator_s)
 
 
 # --------------------------------------------------------------------------- garbage step results

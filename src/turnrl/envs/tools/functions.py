@@ -18,13 +18,10 @@ import asyncio
 import inspect
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from turnrl.envs.tools.tool import Tool, ToolError
 from turnrl.plugins import PluginError
-
-if TYPE_CHECKING:
-    from turnrl.envs.tools.toolbox import ToolBox
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +55,7 @@ class FunctionTool(Tool):
         self.abandoned = 0        # of them, calls given up on (timed out) and still running
         self._lock = threading.Lock()
 
-    async def run(self, arguments: dict, box: "ToolBox") -> Any:
+    async def run(self, arguments: dict, box: Any) -> Any:
         if self.is_async:
             try:
                 return await self.fn(**arguments)

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from turnrl.envs.tools.toolbox import ToolBox
+from typing import Any
 
 #: How a call can fail, each counted per trajectory as info["tool_<kind>"].
 ERROR_KINDS = ("malformed", "unknown", "bad_arguments", "raised", "timeouts", "transport")
@@ -65,7 +62,8 @@ class Tool:
         where = ".".join(str(p) for p in e.path)
         return f"{where}: {e.message}" if where else e.message
 
-    async def run(self, arguments: dict, box: "ToolBox") -> Any:
+    async def run(self, arguments: dict, box: Any) -> Any:
+        """The call's result; `box` is the ToolBox running it (its HTTP client, its loop)."""
         raise NotImplementedError
 
 

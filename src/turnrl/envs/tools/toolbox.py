@@ -119,17 +119,25 @@ class ToolBox:
                            "timeouts", tool=name if name in self.tools else None)
 
     def call(self, name: str, arguments: dict) -> CallOutcome:
-        try:   # bounded even if the loop died: every call ends within its timeout and a margin
-            return self.submit(name, arguments).result(self.timeout_s + 5)
-        except concurrent.futures.TimeoutError:
-            return self._lost(name)
+        future = self.submit(name, arguments)
+        while True:   # a call may wait for a slot as long as it takes, but not on a loop that is gone
+            try:
+                return future.result(self.timeout_s + 5)
+            except concurrent.futures.TimeoutError:
+                if self.closed or not self.thread.is_alive():
+                    future.cancel()
+                    return self._lost(name)
 
     async def acall(self, name: str, arguments: dict) -> CallOutcome:
         """Awaitable from any event loop (the rollout loop's, or asyncio.run in a replay)."""
-        try:
-            return await asyncio.wait_for(asyncio.wrap_future(self.submit(name, arguments)), self.timeout_s + 5)
-        except TimeoutError:
-            return self._lost(name)
+        future = asyncio.wrap_future(self.submit(name, arguments))
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=self.timeout_s + 5)
+            if done:
+                return future.result()
+            if self.closed or not self.thread.is_alive():
+                future.cancel()
+                return self._lost(name)
 
     async def _call(self, name: str, arguments: dict) -> CallOutcome:
         tool = self.tools.get(name)

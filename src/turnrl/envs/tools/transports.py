@@ -11,16 +11,15 @@ dead server costs each call milliseconds, not a timeout.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+import logging
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from turnrl.envs.tools.tool import Tool, ToolError, TransportError
 from turnrl.plugins import PluginError
 
-if TYPE_CHECKING:
-    from turnrl.envs.tools.toolbox import ToolBox
-
+log = logging.getLogger(__name__)
 RECONNECT_BACKOFF_S = (0.25, 2.0)   # first wait after a failed reconnect, and the longest
 
 
@@ -63,7 +62,7 @@ class HTTPTool(Tool):
         super().__init__(spec.name, spec.description, spec.parameters)
         self.url, self.headers = spec.url, dict(spec.headers)
 
-    async def run(self, arguments: dict, box: "ToolBox") -> Any:
+    async def run(self, arguments: dict, box: Any) -> Any:
         import httpx
         try:
             response = await box.http().post(self.url, json=arguments, headers=self.headers)
@@ -110,7 +109,7 @@ class MCPTool(Tool):
         super().__init__(name, description, parameters)
         self.server = server
 
-    async def run(self, arguments: dict, box: "ToolBox") -> Any:
+    async def run(self, arguments: dict, box: Any) -> Any:
         client = await self.server.client_for_call()
         try:
             result = await client.call_tool(self.name, arguments)
@@ -164,6 +163,7 @@ class MCPSession:
         from mcp import Client
         closing = self._closing = asyncio.Event()
         ready: asyncio.Future = asyncio.get_running_loop().create_future()
+        ready.add_done_callback(lambda f: f.cancelled() or f.exception())   # a failure after a timeout: no warning
 
         async def hold() -> None:
             client = None
@@ -230,9 +230,14 @@ class MCPSession:
             self._stop_later()          # what is left of the lost session, without waiting on it
             await self._connect()       # a stdio server's command starts again
             self.failures, self.reconnects = 0, self.reconnects + 1
+            log.warning("%s: the MCP session with %r was lost and is reopened (%d reconnects)", self.key,
+                        self.where, self.reconnects)
         except Exception as exc:   # noqa: BLE001 - a transport error of every call waiting on it
             self.failures += 1
             self.last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            if self.failures == 1:   # once per outage: its calls are counted in tools/<name>/error_frac
+                log.warning("%s: the MCP session with %r was lost and reopening it failed (%s); retried on "
+                            "later calls", self.key, self.where, self.last_error)
             backoff = min(RECONNECT_BACKOFF_S[0] * 2 ** (self.failures - 1), RECONNECT_BACKOFF_S[1])
             self.retry_at = asyncio.get_running_loop().time() + backoff
             raise TransportError(f"reconnecting to the MCP server {self.where!r} failed ({self.last_error})") \
