@@ -106,7 +106,9 @@ class ToolsOptions(BaseModel):
                                               "module:function")
     grader: str = Field("math", description="the final answer: math (math-verify), exact, or module:function")
     timeout_s: float = Field(10.0, gt=0, description="seconds per call, retries included")
-    max_concurrent: int = Field(64, ge=1, description="calls in flight at once in a process (all trajectories)")
+    max_concurrent: int = Field(64, ge=1, description=(
+        "calls in flight at once in a process (all trajectories); also the most timed-out calls of one sync "
+        "function left running in their threads before it is not run any more"))
     retries: int = Field(2, ge=0, description="retries of a call on transport errors")
     max_calls_per_turn: int = Field(4, ge=1)
     max_result_chars: int = Field(1000, ge=16, description="a tool's result is cut to this length")
