@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
 import time
 
 import pytest
@@ -98,6 +99,17 @@ def test_repro_writes_every_out_and_the_metrics_contract(project, first_run):
                    "train_s", "sync_s", "gen_tokens_per_s", "logp_gap_max"]:
         assert column in curve.columns, column
     print(f"short pipeline: {seconds:.0f}s")
+
+
+@pytest.mark.slow
+def test_repro_leaves_no_new_file_for_git(project, first_run):
+    """What the stages generate is ignored (.gitignore) or tracked: after `dvc repro` a clean clone
+    shows changed tracked files only (dvc.lock, the metrics and curves, the params this test set)."""
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=project,
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    assert not [line for line in status if line.startswith("??")], status
+    changed = [line[3:] for line in status]
+    assert all(path in ("dvc.lock", "params.yaml") or path.startswith(("metrics/", "plots/")) for path in changed), status
 
 
 @pytest.mark.slow
