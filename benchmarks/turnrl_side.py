@@ -133,7 +133,8 @@ def run_parts(case: dict[str, Any]) -> dict[str, Any]:
     from turnrl.algos import policy_loss
     from benchmarks.models import train_rows
     from turnrl.training.loop import PromptSampler, advantages_for, collate
-    from turnrl.training.workers import PolicyWorker, RolloutWorker, token_logprobs
+    from turnrl.training.rollout_worker import RolloutWorker
+    from turnrl.training.workers import PolicyWorker, RolloutParams, TrainerParams, token_logprobs
 
     cfg = config(case)
     torch.set_flush_denormal(True)
@@ -144,11 +145,11 @@ def run_parts(case: dict[str, Any]) -> dict[str, Any]:
 
     # The rollout engine first: in-process vLLM sets up torch.distributed (world of one), which
     # DeepSpeed then reuses.
-    rollout = RolloutWorker(case["model_dir"], cfg.model_dump(), case["work_dir"])
+    rollout = RolloutWorker(case["model_dir"], RolloutParams.of(cfg), case["work_dir"])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    policy = PolicyWorker(case["model_dir"], cfg.model_dump(), master_port=port)
+    policy = PolicyWorker(case["model_dir"], TrainerParams.of(cfg), master_port=port)
 
     def timed(call):
         def timed_call(*a, **k):
@@ -218,7 +219,7 @@ def run_parts(case: dict[str, Any]) -> dict[str, Any]:
         trajs = rollout.rollout(sampler.next(cfg.train.prompts_per_step), cfg.rollout.n)
         t1 = time.perf_counter()
         batch = collate(trajs, 0)
-        batch["advantages"] = advantages_for(cfg, trajs, batch)
+        batch["advantages"] = advantages_for(cfg.algorithm, cfg.rollout.n, trajs, batch)
         t2 = time.perf_counter()
         if not on_policy:   # train() scores the old policy first (one epoch of one mini-batch: it does not)
             policy.logprobs(batch)
@@ -276,10 +277,11 @@ def run_rollout_sweep(case: dict[str, Any]) -> dict[str, Any]:
     one engine, in-process (no trainer)."""
     from benchmarks.models import train_rows
     from turnrl.rollout.multi_turn import Budgets, run_rollouts
-    from turnrl.training.workers import RolloutWorker
+    from turnrl.training.rollout_worker import RolloutWorker
+    from turnrl.training.workers import RolloutParams
 
     cfg = config({**case, "turns": max(case["turns_list"]), "group": max(case["groups"])})
-    worker = RolloutWorker(case["model_dir"], cfg.model_dump(), case["work_dir"])
+    worker = RolloutWorker(case["model_dir"], RolloutParams.of(cfg), case["work_dir"])
     rows = train_rows(seed=case["seed"])
     r = cfg.rollout
     points = []

@@ -142,7 +142,7 @@ def train_two_steps(model_dir, tmp_path, env: dict, algorithm: dict, **sections)
     preprocess(cfg, tmp_path / "data")
     try:
         history = train(cfg, str(model_dir), str(tmp_path / "data"), load_split(tmp_path / "data", "train"),
-                        str(tmp_path / "final"))
+                        str(tmp_path / "final"), heldout_rows=load_split(tmp_path / "data", "heldout"))
     finally:
         ray.shutdown()
     assert [h["step"] for h in history] == [1, 2]

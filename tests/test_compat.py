@@ -157,9 +157,9 @@ def test_a_saved_policy_with_tied_embeddings_is_written_as_its_checkpoint(untrai
 
     from turnrl.config import Config
     from turnrl.training.cluster import rendezvous_port
-    from turnrl.training.workers import PolicyWorker
+    from turnrl.training.workers import PolicyWorker, TrainerParams
     folder = untrained("gemma2")
-    worker = PolicyWorker(str(folder), Config().model_dump(), master_port=rendezvous_port())
+    worker = PolicyWorker(str(folder), TrainerParams.of(Config()), master_port=rendezvous_port())
     worker.save(str(tmp_path / "saved"), str(folder))
     assert sorted(load_file(tmp_path / "saved" / "model.safetensors")) == sorted(load_file(folder / "model.safetensors"))
 

@@ -11,9 +11,9 @@ from conftest import train_two_steps
 
 @pytest.mark.slow
 def test_critic_values_are_token_aligned_and_fit_the_returns(tiny_model_dir):
-    from turnrl.training.workers import CriticWorker, combine_rank_stats
+    from turnrl.training.workers import CriticWorker, TrainerParams, combine_rank_stats
     cfg = Config.model_validate({"algorithm": {"name": "ppo", "critic_lr": 1e-2, "value_clip": None}})
-    critic = CriticWorker(str(tiny_model_dir), cfg.model_dump(), master_port=rendezvous_port())
+    critic = CriticWorker(str(tiny_model_dir), TrainerParams.of(cfg), master_port=rendezvous_port())
     ids = torch.randint(5, 200, (4, 12))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
              "loss_mask": torch.zeros(4, 12)}

@@ -158,8 +158,8 @@ def test_mlmt_extras_on_the_tiny_model(fmt, tiny_model_dir):
     assert metrics["mlmt_context_rows_frac"] == pytest.approx(2 / 3)
     assert inputs["betas"] == (0.1, 0.2, 0.3) and {"mlmt_turn1_kl_mean", "mlmt_context_bonus_mean"} <= metrics.keys()
 
-    plain = advantages_for(cfg, trajs, batch, {"turn_kl": inputs["turn_kl"], "betas": inputs["betas"]})
-    shaped = advantages_for(cfg, trajs, batch, inputs)
+    plain = advantages_for(cfg.algorithm, cfg.rollout.n, trajs, batch, {"turn_kl": inputs["turn_kl"], "betas": inputs["betas"]})
+    shaped = advantages_for(cfg.algorithm, cfg.rollout.n, trajs, batch, inputs)
     not_refinement = (batch["turn_ids"] != 2) & (batch["loss_mask"] > 0)
     assert torch.equal(plain[not_refinement], shaped[not_refinement])
     assert not torch.allclose(plain[batch["turn_ids"] == 2], shaped[batch["turn_ids"] == 2])

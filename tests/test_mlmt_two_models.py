@@ -90,11 +90,11 @@ def test_each_level_trains_its_own_turns_and_a_frozen_level_is_not_called():
 
     batch = {"turn_ids": turn_ids, "high": high, "loss_mask": loss_mask}
     w = Workers()
-    stats, busy, pushes = train_levels(_cfg(train="high"), w, batch, step=1)
+    stats, busy, pushes = train_levels(_cfg(train="high").levels, w, batch, step=1)
     assert w.policy.masks == [] and w.high.masks == [[[0, 0, 0, 1, 0, 0, 0]]]   # the solver is not called
     assert pushes == ["high sync"] and stats == {"high_logp_gap_max": 2e-5, "high_loss": 1.0, "logp_gap_max": 2e-5}
     w = Workers()
-    stats, busy, pushes = train_levels(_cfg(), w, batch, step=1)
+    stats, busy, pushes = train_levels(_cfg().levels, w, batch, step=1)
     assert w.policy.masks == [[[0, 1, 0, 0, 0, 1, 0]]] and w.high.masks == [[[0, 0, 0, 1, 0, 0, 0]]]
     assert pushes == ["low sync", "high sync"] and busy == [0.5, 0.5] and stats["logp_gap_max"] == 2e-5
 

@@ -282,7 +282,7 @@ def test_an_algorithm_by_import_path_gets_the_batch_and_its_options(plugin_dir):
     trajs = [Trajectory(example={}, prompt_ids=[1, 2], response_ids=[3, 4, 5, 6], loss_mask=[1, 0, 1, 1],
                         turn_ids=[0, 0, 1, 1], engine_logprobs=[0.0] * 4, levels=["low", "low"], outcome=r)
              for r in (1.0, 0.0)]
-    adv = advantages_for(cfg, trajs, collate(trajs, pad_id=0))
+    adv = advantages_for(cfg.algorithm, cfg.rollout.n, trajs, collate(trajs, pad_id=0))
     s = 2.0 * 0.5 / torch.tensor([1.0, 0.0]).std().item()
     assert torch.allclose(adv, torch.tensor([[0, 0, 0, 0, s, s], [0, 0, 0, 0, -s, -s]]), atol=1e-5)
 

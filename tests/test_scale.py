@@ -103,10 +103,10 @@ def _trainers(model_dir, world_size: int):
     import ray
 
     from turnrl.training.cluster import TrainerGroup
-    from turnrl.training.workers import PolicyWorker
-    cfg, port = Config.model_validate(CFG).model_dump(), _port()
+    from turnrl.training.workers import PolicyWorker, TrainerParams
+    params, port = TrainerParams.of(Config.model_validate(CFG)), _port()
     actor = ray.remote(num_cpus=0.25)(PolicyWorker).options(runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu"}})
-    handles = [actor.remote(str(model_dir), cfg, rank=r, world_size=world_size, master_port=port)
+    handles = [actor.remote(str(model_dir), params, rank=r, world_size=world_size, master_port=port)
                for r in range(world_size)]
     return TrainerGroup([f"policy rank {r}" for r in range(world_size)], handles)
 
@@ -161,13 +161,14 @@ def test_every_engine_has_the_trainers_weights_after_a_push(two_ranks_trained, t
 
     from turnrl.rollout.engines import cpu_env_defaults
     from turnrl.training.cluster import ActorFailure, ObjectStoreSync, RolloutGroup
-    from turnrl.training.workers import RolloutWorker
+    from turnrl.training.rollout_worker import RolloutWorker
+    from turnrl.training.workers import RolloutParams
     _, trainer, _ = two_ranks_trained
     cfg = Config.model_validate({**CFG, "rollout": {"max_tokens_per_turn": 12, "max_tokens_total": 30}})
     (tmp_path / "data").mkdir()
     actor = ray.remote(num_cpus=0.25)(RolloutWorker).options(runtime_env={"env_vars": cpu_env_defaults(1.0)})
     engines = RolloutGroup(["rollout engine 0", "rollout engine 1"],
-                           [actor.remote(str(tiny_model_dir), cfg.model_dump(), str(tmp_path / "data"))
+                           [actor.remote(str(tiny_model_dir), RolloutParams.of(cfg), str(tmp_path / "data"))
                             for _ in range(2)], seed=0)
     probe = _batch(99)
     sequences = probe["input_ids"].tolist()

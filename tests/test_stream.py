@@ -112,3 +112,19 @@ def test_groups_in_flight_are_bounded(engine_and_format):
     finally:
         stream.stop()
         thread.join(timeout=30)
+
+
+def test_roll_out_goes_ahead_of_the_queue_and_never_reaches_take_groups(engine_and_format):
+    stream, thread = _stream(engine_and_format, max_groups=1)
+    try:
+        stream.feed([{"prompt": "training", "delay_s": 1.0}, {"prompt": "queued"}])
+        time.sleep(0.3)
+        held_out = stream.roll_out([{"prompt": "x"}, {"prompt": "y"}, {"prompt": "z"}], n=1)
+        assert [t.example["prompt"] for t in held_out] == ["x", "y", "z"]
+        assert all(t.finish == "answer" for t in held_out)
+        taken = _take(stream, 2)
+        assert sorted(g[0].example["prompt"] for g in taken) == ["queued", "training"]
+        assert stream.take_groups(5, timeout_s=0.5) == []
+    finally:
+        stream.stop()
+        thread.join(timeout=30)

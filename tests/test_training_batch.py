@@ -4,7 +4,7 @@ import torch
 from transformers import AutoTokenizer
 
 from turnrl import envs
-from turnrl.config import Config
+from turnrl.config import AlgorithmCfg, Config
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.multi_turn import replay
 from turnrl.training.loop import PromptSampler, advantage_metrics, advantages_for, collate, rollout_metrics
@@ -42,7 +42,7 @@ def test_collate_aligns_every_tensor_with_the_tokens(fmt):
 def test_grpo_advantages_follow_the_outcome_and_only_on_policy_tokens(fmt):
     trajs = trajectories(fmt, [TOOL_RIGHT, GUESS])          # one group of 2: outcomes 1 and 0
     batch = collate(trajs, pad_id=0)
-    adv = advantages_for(Config.model_validate({"rollout": {"n": 2}}), trajs, batch)
+    adv = advantages_for(AlgorithmCfg(), 2, trajs, batch)
     # (1 - 0.5) / (std([1, 0]) = 0.7071) = 0.7071 on every policy token of the winner
     winner = adv[0][batch["loss_mask"][0] == 1]
     assert torch.allclose(winner, torch.full_like(winner, 0.7071), atol=1e-3)
@@ -55,8 +55,8 @@ def test_mt_grpo_adds_turn_credit_before_the_first_tool_result(fmt):
     trajs = trajectories(fmt, [TOOL_RIGHT, BAD_TOOL])
     assert [t.turn_rewards[0] for t in trajs] == [1.0, 0.0] and [t.outcome for t in trajs] == [1.0, 1.0]
     batch = collate(trajs, pad_id=0)
-    grpo = advantages_for(Config.model_validate({"rollout": {"n": 2}}), trajs, batch)
-    mt = advantages_for(Config.model_validate({"rollout": {"n": 2}, "algorithm": {"name": "mt_grpo"}}), trajs, batch)
+    grpo = advantages_for(AlgorithmCfg(), 2, trajs, batch)
+    mt = advantages_for(AlgorithmCfg(name="mt_grpo"), 2, trajs, batch)
     assert grpo.abs().sum() == 0                              # equal outcomes: GRPO learns nothing
     p = len(trajs[0].prompt_ids)
     first_turn = slice(p, p + trajs[0].first_observation)
@@ -64,7 +64,7 @@ def test_mt_grpo_adds_turn_credit_before_the_first_tool_result(fmt):
     after = batch["loss_mask"][0].clone()
     after[:p + trajs[0].first_observation] = 0
     assert mt[0][after == 1].abs().sum() == 0                  # after the tool result: outcome only
-    zero = advantages_for(Config.model_validate({"rollout": {"n": 2}, "algorithm": {"name": "mt_grpo", "turn_coef": 0}}),
+    zero = advantages_for(Config.model_validate({"algorithm": {"name": "mt_grpo", "turn_coef": 0}}).algorithm, 2,
                           trajs, batch)
     assert torch.equal(zero, grpo)
 

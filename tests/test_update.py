@@ -67,11 +67,11 @@ def workers(tiny_model_dir):
     """Two policies from the same start, each trained for two steps on the same batches: one
     takes the on-policy shortcut, the other is handed the old and reference logprobs of the
     whole batch (what a separate forward returns: the path of several epochs or mini-batches)."""
-    from turnrl.training.workers import PolicyWorker, combine_rank_stats
+    from turnrl.training.workers import PolicyWorker, TrainerParams, combine_rank_stats
     cfg = Config.model_validate({"train": {"lr": 1e-2}, "algorithm": {"kl_coef": 0.05, "entropy_coef": 0.01}})
     out = {}
     for name in ("shortcut", "handed_in"):
-        worker = PolicyWorker(str(tiny_model_dir), cfg.model_dump(), master_port=_port())
+        worker = PolicyWorker(str(tiny_model_dir), TrainerParams.of(cfg), master_port=_port())
         counting = Counting(worker)
         stats = []
         for step in (1, 2):
@@ -109,9 +109,9 @@ def test_shortcut_and_handed_in_logprobs_give_the_same_update_and_stats(workers,
 
 @pytest.mark.slow
 def test_several_epochs_still_score_the_old_policy_once_before_the_update(tiny_model_dir):
-    from turnrl.training.workers import PolicyWorker, combine_rank_stats
+    from turnrl.training.workers import PolicyWorker, TrainerParams, combine_rank_stats
     cfg = Config.model_validate({"algorithm": {"epochs": 2}})
-    worker = PolicyWorker(str(tiny_model_dir), cfg.model_dump(), master_port=_port())
+    worker = PolicyWorker(str(tiny_model_dir), TrainerParams.of(cfg), master_port=_port())
     counting = Counting(worker)
     batch = _batch()
     batch["engine_logprobs"] = worker.logprobs(batch)

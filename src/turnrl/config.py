@@ -381,6 +381,23 @@ class TrainCfg(_Section):
         "instead of their sum, and the update is one step off-policy (its batch was sampled by the weights "
         "before the previous update; the importance ratio is taken to the engine's sampling logprobs)"))
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warmup over N optimizer steps; 0: none")
+    mode: Literal["sync", "async"] = Field("sync", description=(
+        "sync: each step rolls out its prompts, then trains on them (on-policy; overlap_rollout: one step off). "
+        "async: the engines roll out continuously, the trainer takes a batch of groups as soon as one is done, "
+        "weights are pushed after every update and turns in flight go on under them; needs an off-policy "
+        "correction (algorithm.policy_loss: decoupled, tis or mis)"))
+    max_staleness: int = Field(1, ge=0, description=(
+        "async: a group with a turn sampled more than k policy versions before the update is dropped and its "
+        "prompt rolled out again (counted as stale_groups)"))
+    groups_in_flight: int = Field(0, ge=0, description=(
+        "async: the most groups admitted to the engines at once (fed and not yet trained on); 0: "
+        "prompts_per_step x (max_staleness + 1). At least prompts_per_step"))
+    eval_every: int = Field(0, ge=0, description=(
+        "score held-out accuracy during training every N steps and at the last (heldout_accuracy against step "
+        "and wall_s in plots/train.csv and MLflow: time to accuracy); 0: never. Not part of the update"))
+    eval_examples: int = Field(64, gt=0, description=(
+        "held-out problems scored by eval_every: the first N of the held-out split, one sample each at "
+        "rollout.temperature, the same problems every time"))
     samples_logged_every: int = Field(10, gt=0, description="log a table of sample trajectories every N steps")
     checkpoint_every: int = Field(10, ge=0, description=(
         "write a resumable checkpoint every N steps and at the end; 0: only at the end"))
@@ -555,6 +572,27 @@ class Config(_Section):
     eval: EvalCfg = EvalCfg()
     cluster: ClusterCfg = ClusterCfg()
     tracking: TrackingCfg = TrackingCfg()
+
+    @model_validator(mode="after")
+    def _asynchronous(self) -> "Config":
+        t = self.train
+        if t.mode != "async":
+            return self
+        if self.algorithm.policy_loss == "clipped":
+            raise ValueError("train.mode: async trains on samples up to train.max_staleness policy versions old, and "
+                             "the clipped loss takes its ratio to the sampling engine's logprobs as if they were "
+                             "the trainer's: choose an off-policy correction, algorithm.policy_loss: decoupled, tis "
+                             "or mis")
+        if t.overlap_rollout:
+            raise ValueError("train.overlap_rollout is the synchronous mode's one-step lookahead; with train.mode: "
+                             "async the engines never wait anyway: set overlap_rollout: false")
+        if t.groups_in_flight and t.groups_in_flight < t.prompts_per_step:
+            raise ValueError(f"train.groups_in_flight = {t.groups_in_flight} cannot hold one batch of "
+                             f"train.prompts_per_step = {t.prompts_per_step} groups: raise it, or 0 for "
+                             "prompts_per_step x (max_staleness + 1)")
+        if self.levels.high_model == "separate":
+            raise ValueError("train.mode: async runs one model; levels.high_model: separate needs train.mode: sync")
+        return self
 
     @model_validator(mode="after")
     def _budgets(self) -> "Config":

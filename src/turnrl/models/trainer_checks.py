@@ -82,7 +82,7 @@ def zero_stage_checks(run: CheckRun, zero_stages) -> None:
     gives the logprobs check). run.worker is the last stage's trainer, None if a stage failed."""
     from turnrl.config import Config
     from turnrl.training.cluster import rendezvous_port
-    from turnrl.training.workers import PolicyWorker
+    from turnrl.training.workers import PolicyWorker, TrainerParams
     run.vllm_now = run.engine.prompt_logprobs(run.batch.sequences) if run.engine else None
     run.worker = None
     push_gaps: list[float] = []
@@ -95,7 +95,7 @@ def zero_stage_checks(run: CheckRun, zero_stages) -> None:
             cfg = Config.model_validate({"seed": run.seed,
                                          "model": {"dtype": run.dtype, **({"lora": run.lora} if run.lora else {})},
                                          "train": {"zero_stage": stage, "lr": run.lr, "grad_clip": 1.0}})
-            run.worker = PolicyWorker(run.model_dir, cfg.model_dump(), master_port=rendezvous_port())
+            run.worker = PolicyWorker(run.model_dir, TrainerParams.of(cfg), master_port=rendezvous_port())
             _one_update(run, name, stage == zero_stages[0], push_gaps, timer)
         except Exception as exc:
             traceback.print_exc()

@@ -66,8 +66,10 @@ class Stream(_Rollout):
         self._pending_weights: tuple[int, Callable[[], None]] | None = None
         self._group_of: dict[int, int] = {}
         self._left: dict[int, int] = {}          # group -> trajectories not yet ended
-        self._next_index = self._next_group = 0
-        self._inbox: deque = deque()
+        self._next_index = self._next_group = self._next_tag = 0
+        self._inbox: deque = deque()             # (example, trajectories, tag): tag None for training groups
+        self._tagged: dict[int, list[list[Trajectory]]] = {}   # roll_out's groups, by call
+        self._tag_of: dict[int, int | None] = {}
         self._finished: deque = deque()
         self._lock = threading.Condition()
         self._stopped = False
@@ -78,8 +80,28 @@ class Stream(_Rollout):
     def feed(self, examples: list[dict]) -> None:
         """Queue examples; each becomes a group of n trajectories when there is room."""
         with self._lock:
-            self._inbox.extend(examples)
+            self._inbox.extend((example, self.n, None) for example in examples)
             self._lock.notify_all()
+
+    def roll_out(self, examples: list[dict], n: int, timeout_s: float = 3600.0) -> list[Trajectory]:
+        """`n` trajectories of each example under the current weights, ahead of the queued
+        examples and beside the groups in flight (e.g. a held-out evaluation while training goes
+        on); they never reach `take_groups`. Blocks until all are done; in the examples' order."""
+        with self._lock:
+            self._next_tag += 1
+            tag = self._next_tag
+            self._tagged[tag] = []
+            self._inbox.extendleft((example, n, tag) for example in reversed(examples))
+            self._lock.notify_all()
+            done = self._lock.wait_for(lambda: len(self._tagged[tag]) == len(examples) or self.error is not None,
+                                       timeout=timeout_s)
+            groups = self._tagged.pop(tag)
+        if self.error is not None:
+            raise RuntimeError(f"the rollout stream stopped: {self.error!r}") from self.error
+        if not done:
+            raise TimeoutError(f"{len(examples) - len(groups)} of {len(examples)} examples not rolled out in {timeout_s}s")
+        order = {id(example): k for k, example in enumerate(examples)}
+        return [t for group in sorted(groups, key=lambda g: order[id(g[0].example)]) for t in group]
 
     def take_groups(self, max_groups: int, timeout_s: float) -> list[list[Trajectory]]:
         """Up to `max_groups` finished groups, waiting at most `timeout_s` for the first.
@@ -100,8 +122,10 @@ class Stream(_Rollout):
             self._lock.notify_all()
 
     def counts(self) -> dict[str, int]:
+        """Training groups queued (inbox), rolling out (in_flight) and done, not yet taken (finished)."""
         with self._lock:
-            return {"inbox": len(self._inbox), "in_flight": len(self._left), "finished": len(self._finished)}
+            return {"inbox": sum(tag is None for *_, tag in self._inbox), "in_flight": self._training_groups(),
+                    "finished": len(self._finished)}
 
     def stop(self) -> None:
         with self._lock:
@@ -127,7 +151,9 @@ class Stream(_Rollout):
                         self._lock.wait_for(lambda: self._inbox or self._stopped or self._pending_weights,
                                             timeout=0.05)
         except BaseException as exc:   # the driver's next take_groups raises it
-            self.error = exc
+            with self._lock:
+                self.error = exc
+                self._lock.notify_all()
             raise
         finally:
             for stepper in self.steppers.values():
@@ -149,13 +175,14 @@ class Stream(_Rollout):
         """Start the queued examples' groups while fewer than max_groups are in flight."""
         while True:
             with self._lock:
-                if not self._inbox or len(self._left) >= self.max_groups:
+                # roll_out's examples (tagged, at the front) do not wait for room
+                if not self._inbox or (self._inbox[0][2] is None and self._training_groups() >= self.max_groups):
                     return
-                example = self._inbox.popleft()
+                example, n, tag = self._inbox.popleft()
             group = self._next_group
             self._next_group += 1
-            self._left[group] = self.n
-            for _ in range(self.n):
+            self._left[group], self._tag_of[group] = n, tag
+            for _ in range(n):
                 i = self._next_index
                 self._next_index += 1
                 env, t = _start(self.make_env, example, self.fmt)
@@ -183,14 +210,18 @@ class Stream(_Rollout):
         if self._left[group]:
             return
         del self._left[group]
+        tag = self._tag_of.pop(group)
         members = sorted(k for k, g in self._group_of.items() if g == group)
         done = [self.trajs.pop(k) for k in members]
         for k in members:
             for table in (self.envs, self.turn_of, self.level_at, self.asked_at, self.version_at, self._group_of):
                 table.pop(k, None)
         with self._lock:
-            self._finished.append(done)
+            (self._finished if tag is None else self._tagged[tag]).append(done)
             self._lock.notify_all()
+
+    def _training_groups(self) -> int:
+        return sum(tag is None for tag in self._tag_of.values())
 
     def _stamp_versions_of(self, i: int) -> None:
         """Trajectory i's finished turns get the version their turn started under."""

@@ -373,7 +373,8 @@ def _start(cfg: Config, model_dir: str, data_dir: str, pg, slots: list[Slot], hi
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from turnrl.rollout.engines import cpu_env_defaults
-    from turnrl.training.workers import CriticWorker, PolicyWorker, RolloutWorker
+    from turnrl.training.rollout_worker import RolloutWorker
+    from turnrl.training.workers import CriticWorker, PolicyWorker, RolloutParams, TrainerParams
     c = cfg.cluster
 
     def strategy(slot: Slot):
@@ -391,6 +392,7 @@ def _start(cfg: Config, model_dir: str, data_dir: str, pg, slots: list[Slot], hi
         return ray.get(address_task.options(scheduling_strategy=strategy(slot)).remote())
 
     trainer_env = {} if c.trainer_gpus else {"DS_ACCELERATOR": "cpu"}
+    trainer_params = TrainerParams.of(cfg)   # each role gets the params it reads, validated once here
     groups = {}
     for role, cls, folder in (("policy", PolicyWorker, model_dir), ("critic", CriticWorker, model_dir),
                               ("high", PolicyWorker, high_model_dir)):
@@ -399,7 +401,7 @@ def _start(cfg: Config, model_dir: str, data_dir: str, pg, slots: list[Slot], hi
             continue
         host, port = rendezvous(members[0])
         handles = [ray.remote(cls).options(**options(s, trainer_env)).remote(
-            folder, cfg.model_dump(), rank=s.index, world_size=len(members), master_addr=host, master_port=port)
+            folder, trainer_params, rank=s.index, world_size=len(members), master_addr=host, master_port=port)
             for s in members]
         groups[role] = TrainerGroup([s.name for s in members], handles)
 
@@ -413,9 +415,11 @@ def _start(cfg: Config, model_dir: str, data_dir: str, pg, slots: list[Slot], hi
         engine_options["weight_transfer_config"] = {"backend": "nccl"}
     engine_env = cpu_env_defaults(cfg.rollout.kv_cache_gib)
     engine_slots = [s for s in slots if s.role == "engine"]
+    asynchronous = cfg.train.mode == "async"
     engines = RolloutGroup([s.name for s in engine_slots], [
-        ray.remote(RolloutWorker).options(**options(s, engine_env)).remote(
-            model_dir, cfg.model_dump(), data_dir, engine_options, high_model_dir if "high" in groups else None)
+        # async: feed, take_groups and weight loads reach the actor while its stream generates
+        ray.remote(RolloutWorker).options(**options(s, engine_env), max_concurrency=4 if asynchronous else 1).remote(
+            model_dir, RolloutParams.of(cfg), data_dir, engine_options, high_model_dir if "high" in groups else None)
         for s in engine_slots], seed=cfg.seed)
 
     everyone = [*groups.values(), engines]

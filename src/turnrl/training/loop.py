@@ -44,13 +44,14 @@ from tqdm.auto import tqdm
 from turnrl.algos import contiguous_group_ids, first_obs_position, per_turn_mean_std
 from turnrl.algos.registry import AdvantageInputs, Algorithm, Scorer
 from turnrl.algos.registry import resolve as resolve_algorithm
-from turnrl.config import Config, LevelsCfg
+from turnrl.config import AlgorithmCfg, Config, LevelsCfg, TrainCfg
 from turnrl.models.folders import high_level_folder
 from turnrl.rollout.multi_turn import ENV_ERROR, Trajectory, tool_rates
 from turnrl.training.checkpoint import CheckpointStore, Resume, write_state
 from turnrl.training.health import HealthMonitor, UnhealthyTraining
-from turnrl.training.cluster import (TrainerGroup, Workers, check_cluster, start_ray, start_workers, two_models,
-                                     wait_all)
+from turnrl.training.rollouts import Rollouts, make_rollouts
+from turnrl.training.cluster import (RolloutGroup, TrainerGroup, Workers, check_cluster, start_ray, start_workers,
+                                     two_models, wait_all)
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,8 @@ def collate(trajs: Sequence[Trajectory], pad_id: int) -> dict[str, torch.Tensor]
     """Trajectories -> right-padded, token-aligned tensors, all [B, L] with L = longest
     prompt + response: input_ids, attention_mask, loss_mask (1 on policy tokens only),
     engine_logprobs (0 elsewhere), turn_ids (-1 outside the response), high (True on the tokens
-    of high-level turns and the observations after them)."""
+    of high-level turns and the observations after them); from asynchronous rollouts also
+    versions (the policy version that sampled each token's turn, -1 outside the response)."""
     width = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
     B = len(trajs)
     out = {
@@ -80,8 +82,13 @@ def collate(trajs: Sequence[Trajectory], pad_id: int) -> dict[str, torch.Tensor]
         "turn_ids": torch.full((B, width), -1, dtype=torch.long),
         "high": torch.zeros((B, width), dtype=torch.bool),
     }
+    stamped = any(t.turn_versions for t in trajs)   # asynchronous rollouts: the version of each turn
+    if stamped:
+        out["versions"] = torch.full((B, width), -1, dtype=torch.long)
     for row, t in enumerate(trajs):
         p, r = len(t.prompt_ids), len(t.response_ids)
+        if stamped and t.turn_versions:
+            out["versions"][row, p:p + r] = torch.tensor(t.turn_versions)[torch.tensor(t.turn_ids)]
         out["input_ids"][row, :p + r] = torch.tensor(t.prompt_ids + t.response_ids)
         out["attention_mask"][row, :p + r] = 1
         out["loss_mask"][row, p:p + r] = torch.tensor(t.loss_mask, dtype=torch.float)
@@ -107,12 +114,13 @@ def advantage_inputs(trajs: Sequence[Trajectory], batch: dict[str, torch.Tensor]
         extras=extras or {})
 
 
-def advantages_for(cfg: Config, trajs: Sequence[Trajectory], batch: dict[str, torch.Tensor],
-                   extras: dict | None = None, algorithm: Algorithm | None = None):
-    """The advantages [B, L] of `algorithm.name` (with a critic: (advantages, returns)) for the
-    trajectories and their batch; `extras` from the algorithm's prepare hook."""
-    algorithm = algorithm or resolve_algorithm(cfg.algorithm.name)
-    return algorithm.advantages(advantage_inputs(trajs, batch, cfg.rollout.n, extras), cfg.algorithm)
+def advantages_for(algorithm_cfg: AlgorithmCfg, group_size: int, trajs: Sequence[Trajectory],
+                   batch: dict[str, torch.Tensor], extras: dict | None = None, algorithm: Algorithm | None = None):
+    """The advantages [B, L] of `algorithm_cfg.name` (with a critic: (advantages, returns)) for
+    the trajectories and their batch (groups of `group_size`, rollout.n); `extras` from the
+    algorithm's prepare hook."""
+    algorithm = algorithm or resolve_algorithm(algorithm_cfg.name)
+    return algorithm.advantages(advantage_inputs(trajs, batch, group_size, extras), algorithm_cfg)
 
 
 # --------------------------------------------------------------------------- levels
@@ -227,13 +235,14 @@ class PromptSampler:
 def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], out_dir: str,
           on_step: Callable[[int, dict, list[Trajectory]], None] | None = None,
           checkpoints: CheckpointStore | None = None, resume: Resume | None = None,
-          mlflow_run_id: str | None = None, info: dict | None = None) -> list[dict]:
+          mlflow_run_id: str | None = None, info: dict | None = None,
+          heldout_rows: list[dict] | None = None) -> list[dict]:
     """Run RL steps up to `train.steps` from the model in `model_dir` (or from `resume`, a
     checkpoint in `checkpoints`); save the final HF folder to `out_dir`. With `checkpoints`,
     a checkpoint is written every `train.checkpoint_every` steps and at the end (a run that
     does not resume first removes the old ones). Returns one metrics dict per step, from
     step 1 (a resumed run's earlier steps come from the checkpoint). `info`, if given, gets
-    where the actors ran (ranks, engines, nodes)."""
+    where the actors ran (ranks, engines, nodes). `heldout_rows`: what `train.eval_every` scores."""
     check_cluster(cfg)
     # Actors run elsewhere (other nodes, other working directories): absolute local paths.
     model_dir, data_dir, out_dir = (str(Path(p).resolve()) if Path(p).exists() or p == out_dir else p
@@ -248,138 +257,68 @@ def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], ou
                     nodes=workers.nodes, placement=cfg.cluster.placement, actors=workers.locations)
     try:
         return _train(cfg, workers, model_dir, train_rows, out_dir, on_step, checkpoints, resume, mlflow_run_id,
-                      high_dir)
+                      high_dir, heldout_rows or [])
     finally:
         workers.shutdown()
 
 
 def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict], out_dir: str,
            on_step, checkpoints: CheckpointStore | None, resume: Resume | None, mlflow_run_id: str | None,
-           high_dir: str | None = None) -> list[dict]:
+           high_dir: str | None = None, heldout_rows: list[dict] = ()) -> list[dict]:
     sampler = PromptSampler(train_rows, cfg.seed)
-    history: list[dict] = []
     monitor = HealthMonitor(cfg.train.health)
-    first = 1
-    if resume is not None:
-        log.info("resuming from step %d (%s)", resume.step, resume.path)
-        load_checkpoint(workers, resume.path)
-        for sync in _syncs(workers):
-            sync.push()
-        sampler.position = resume.state["position"]
-        history = list(resume.state["history"])
-        monitor.replay(history)
-        first = resume.step + 1
-    elif checkpoints is not None:
-        checkpoints.discard_all()
-
-    pad_id = 0   # any id: padding is outside the attention and loss masks
+    first, history = _begin(workers, sampler, monitor, checkpoints, resume)
     algorithm = resolve_algorithm(cfg.algorithm.name)
-    eos_id = None
-    if algorithm.prepare is not None:   # e.g. MLMT's conversation without the feedback closes a message with it
-        from transformers import AutoTokenizer
+    eos_id = _end_of_turn_id(cfg, model_dir) if algorithm.prepare is not None else None
+    rollouts = make_rollouts(cfg, workers.rollout, sampler, version=_pushes_so_far(history))
+    try:
+        return _steps(cfg, workers, rollouts, algorithm, eos_id, first, history, monitor, sampler, on_step,
+                      checkpoints, mlflow_run_id, heldout_rows, model_dir, out_dir, high_dir)
+    finally:
+        rollouts.close()
 
-        from turnrl.rollout.chat import ChatFormat
-        # the token that closes an assistant turn (Gemma's <end_of_turn>, not its eos)
-        eos_id = ChatFormat(AutoTokenizer.from_pretrained(model_dir), cfg.model.template_type).end_of_turn_id
-    overlap = cfg.train.overlap_rollout
-    next_rollout: list = []   # overlap: this step's rollout, started during the last step's update
-    loading: list = []        # overlap: the last weight pushes, which the engines run after that rollout
+
+def _steps(cfg: Config, workers: Workers, rollouts: Rollouts, algorithm: Algorithm, eos_id: int | None, first: int,
+           history: list[dict], monitor: HealthMonitor, sampler: PromptSampler, on_step,
+           checkpoints: CheckpointStore | None, mlflow_run_id: str | None, heldout_rows: Sequence[dict],
+           model_dir: str, out_dir: str, high_dir: str | None) -> list[dict]:
+    """The loop itself: from step `first` to train.steps."""
+    t0 = time.perf_counter()
+    wall_before = history[-1].get("wall_s", 0.0) if history else 0.0
     bar = tqdm(range(first, cfg.train.steps + 1), desc="train", unit="step")
     for step in bar:
         t_start = time.perf_counter()
-        if not next_rollout:
-            next_rollout = workers.rollout.submit(sampler.next(cfg.train.prompts_per_step), cfg.rollout.n, step)
-        trajs, engine_busy = workers.rollout.collect(next_rollout)
-        wait_all(loading)
-        next_rollout, loading = [], []
-        if overlap and step < cfg.train.steps:   # sampled during this step's update, by the weights before it
-            next_rollout = workers.rollout.submit(sampler.next(cfg.train.prompts_per_step), cfg.rollout.n, step + 1)
+        trajs, engine_busy, source_metrics = rollouts.next_batch(step)
         if workers.offload_engines:       # colocated on GPUs: give the device to the trainer
             workers.rollout.call("sleep")
         t_rollout = time.perf_counter()
+        _check_environment(cfg, trajs, step, history, bar)   # before the update: never train on broken rollouts
 
-        error_frac, first_error = env_errors(trajs)
-        if error_frac > cfg.env.max_error_fraction:   # before the update: do not train on broken rollouts
-            bar.close()
-            raise EnvironmentFailure(
-                f"step {step}: the environment {cfg.env.name} raised in {error_frac:.0%} of the trajectories "
-                f"(env.max_error_fraction {cfg.env.max_error_fraction}); the first: {first_error}. Fix the "
-                "environment (its reset or step), or raise env.max_error_fraction; checkpoints are kept", history)
-
-        batch = collate(trajs, pad_id)
-        extras, algo_stats, scored = {}, {}, {"low": {}, "high": {}}
-        if algorithm.prepare is not None:   # inputs that need the models, on every policy token
-            keep = _keeping(batch, scored)   # the batch's scores, so the update does not compute them again
-            scorer = Scorer(
-                logprobs=keep(workers.policy.logprobs, "low", "old_logprobs"),
-                reference_logprobs=keep(workers.policy.reference_logprobs, "low", "ref_logprobs"),
-                high=(keep(workers.high.logprobs, "high", "old_logprobs"),
-                      keep(workers.high.reference_logprobs, "high", "ref_logprobs")) if workers.high is not None
-                else None, eos_id=eos_id)
-            extras, algo_stats = algorithm.prepare(trajs, batch, scorer, cfg.algorithm)
-        batch["loss_mask"] *= level_mask(batch["high"], trained_level(cfg.levels, step))   # e.g. a frozen level
-        critic_stats = {}
-        if algorithm.critic:   # PPO: the critic's values first; it is fitted on the returns below
-            batch["values"] = workers.critic.values(batch)
-        advantages = advantages_for(cfg, trajs, batch, extras, algorithm)
-        if algorithm.critic:   # (advantages, the critic's targets)
-            batch["advantages"], batch["returns"] = advantages
-        else:
-            batch["advantages"] = advantages
-        t_adv = time.perf_counter()
-        # PPO: while the critic warms up the policy is scored, not updated (nothing to push).
-        update = not algorithm.critic or step > cfg.algorithm.critic_warmup
-        train_stats, trainer_busy, pushes = train_levels(cfg, workers, batch, step, scored, update)
-        if algorithm.critic:
-            critic_stats, _ = workers.critic.train(batch, step)
+        version = int(source_metrics.get("policy_version", 0))
+        batch, stats, trainer_busy, pushes, t_adv = update_on(cfg, workers, algorithm, trajs, step, eos_id, version)
         t_train = time.perf_counter()
-
         if workers.offload_engines:
             workers.rollout.call("wake_up")
-        for sync in pushes:   # with overlap, the engines load after the rollout in flight
-            loading += sync.push(wait=not overlap)
+        rollouts.push(pushes)
         t_sync = time.perf_counter()
 
-        generated = sum(t.policy_tokens() for t in trajs)
-        step_s = t_sync - t_start
-        metrics = {
-            **rollout_metrics(trajs, cfg.rollout.n),
-            **train_stats,
-            **critic_stats,
-            **algo_stats,
-            **advantage_metrics(batch["advantages"], batch["loss_mask"], batch["turn_ids"]),
-            "trained_tokens": float(batch["loss_mask"].sum()),   # policy tokens the update used
-            "rollout_s": t_rollout - t_start,
-            "advantage_s": t_adv - t_rollout,
-            "train_s": t_train - t_adv,
-            "sync_s": t_sync - t_train,
-            "step_s": step_s,
-            # share of the step each role's actors wait (for the other role, or the slowest of their own)
-            "engine_idle_frac": 1 - sum(engine_busy) / len(workers.rollout.handles) / step_s,
-            "trainer_idle_frac": 1 - sum(trainer_busy) / len(trainer_busy) / step_s,
-            # over the engines' own busy time: with overlap_rollout the wait for them (rollout_s) is not it
-            "gen_tokens_per_s": generated / max(1e-9, max(engine_busy)),
-            "step": step,
-        }
-        failing, started, recovered = monitor.check(metrics)
-        for flag in started:
-            log.warning("step %d: unhealthy training (%s): %s", step, flag.check, flag.message)
-        for check in recovered:
-            log.info("step %d: %s no longer failing", step, check)
-        history.append(metrics)
-        # shown with the next step's count, not as a refresh of its own: a line per step in a flow's log
-        bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", gap=f"{metrics['logp_gap_max']:.1e}", refresh=False)
-        if on_step is not None:
-            on_step(step, metrics, trajs)
+        metrics = {**rollout_metrics(trajs, cfg.rollout.n), **stats,
+                   **advantage_metrics(batch["advantages"], batch["loss_mask"], batch["turn_ids"]),
+                   "trained_tokens": float(batch["loss_mask"].sum()),   # policy tokens the update used
+                   **source_metrics, "updates_pushed": float(_pushes_so_far(history) + bool(pushes)),
+                   **step_timings(t_start, t_rollout, t_adv, t_train, t_sync, engine_busy, trainer_busy,
+                                  engines=len(workers.rollout.handles),
+                                  generated=sum(t.policy_tokens() for t in trajs)),
+                   "step": step}
+        if _eval_due(cfg.train, step, heldout_rows):   # after the push: the engines hold this update's weights
+            metrics.update(heldout_metrics(workers.rollout, heldout_rows[:cfg.train.eval_examples], step))
+        metrics["wall_s"] = wall_before + time.perf_counter() - t0   # training's own time, across resumes
+        failing = _record(monitor, metrics, history, bar, on_step, trajs)
         stop = bool(failing) and cfg.train.on_unhealthy == "stop"
-        every = cfg.train.checkpoint_every
-        # A NaN update is not worth keeping: a stop then leaves the last good checkpoint.
-        if checkpoints is not None and (step == cfg.train.steps or (every and step % every == 0)
-                                        or (stop and not any(f.check == "non_finite" for f in failing))):
-            # A rollout in flight is not part of the checkpoint: a resumed run samples those prompts again.
-            ahead = cfg.train.prompts_per_step if overlap and step < cfg.train.steps else 0
-            save_checkpoint(workers, checkpoints, step, {
-                "position": sampler.position - ahead, "history": history, "mlflow_run_id": mlflow_run_id})
+        if checkpoints is not None and _checkpoint_due(cfg, step, stop, failing):
+            # Rollouts in flight are not part of the checkpoint: a resumed run samples those prompts again.
+            save_checkpoint(workers, checkpoints, step, {"position": sampler.position - rollouts.unused_prompts(step),
+                                                         "history": history, "mlflow_run_id": mlflow_run_id})
         if stop:
             bar.close()
             raise UnhealthyTraining(
@@ -388,11 +327,149 @@ def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict]
                 + ". Checkpoints are kept: rerun with -S train.on_unhealthy=warn to go on from the last one, or "
                 "change what made it unhealthy (e.g. train.lr, algorithm.kl_coef) to start afresh", history)
     bar.close()
-    wait_all(loading)
+    rollouts.close()
     workers.policy.call("save", out_dir, model_dir)
     if workers.high is not None:
         workers.high.call("save", str(Path(out_dir) / HIGH_LEVEL), high_dir)
     return history
+
+
+def _pushes_so_far(history: list[dict]) -> int:
+    """Updates pushed to the engines before this run's first step (a resumed run's)."""
+    return int(history[-1].get("updates_pushed", len(history))) if history else 0
+
+
+def _begin(workers: Workers, sampler: PromptSampler, monitor: HealthMonitor, checkpoints: CheckpointStore | None,
+           resume: Resume | None) -> tuple[int, list[dict]]:
+    """(the first step to run, the metrics of the steps already done): a resumed run's (its
+    checkpoint loaded, its weights pushed, the sampler and health checks where they were), else
+    (1, []), the old checkpoints of another training removed."""
+    if resume is None:
+        if checkpoints is not None:
+            checkpoints.discard_all()
+        return 1, []
+    log.info("resuming from step %d (%s)", resume.step, resume.path)
+    load_checkpoint(workers, resume.path)
+    for sync in _syncs(workers):
+        sync.push()
+    sampler.position = resume.state["position"]
+    history = list(resume.state["history"])
+    monitor.replay(history)
+    return resume.step + 1, history
+
+
+def _end_of_turn_id(cfg: Config, model_dir: str) -> int:
+    """The token that closes an assistant turn (Gemma's <end_of_turn>, not its eos): an
+    algorithm's prepare hook (MLMT's conversation without the feedback) closes a message with it."""
+    from transformers import AutoTokenizer
+
+    from turnrl.rollout.chat import ChatFormat
+    return ChatFormat(AutoTokenizer.from_pretrained(model_dir), cfg.model.template_type).end_of_turn_id
+
+
+def _check_environment(cfg: Config, trajs: Sequence[Trajectory], step: int, history: list[dict], bar) -> None:
+    """Stop with EnvironmentFailure when more than env.max_error_fraction of the trajectories
+    ended with their environment raising."""
+    error_frac, first_error = env_errors(trajs)
+    if error_frac > cfg.env.max_error_fraction:
+        bar.close()
+        raise EnvironmentFailure(
+            f"step {step}: the environment {cfg.env.name} raised in {error_frac:.0%} of the trajectories "
+            f"(env.max_error_fraction {cfg.env.max_error_fraction}); the first: {first_error}. Fix the "
+            "environment (its reset or step), or raise env.max_error_fraction; checkpoints are kept", history)
+
+
+def update_on(cfg: Config, workers: Workers, algorithm: Algorithm, trajs: Sequence[Trajectory], step: int,
+              eos_id: int | None, version: int = 0
+              ) -> tuple[dict[str, torch.Tensor], dict[str, float], list[float], list, float]:
+    """Learn from one rollout batch: collate it, let the algorithm score it (its prepare hook),
+    compute the advantages (and a critic's values and returns), update the policy (each level's
+    model on its turns) and the critic. Returns (batch, stats, each trainer rank's busy seconds,
+    the weight syncs to push, the time the advantages were ready). `version`: the policy
+    version the update starts from (asynchronous rollouts: their turns' versions are beside it)."""
+    batch = collate(trajs, pad_id=0)   # any pad id: padding is outside the attention and loss masks
+    if "versions" in batch:
+        batch["trainer_version"] = torch.full_like(batch["versions"], version)
+    extras, algo_stats, scored = {}, {}, {"low": {}, "high": {}}
+    if algorithm.prepare is not None:   # inputs that need the models, on every policy token
+        keep = _keeping(batch, scored)   # the batch's scores, so the update does not compute them again
+        scorer = Scorer(
+            logprobs=keep(workers.policy.logprobs, "low", "old_logprobs"),
+            reference_logprobs=keep(workers.policy.reference_logprobs, "low", "ref_logprobs"),
+            high=(keep(workers.high.logprobs, "high", "old_logprobs"),
+                  keep(workers.high.reference_logprobs, "high", "ref_logprobs")) if workers.high is not None
+            else None, eos_id=eos_id)
+        extras, algo_stats = algorithm.prepare(trajs, batch, scorer, cfg.algorithm)
+    batch["loss_mask"] *= level_mask(batch["high"], trained_level(cfg.levels, step))   # e.g. a frozen level
+    if algorithm.critic:   # PPO: the critic's values first; it is fitted on the returns below
+        batch["values"] = workers.critic.values(batch)
+    advantages = advantages_for(cfg.algorithm, cfg.rollout.n, trajs, batch, extras, algorithm)
+    if algorithm.critic:   # (advantages, the critic's targets)
+        batch["advantages"], batch["returns"] = advantages
+    else:
+        batch["advantages"] = advantages
+    t_adv = time.perf_counter()
+    # PPO: while the critic warms up the policy is scored, not updated (nothing to push).
+    update = not algorithm.critic or step > cfg.algorithm.critic_warmup
+    stats, trainer_busy, pushes = train_levels(cfg.levels, workers, batch, step, scored, update)
+    critic_stats = workers.critic.train(batch, step)[0] if algorithm.critic else {}
+    return batch, {**stats, **critic_stats, **algo_stats}, trainer_busy, pushes, t_adv
+
+
+def step_timings(t_start: float, t_rollout: float, t_adv: float, t_train: float, t_sync: float,
+                 engine_busy: list[float], trainer_busy: list[float], engines: int, generated: int) -> dict[str, float]:
+    """Seconds per phase of a step, and the share of the step each role's actors waited (for
+    the other role, or the slowest of their own)."""
+    step_s = t_sync - t_start
+    return {"rollout_s": t_rollout - t_start, "advantage_s": t_adv - t_rollout, "train_s": t_train - t_adv,
+            "sync_s": t_sync - t_train, "step_s": step_s,
+            "engine_idle_frac": 1 - sum(engine_busy) / engines / step_s,
+            "trainer_idle_frac": 1 - sum(trainer_busy) / len(trainer_busy) / step_s,
+            # over the engines' own busy time: with overlap_rollout the wait for them (rollout_s) is not it
+            "gen_tokens_per_s": generated / max(1e-9, max(engine_busy))}
+
+
+def _record(monitor: HealthMonitor, metrics: dict, history: list[dict], bar, on_step, trajs) -> list:
+    """Run the health checks on a step's metrics (log what started or stopped failing), add
+    the step to `history`, show it and hand it to `on_step`. Returns the failing checks."""
+    step = metrics["step"]
+    failing, started, recovered = monitor.check(metrics)
+    for flag in started:
+        log.warning("step %d: unhealthy training (%s): %s", step, flag.check, flag.message)
+    for check in recovered:
+        log.info("step %d: %s no longer failing", step, check)
+    history.append(metrics)
+    # shown with the next step's count, not as a refresh of its own: a line per step in a flow's log
+    bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", gap=f"{metrics['logp_gap_max']:.1e}", refresh=False)
+    if on_step is not None:
+        on_step(step, metrics, trajs)
+    return failing
+
+
+def _eval_due(train: TrainCfg, step: int, heldout_rows: Sequence[dict]) -> bool:
+    return bool(train.eval_every and heldout_rows) and (step % train.eval_every == 0 or step == train.steps)
+
+
+def heldout_metrics(rollout: RolloutGroup, rows: list[dict], step: int) -> dict[str, float]:
+    """Held-out accuracy (share of outcomes > 0) and mean reward of one sample per row under
+    the engines' current weights, and the seconds it took. Seeded apart from the training
+    rollouts (which reseed their engines every step), so it changes no training sample."""
+    start = time.perf_counter()
+    trajs, _ = rollout.rollout(rows, 1, step + EVAL_SEED_OFFSET)
+    return {"heldout_accuracy": sum(t.outcome > 0 for t in trajs) / len(trajs),
+            "heldout_reward_mean": sum(t.reward for t in trajs) / len(trajs),
+            "eval_s": time.perf_counter() - start}
+
+
+EVAL_SEED_OFFSET = 1_000_003   # the held-out rollouts' generator streams, apart from every training step's
+
+
+def _checkpoint_due(cfg: Config, step: int, stop: bool, failing: list) -> bool:
+    """Every train.checkpoint_every steps, at the end, and on an unhealthy stop (but not after
+    a NaN update, which is not worth keeping: the stop then leaves the last good checkpoint)."""
+    every = cfg.train.checkpoint_every
+    return (step == cfg.train.steps or bool(every and step % every == 0)
+            or (stop and not any(f.check == "non_finite" for f in failing)))
 
 
 HIGH_LEVEL = "high_level"   # the feedback model's folder in the final model, and its checkpoint entry
@@ -411,7 +488,7 @@ def _keeping(batch: dict[str, torch.Tensor], scored: dict[str, dict]) -> Callabl
     return keep
 
 
-def train_levels(cfg: Config, workers: Workers, batch: dict[str, torch.Tensor], step: int,
+def train_levels(levels: LevelsCfg, workers: Workers, batch: dict[str, torch.Tensor], step: int,
                  scored: dict[str, dict] | None = None, update: bool = True) -> tuple[dict[str, float], list[float], list]:
     """The policy update of a step: (stats, each trainer rank's busy seconds, the weight syncs
     to push). One model: `workers.policy` on the whole batch. Two (`levels.high_model:
@@ -423,7 +500,7 @@ def train_levels(cfg: Config, workers: Workers, batch: dict[str, torch.Tensor], 
     if workers.high is None:
         stats, busy = workers.policy.train({**batch, **scored.get("low", {})}, step, update)
         return stats, busy, [workers.sync] if update else []
-    level = trained_level(cfg.levels, step)
+    level = trained_level(levels, step)
     stats, busy, pushes = {}, [], []
     for name, group, sync, prefix in (("low", workers.policy, workers.sync, ""),
                                       ("high", workers.high, workers.high_sync, "high_")):

@@ -4,11 +4,7 @@
   token logprobs, runs the policy-gradient update, hands out its weights as named tensors. With
   `model.lora` it trains LoRA adapters (peft) and hands out the merged weights (see `lora_model`).
 - `CriticWorker`: one rank of PPO's critic, a DeepSpeed group of its own.
-- `RolloutWorker`: a rollout engine (vLLM, or transformers) plus the environments. Runs the
-  multi-turn loop for its share of a step's prompts and takes new weights without restarting.
-  With a second model for the high level (`levels.high_model: separate`) it holds that model's
-  engine too: the loop batches each level's turns on its own engine in this process, with no
-  round trip to another actor per turn.
+- `RolloutWorker` (turnrl.training.rollout_worker): a rollout engine plus the environments.
 
 Every trainer rank gets the whole rollout batch and trains on its share of each mini-batch
 (`rank_rows`), its loss weighted by the share's part of the mini-batch's normalizer
@@ -33,7 +29,7 @@ import torch
 from turnrl.algos import (entropy_from_logits, explained_variance, kl_estimate, logprobs_from_logits,
                           masked_mean, value_loss)
 from turnrl.algos.registry import compute_policy_loss, resolve_loss
-from turnrl.config import Config, LoraCfg
+from turnrl.config import AlgorithmCfg, Config, EnvCfg, LoraCfg, ModelCfg, RewardCfg, RolloutCfg, TrainCfg
 from turnrl.training.checkpoint import step_seed
 
 
@@ -46,6 +42,35 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
 def entropy(logits: torch.Tensor) -> torch.Tensor:
     """logits [B, L, V] -> [B, L]: entropy of the distribution token t was drawn from."""
     return torch.nn.functional.pad(entropy_from_logits(logits[:, :-1]), (1, 0))
+
+
+# --------------------------------------------------------------------------- what each role reads
+@dataclass(frozen=True)
+class TrainerParams:
+    """The params a trainer rank (policy, critic, high level) reads, validated once by the
+    driver and shipped to the actor as they are."""
+    seed: int
+    model: ModelCfg
+    algorithm: AlgorithmCfg
+    train: TrainCfg
+
+    @classmethod
+    def of(cls, cfg: Config) -> "TrainerParams":
+        return cls(seed=cfg.seed, model=cfg.model, algorithm=cfg.algorithm, train=cfg.train)
+
+
+@dataclass(frozen=True)
+class RolloutParams:
+    """The params a rollout actor reads (its engine, environments and reward functions)."""
+    seed: int
+    model: ModelCfg
+    rollout: RolloutCfg
+    env: EnvCfg
+    reward: RewardCfg
+
+    @classmethod
+    def of(cls, cfg: Config) -> "RolloutParams":
+        return cls(seed=cfg.seed, model=cfg.model, rollout=cfg.rollout, env=cfg.env, reward=cfg.reward)
 
 
 # --------------------------------------------------------------------------- data parallel
@@ -82,7 +107,7 @@ def combine_rank_stats(per_rank: list[dict[str, dict]]) -> dict[str, float]:
 
 
 # --------------------------------------------------------------------------- DeepSpeed ranks
-def _deepspeed_engine(model: torch.nn.Module, cfg: Config, lr: float, rank: int, world_size: int,
+def _deepspeed_engine(model: torch.nn.Module, train: TrainCfg, dtype: str, lr: float, rank: int, world_size: int,
                       master_addr: str, master_port: int):
     """`model` wrapped in a DeepSpeed engine (ZeRO stage from params) in this process's group:
     gloo on CPU, NCCL on GPUs (each rank's actor sees its own GPU as device 0)."""
@@ -91,7 +116,6 @@ def _deepspeed_engine(model: torch.nn.Module, cfg: Config, lr: float, rank: int,
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
-    train = cfg.train
     # A torch optimizer avoids DeepSpeed's JIT-built Adam kernels (minutes of gcc on CPU). Only
     # what trains (with LoRA: the adapters; the base weights are frozen and get no optimizer state).
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
@@ -105,7 +129,7 @@ def _deepspeed_engine(model: torch.nn.Module, cfg: Config, lr: float, rank: int,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": train.grad_clip,
         "zero_optimization": {"stage": train.zero_stage},
-        "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
+        "bf16": {"enabled": dtype == "bfloat16"},
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
     }
@@ -145,7 +169,7 @@ class _TrainerRank:
     """What a policy or critic rank shares: its DeepSpeed engine, its rows of a batch, ZeRO-3
     gathers, checkpoints. Every rank of a group is called with the same arguments."""
     engine: Any
-    cfg: Config
+    params: TrainerParams
     rank: int
     world_size: int
     TAG = "engine"   # DeepSpeed's checkpoint tag inside a checkpoint folder
@@ -182,8 +206,8 @@ class _TrainerRank:
     def _minibatches(self, size: int, step: int, stream: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(mini-batch rows, this rank's share of them) for every epoch and mini-batch, in an
         order that is a function of (seed, step): the same on every rank, and on a resume."""
-        alg = self.cfg.algorithm
-        generator = torch.Generator().manual_seed(step_seed(self.cfg.seed, step, stream))
+        alg = self.params.algorithm
+        generator = torch.Generator().manual_seed(step_seed(self.params.seed, step, stream))
         for _ in range(alg.epochs):
             for chunk in torch.randperm(size, generator=generator).chunk(alg.mini_batches):
                 mine = rank_rows(chunk, self.rank, self.world_size)
@@ -195,7 +219,7 @@ class _TrainerRank:
     @contextlib.contextmanager
     def _gathered(self, params: list[torch.nn.Parameter]) -> Iterator[None]:
         """Under ZeRO-3, the full `params` on every rank inside the block (a collective)."""
-        if self.cfg.train.zero_stage == 3:
+        if self.params.train.zero_stage == 3:
             import deepspeed
             with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
                 yield
@@ -220,22 +244,23 @@ class _TrainerRank:
 
 
 class PolicyWorker(_TrainerRank):
-    def __init__(self, model_dir: str, cfg: dict[str, Any], rank: int = 0, world_size: int = 1,
+    def __init__(self, model_dir: str, params: TrainerParams, rank: int = 0, world_size: int = 1,
                  master_addr: str = "127.0.0.1", master_port: int = 29500):
         from transformers import AutoModelForCausalLM
 
-        self.cfg = Config.model_validate(cfg)
+        self.params = params
         self.rank, self.world_size = rank, world_size
-        torch.manual_seed(self.cfg.seed + rank)
+        torch.manual_seed(self.params.seed + rank)
         torch.set_flush_denormal(True)   # subnormal floats slow CPU training down several-fold
-        dtype = getattr(torch, self.cfg.model.dtype)
+        dtype = getattr(torch, self.params.model.dtype)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-        self.lora = self.cfg.model.lora if self.cfg.model.lora.enabled else None
+        self.lora = self.params.model.lora if self.params.model.lora.enabled else None
         if self.lora is not None:
-            model = lora_model(model, self.lora, self.cfg.seed)
+            model = lora_model(model, self.lora, self.params.seed)
             self.frozen_base = True
-        self.engine = _deepspeed_engine(model, self.cfg, self.cfg.train.lr, rank, world_size, master_addr, master_port)
-        self.zero_stage = self.cfg.train.zero_stage
+        self.engine = _deepspeed_engine(model, params.train, params.model.dtype, params.train.lr, rank, world_size,
+                                        master_addr, master_port)
+        self.zero_stage = self.params.train.zero_stage
         # The frozen starting policy: KL to it is reported every step and, with
         # algorithm.kl_coef > 0, added to the loss. Loaded once; it only computes logprobs.
         # With LoRA it is the base model itself with the adapters switched off (exactly the
@@ -296,17 +321,18 @@ class PolicyWorker(_TrainerRank):
         gradient), so no separate forward pass computes them. With `train.overlap_rollout` the
         batch was sampled by the weights before the last update: the ratio is taken to the
         engine's logprobs, and logp_gap_max measures that step of staleness."""
-        alg = self.cfg.algorithm
+        alg = self.params.algorithm
         batch = self._to_device(batch)
         mask = batch["loss_mask"]
-        stale = self.cfg.train.overlap_rollout
+        stale = self.params.train.overlap_rollout
         scored = batch.pop("old_logprobs", None)
         ref_logp = batch.pop("ref_logprobs", None)
         if ref_logp is None:
             ref_logp = self._all_rows(self._reference_logprobs, batch)
+        off_policy = self.params.train.mode == "async"   # the proximal policy: these weights, recomputed
         if stale:
             old_logp = batch["engine_logprobs"]
-        elif scored is not None or alg.epochs > 1 or alg.mini_batches > 1:
+        elif scored is not None or off_policy or alg.epochs > 1 or alg.mini_batches > 1:
             old_logp = scored if scored is not None else self._all_rows(self._logprobs, batch)
         else:
             old_logp = None   # on-policy: the update's own logprobs, detached
@@ -314,7 +340,10 @@ class PolicyWorker(_TrainerRank):
         maxes: dict[str, list[float]] = {}
         same: dict[str, float] = {}
         if old_logp is not None and not stale:
-            same = self._sampling_stats(old_logp, ref_logp, batch["engine_logprobs"], mask)
+            # asynchronous: the engine-trainer gap over the tokens these very weights sampled (the
+            # older ones differ by their staleness, which the correction's stats measure)
+            fresh = mask * (batch["versions"] == batch["trainer_version"]) if off_policy else mask
+            same = self._sampling_stats(old_logp, ref_logp, batch["engine_logprobs"], mask, fresh)
 
         self.engine.train()
         for chunk, mine in self._minibatches(mask.shape[0], step, "policy"):
@@ -350,12 +379,12 @@ class PolicyWorker(_TrainerRank):
         return {"sum": sums, "max": maxes, "same": same}
 
     def _sampling_stats(self, logp: torch.Tensor, ref_logp: torch.Tensor, engine_logp: torch.Tensor,
-                        mask: torch.Tensor) -> dict[str, float]:
+                        mask: torch.Tensor, gap_mask: torch.Tensor | None = None) -> dict[str, float]:
         """logp_gap_max, _mean, _p99: the largest, mean and 99th percentile |trainer - engine|
-        logprob over policy tokens (the engines sampled with the weights the trainer holds);
-        kl_ref: the policy's mean KL to its start."""
-        kind = self.cfg.algorithm.kl_estimator
-        gaps = (logp - engine_logp).abs()[mask.bool()].float()
+        logprob over policy tokens (`gap_mask`, default `mask`: the tokens the engines sampled
+        with the weights the trainer holds); kl_ref: the policy's mean KL to its start."""
+        kind = self.params.algorithm.kl_estimator
+        gaps = (logp - engine_logp).abs()[(mask if gap_mask is None else gap_mask).bool()].float()
         if gaps.numel() == 0:
             gaps = torch.zeros(1)
         return {"logp_gap_max": gaps.max().item(), "logp_gap_mean": gaps.mean().item(),
@@ -618,18 +647,18 @@ class CriticWorker(_TrainerRank):
     in its own DeepSpeed group. Values are token-aligned like logprobs: entry t is V of the
     state before token t."""
 
-    def __init__(self, model_dir: str, cfg: dict[str, Any], rank: int = 0, world_size: int = 1,
+    def __init__(self, model_dir: str, params: TrainerParams, rank: int = 0, world_size: int = 1,
                  master_addr: str = "127.0.0.1", master_port: int = 29501):
         from transformers import AutoModelForTokenClassification
 
-        self.cfg = Config.model_validate(cfg)
+        self.params = params
         self.rank, self.world_size = rank, world_size
-        torch.manual_seed(self.cfg.seed + 1000)   # the same fresh value head on every rank
+        torch.manual_seed(self.params.seed + 1000)   # the same fresh value head on every rank
         torch.set_flush_denormal(True)
         model = AutoModelForTokenClassification.from_pretrained(
-            model_dir, num_labels=1, dtype=getattr(torch, self.cfg.model.dtype))
-        self.engine = _deepspeed_engine(model, self.cfg, self.cfg.algorithm.critic_lr, rank, world_size,
-                                        master_addr, master_port)
+            model_dir, num_labels=1, dtype=getattr(torch, self.params.model.dtype))
+        self.engine = _deepspeed_engine(model, params.train, params.model.dtype, params.algorithm.critic_lr, rank,
+                                        world_size, master_addr, master_port)
 
     def _values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         out = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[..., 0]
@@ -647,7 +676,7 @@ class CriticWorker(_TrainerRank):
     def train(self, batch: dict[str, torch.Tensor], step: int = 0, update: bool = True) -> dict[str, dict]:
         """Clipped value regression on `returns` from the values at rollout time (`values`);
         this rank fits its share of each mini-batch. Returns stats for `combine_rank_stats`."""
-        alg = self.cfg.algorithm
+        alg = self.params.algorithm
         batch = self._to_device(batch)
         mask = batch["loss_mask"]
         sums: dict[str, list[float]] = {}
@@ -667,99 +696,3 @@ class CriticWorker(_TrainerRank):
                 sums.setdefault(k, []).append(v)
         same = {"explained_variance": float(explained_variance(batch["values"], batch["returns"], mask))}
         return {"sum": sums, "max": {}, "same": same}
-
-
-# --------------------------------------------------------------------------- rollouts
-class RolloutWorker:
-    def __init__(self, model_dir: str, cfg: dict[str, Any], data_dir: str, engine_options: dict | None = None,
-                 high_model_dir: str | None = None):
-        """`engine_options` go to the engine (vLLM: e.g. gpu_memory_utilization,
-        enable_sleep_mode, weight_transfer_config on GPUs). `high_model_dir`: a second engine,
-        from that folder, plays the high-level (feedback) turns."""
-        from transformers import AutoTokenizer
-
-        from turnrl.rollout.chat import ChatFormat
-        from turnrl.rollout.engines import context_length, make_engine
-        self.cfg = Config.model_validate(cfg)
-        r = self.cfg.rollout
-        self.engines = {level: make_engine(r.engine, folder, dtype=self.cfg.model.dtype, seed=self.cfg.seed,
-                                           kv_cache_gib=r.kv_cache_gib, max_model_len=context_length(folder),
-                                           **(engine_options or {}))
-                        for level, folder in (("low", model_dir), ("high", high_model_dir)) if folder}
-        self.engine = self.engines["low"]
-        self.fmt = ChatFormat(AutoTokenizer.from_pretrained(model_dir), self.cfg.model.template_type)
-        from turnrl.rewards.functions import RewardFunctions
-        self.make_env = self.cfg.env.factory(max_turns=self.cfg.rollout.max_turns, seed=self.cfg.seed, data_dir=data_dir)
-        rw = self.cfg.reward
-        self.reward_functions = RewardFunctions(rw.functions, rw.weights, rw.on_error)
-        self.decode = lambda ids: self.fmt.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def where(self) -> dict[str, Any]:
-        return actor_location()
-
-    def timed_rollout(self, *args, **kwargs) -> tuple[list, float]:
-        """`rollout`, and the seconds this actor spent on it."""
-        start = time.perf_counter()
-        return self.rollout(*args, **kwargs), time.perf_counter() - start
-
-    def rollout(self, examples: list[dict], n: int, seed: int | None = None,
-                temperature: float | None = None, generator_seed: int | None = None) -> list:
-        """`n` trajectories per example. `generator_seed` seeds this process's generators
-        first: vLLM's CPU sampler (and transformers' sampling) draw from torch's global
-        generator, and the engine runs in this process, so the batch samples the same tokens
-        for the same seed, weights and prompts however many batches came before."""
-        from turnrl.rollout.multi_turn import Budgets, run_rollouts
-        if generator_seed is not None:
-            torch.manual_seed(generator_seed)
-            random.seed(generator_seed)
-        r = self.cfg.rollout
-        trajs = run_rollouts(self.engines if len(self.engines) > 1 else self.engine, examples, self.make_env, self.fmt,
-                             Budgets(r.max_turns, r.max_tokens_per_turn, r.max_tokens_total),
-                             n=n, temperature=r.temperature if temperature is None else temperature,
-                             top_p=r.top_p, seed=seed, env_workers=self.cfg.env.workers,
-                             observation_lag=r.observation_lag, rejoin=r.rejoin)
-        self.reward_functions.score(trajs, self.decode)
-        return trajs
-
-    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """log p(token t | tokens < t) of each sequence under the engine's weights (entry 0 is 0)."""
-        return self.engine.prompt_logprobs(sequences)
-
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        self.engine.load_weights(weights.items())
-
-    def load_weight_buckets(self, buckets: list, level: str = "low") -> None:
-        """New weights as object-store refs, one per bucket of named tensors: streamed into
-        `level`'s engine bucket by bucket (one fetched at a time)."""
-        import ray
-
-        def tensors():
-            for ref in buckets:
-                yield from unpack_tensors(ray.get(ref))
-        self.engines[level].load_weights(tensors())
-
-    # vLLM's weight-transfer control plane (NCCL on GPUs): RayVLLMWeightSyncClient calls these.
-    def init_weight_transfer_engine(self, request) -> None:
-        self.engine.llm.init_weight_transfer_engine(request)
-
-    def start_weight_update(self) -> None:
-        self.engine.llm.start_weight_update()
-
-    def update_weights(self, request) -> None:
-        self.engine.llm.update_weights(request)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.engine.llm.finish_weight_update(weight_version)
-        self.engine.llm.reset_prefix_cache()
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self.engine.llm.shutdown_weight_transfer_engine()
-
-    # Colocated on a GPU: free the device for the trainer while it trains.
-    def sleep(self) -> None:
-        for engine in self.engines.values():
-            engine.llm.sleep(level=1)
-
-    def wake_up(self) -> None:
-        for engine in self.engines.values():
-            engine.llm.wake_up()
