@@ -367,6 +367,13 @@ class HealthCfg(_Section):
         "p99 over sampled tokens of |logp engine - logp trainer|"))
     tool_error_frac_max: float = Field(0.5, ge=0, lt=1, description=(
         "a tool's share of failed calls at a step (tools/<name>/error_frac: raised, timed out, unreachable)"))
+    stale_frac_max: float = Field(0.5, ge=0, lt=1, description=(
+        "async: share of the groups back at a step that were older than train.max_staleness (dropped)"))
+    is_weight_max: float = Field(100.0, gt=1, description=(
+        "off-policy corrections: the largest raw importance weight pi_prox / mu of a step"))
+    is_ess_min: float = Field(0.2, gt=0, le=1, description=(
+        "off-policy corrections: the smallest effective sample size of a step's importance weights"))
+
 
 
 class TrainCfg(_Section):

@@ -12,6 +12,8 @@
 | `kl_runaway` | `kl_ref` (mean per-token KL to the starting model) > `kl_ref_max`, `window` steps in a row | the policy drifted far from its start (a one-step spike is not a drift) |
 | `logp_gap` | the p99 of abs(logp engine - logp trainer) over sampled tokens > `logp_gap_p99_max` | the engine samples from another policy than the one trained (a broken weight push, or stale weights) |
 | `non_finite` | NaN or Inf in a loss, gradient norm, KL or entropy | the update is garbage |
+| `staleness` | asynchronous training: more than `stale_frac_max` of the groups that came back at a step were older than `train.max_staleness` (dropped, rolled out again) | the engines run too far ahead of the trainer: rollout work is thrown away (raise `max_staleness`, lower `groups_in_flight`) |
+| `importance_weights` | an off-policy correction's largest raw weight pi_prox / mu > `is_weight_max`, or its effective sample size < `is_ess_min` | a few tokens carry the update: the behaviour policy is far from the trained one |
 | `tool_errors` | a tool's `tools/<name>/error_frac` (its calls that raised, timed out or could not reach it) > `tool_error_frac_max` at a step | a dead or broken tool: every call is an error observation and the reward loses what the tool gave (the message names the tool) |
 
 Each check writes `health_<check>` (1 failing, 0 not) into the step's metrics, so every run's
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 CHECKS = ("no_signal", "entropy_collapse", "entropy_explosion", "truncation", "kl_runaway", "logp_gap",
-          "non_finite", "tool_errors")
+          "non_finite", "tool_errors", "staleness", "importance_weights")
 #: Metrics whose non-finite value means the update itself went wrong.
 FINITE_KEYS = ("loss", "grad_norm", "kl_ref", "entropy", "value_loss", "high_loss", "high_grad_norm")
 
@@ -58,7 +60,8 @@ def _mean(values: Iterable[float]) -> float:
 class HealthMonitor:
     def __init__(self, cfg: Any):
         """`cfg`: `train.health` (no_signal_steps, window, entropy_low, entropy_high,
-        truncated_frac, kl_ref_max, logp_gap_p99_max, tool_error_frac_max)."""
+        truncated_frac, kl_ref_max, logp_gap_p99_max, tool_error_frac_max, stale_frac_max,
+        is_weight_max, is_ess_min)."""
         self.cfg = cfg
         self.history: list[dict] = []
         self.failing: set[str] = set()
@@ -128,8 +131,27 @@ class HealthMonitor:
                                                     failing_tools) +
                  f" (over {getattr(c, 'tool_error_frac_max', 0.5):.0%}; raised, timed out or unreachable): "
                  "is it up? the error observations are in the trajectories")
+        for check, message in _off_policy_problems(metrics, c):
+            flag(check, message)
         self.failing = {f.check for f in flags}
         return flags
+
+
+def _off_policy_problems(metrics: dict, c: Any) -> list[tuple[str, str]]:
+    """The asynchronous checks: too many stale groups, importance weights exploding."""
+    out = []
+    stale_frac, most = metrics.get("stale_groups_frac"), getattr(c, "stale_frac_max", 0.5)
+    if stale_frac is not None and stale_frac > most:
+        out.append(("staleness", f"{stale_frac:.0%} of the groups back at this step were older than "
+                                 f"train.max_staleness (over {most:.0%}) and were rolled out again: raise "
+                                 "train.max_staleness or lower train.groups_in_flight"))
+    raw, ess = metrics.get("is_raw_weight_max"), metrics.get("is_ess")
+    top, low = getattr(c, "is_weight_max", 100.0), getattr(c, "is_ess_min", 0.2)
+    if (raw is not None and raw > top) or (ess is not None and ess < low):
+        out.append(("importance_weights", f"importance weight max {raw if raw is not None else float('nan'):.3g} "
+                                          f"(bound {top:g}), effective sample size {ess if ess is not None else 1:.2f} "
+                                          f"(bound {low:g}): the behaviour policy is far from the trained one"))
+    return out
 
 
 def _failing_tools(metrics: dict, most: float) -> list[tuple[str, float]]:

@@ -135,6 +135,7 @@ class AsyncRollouts:
             "staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags)),
             **{f"staleness_{d}_frac": lags.count(d) / len(lags) for d in range(self.max_staleness + 1)},
             "stale_groups": float(stale), "stale_groups_total": float(self.stale_total),
+            "stale_groups_frac": stale / (stale + len(batch)),
             "queue_groups": float(len(self.buffer) + sum(s["finished"] for s in states.values())),
             "in_flight_groups": float(sum(s["in_flight"] + s["inbox"] for s in states.values())),
             "batch_wait_s": time.perf_counter() - waited, "policy_version": float(self.version)}
