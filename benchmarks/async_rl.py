@@ -1,0 +1,186 @@
+"""Synchronous against asynchronous training, to the same accuracy: wall time, not steps.
+
+    python benchmarks/async_rl.py --quick          # seed 0: sync against async at staleness 2
+    python benchmarks/async_rl.py                  # seeds 0-2: sync, overlap_rollout, async at staleness 1, 2, 4
+    python benchmarks/async_rl.py --task fast      # the default code_tool with its in-process sandbox
+
+The same work for every mode: the embedded default's warm start (code_tool's, built once per
+seed), then `train.steps` GRPO steps of train.prompts_per_step x rollout.n trajectories on
+`examples.slow_tools.env:ENV` (task `slow`: code_tool whose every tool call first waits a
+seeded lognormal delay, median 0.3 s, p99 5.5 s) or on code_tool itself (task `fast`), through
+the training loop on the real stack (Ray actors, DeepSpeed, vLLM), with held-out accuracy
+scored every `train.eval_every` steps (64 problems, one sample each) against the wall time.
+
+Per mode: `time_to_target_s` (wall seconds until its held-out accuracy first reaches the sync
+run's final held-out accuracy; null if never), `final_accuracy`, `wall_s`, steps/s,
+trajectories/s, the engines' and the trainer's busy fractions, staleness, and the health flags
+raised. Async runs use the decoupled-PPO correction (algorithm.policy_loss: decoupled).
+Results go to benchmarks/results/async-<task>.json after every run (a rerun skips the runs it
+has) and benchmarks/ASYNC.md; the last line printed is one JSON object {"modes": {...}}
+(quick: the one seed's numbers; full: the mean over seeds).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))   # examples.slow_tools, as the plugin loader finds it in a project
+ASYNC = {"train": {"mode": "async"}, "algorithm": {"policy_loss": "decoupled"}}
+MODES: dict[str, dict] = {
+    "sync": {},
+    "overlap": {"train": {"overlap_rollout": True}},
+    **{f"async_s{k}": {"train": {"mode": "async", "max_staleness": k}, "algorithm": {"policy_loss": "decoupled"}}
+       for k in (1, 2, 4)},
+}
+TASKS = {"slow": {"name": "examples.slow_tools.env:ENV"}, "fast": {"name": "code_tool"}}
+EVAL = {"eval_every": 5, "eval_examples": 64}
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def config(seed: int, task: str, mode: str, steps: int):
+    from turnrl.config import Config
+    data = {"seed": seed, "env": TASKS[task], "eval": {"benchmarks": []},
+            "rollout": {"rejoin": "ready"}, "train": {"steps": steps, **EVAL, "checkpoint_every": 0}}
+    return Config.model_validate(_merge(data, MODES[mode]))
+
+
+def prepare(seed: int, work: Path) -> tuple[Path, Path]:
+    """The seed's data and warm start (code_tool's: the slow task shares its rows and demonstrations)."""
+    from turnrl.config import Config
+    from turnrl.pipeline.prepare_model import build_tiny
+    from turnrl.pipeline.preprocess import preprocess
+    data, model = work / f"seed{seed}" / "data", work / f"seed{seed}" / "initial"
+    cfg = Config.model_validate({"seed": seed, "eval": {"benchmarks": []}})
+    if not (data / "heldout.parquet").exists():
+        preprocess(cfg, data)
+    if not (model / "config.json").exists():
+        build_tiny(cfg, model)
+    return data, model
+
+
+def run(seed: int, task: str, mode: str, steps: int, work: Path) -> dict[str, Any]:
+    import ray
+
+    from turnrl.pipeline.preprocess import load_split
+    from turnrl.training.loop import train
+    data, model = prepare(seed, work)
+    cfg = config(seed, task, mode, steps)
+    start = time.perf_counter()
+    try:
+        history = train(cfg, str(model), str(data), load_split(data, "train"), str(work / f"seed{seed}" / mode),
+                        heldout_rows=load_split(data, "heldout"))
+    finally:
+        ray.shutdown()
+    return {"seed": seed, "task": task, "mode": mode, "steps": steps, "total_s": time.perf_counter() - start,
+            "curve": [{"step": h["step"], "wall_s": h["wall_s"], "heldout_accuracy": h["heldout_accuracy"]}
+                      for h in history if "heldout_accuracy" in h],
+            "summary": summarize(history, cfg.train.prompts_per_step * cfg.rollout.n)}
+
+
+def summarize(history: list[dict], trajectories_per_step: int) -> dict[str, float]:
+    last = history[-1]
+    mean = lambda key: statistics.fmean(h[key] for h in history if key in h) if any(key in h for h in history) \
+        else None  # noqa: E731
+    flags = sorted({k[len("health_"):] for h in history for k, v in h.items()
+                    if k.startswith("health_") and k != "health_flags" and v})
+    return {"final_accuracy": last.get("heldout_accuracy"), "wall_s": last["wall_s"],
+            "steps_per_s": len(history) / last["wall_s"], "trajectories_per_s": len(history) * trajectories_per_step
+            / last["wall_s"], "engine_busy_frac": 1 - mean("engine_idle_frac"),
+            "trainer_busy_frac": 1 - mean("trainer_idle_frac"), "staleness_mean": mean("staleness_mean"),
+            "stale_groups_total": last.get("stale_groups_total", 0.0), "health_flags": flags}
+
+
+def time_to_target(curve: list[dict], target: float | None) -> float | None:
+    if target is None:
+        return None
+    return next((p["wall_s"] for p in curve if p["heldout_accuracy"] >= target), None)
+
+
+def modes_table(results: list[dict], modes: list[str]) -> dict[str, dict]:
+    """Per mode, over the seeds run: time to the same seed's sync final accuracy and the rest."""
+    sync_final = {r["seed"]: r["summary"]["final_accuracy"] for r in results if r["mode"] == "sync"}
+    out = {}
+    for mode in modes:
+        runs = [r for r in results if r["mode"] == mode]
+        if not runs:
+            continue
+        ttt = [time_to_target(r["curve"], sync_final.get(r["seed"])) for r in runs]
+        row: dict[str, Any] = {"seeds": [r["seed"] for r in runs], "time_to_target_s_each": ttt,
+                               "time_to_target_s": statistics.fmean(ttt) if ttt and None not in ttt else None}
+        for key in ("final_accuracy", "wall_s", "steps_per_s", "trajectories_per_s", "engine_busy_frac",
+                    "trainer_busy_frac", "staleness_mean", "stale_groups_total"):
+            values = [r["summary"][key] for r in runs if r["summary"].get(key) is not None]
+            row[key] = statistics.fmean(values) if values else None
+            if key == "final_accuracy" and len(values) > 1:
+                row["final_accuracy_sd"] = statistics.stdev(values)
+        row["health_flags"] = sorted({f for r in runs for f in r["summary"]["health_flags"]})
+        out[mode] = row
+    return out
+
+
+def write_report(path: Path, task: str, table: dict[str, dict], command: str) -> None:
+    sync = table.get("sync", {}).get("time_to_target_s")
+    lines = [f"# Asynchronous RL: time to the synchronous run's accuracy (task `{task}`)", "",
+             f"Rerun with `{command}` (benchmarks/async_rl.py; numbers from benchmarks/results/async-{task}.json).", "",
+             "| mode | seeds | time to sync's final accuracy (s) | speed-up | final held-out acc. | wall (s) | "
+             "steps/s | traj/s | engine busy | trainer busy | staleness | stale groups | health flags |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for mode, r in table.items():
+        ttt = r["time_to_target_s"]
+        speedup = f"{sync / ttt:.2f}x" if sync and ttt else "-"
+        acc = f"{r['final_accuracy']:.3f}" + (f" ± {r['final_accuracy_sd']:.3f}" if "final_accuracy_sd" in r else "")
+        fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+        lines.append(f"| {mode} | {r['seeds']} | {fmt(ttt, '.0f')} | {speedup} | {acc} | {fmt(r['wall_s'], '.0f')} | "
+                     f"{fmt(r['steps_per_s'], '.3f')} | {fmt(r['trajectories_per_s'], '.1f')} | "
+                     f"{fmt(r['engine_busy_frac'], '.2f')} | {fmt(r['trainer_busy_frac'], '.2f')} | "
+                     f"{fmt(r['staleness_mean'], '.2f')} | {fmt(r['stale_groups_total'], '.0f')} | "
+                     f"{', '.join(r['health_flags']) or 'none'} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="seed 0, sync against async at staleness 2")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    p.add_argument("--task", choices=list(TASKS), default="slow")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--work-dir", type=Path, default=ROOT / ".cache" / "async_rl")
+    p.add_argument("--results", type=Path, default=None)
+    args = p.parse_args(argv)
+    seeds, modes = ([0], ["sync", "async_s2"]) if args.quick else (args.seeds, args.modes)
+    results_path = args.results or ROOT / "benchmarks" / "results" / f"async-{args.task}.json"
+    results = json.loads(results_path.read_text()) if results_path.exists() else []
+    for seed in seeds:
+        for mode in modes:   # sync first: the others are measured against its accuracy
+            if any(r["seed"] == seed and r["mode"] == mode and r["steps"] == args.steps for r in results):
+                continue
+            print(f"async_rl: seed {seed}, {mode}, task {args.task}", flush=True)
+            results.append(run(seed, args.task, mode, args.steps, args.work_dir))
+            results_path.parent.mkdir(parents=True, exist_ok=True)
+            results_path.write_text(json.dumps(results, indent=1) + "\n")
+    chosen = [r for r in results if r["seed"] in seeds and r["steps"] == args.steps]
+    table = modes_table(chosen, modes)
+    command = "python benchmarks/async_rl.py" + (" --quick" if args.quick else "") + \
+        ("" if args.task == "slow" else f" --task {args.task}")
+    write_report(ROOT / "benchmarks" / ("ASYNC.md" if args.task == "slow" else f"ASYNC-{args.task}.md"),
+                 args.task, table, command)
+    print(json.dumps({"modes": {m: {"time_to_target_s": r["time_to_target_s"], "final_accuracy": r["final_accuracy"],
+                                    "wall_s": r["wall_s"]} for m, r in table.items()}}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,72 @@
+"""benchmarks/async_rl.py's task and arithmetic: the slow tool's latency is seeded and long-tailed
+(median 0.3 s, p99 >= 5 s), its answers are code_tool's, and time to accuracy is read off the
+held-out curve against the same seed's synchronous final accuracy."""
+import asyncio
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
+
+import async_rl  # noqa: E402
+from examples.slow_tools.env import SlowCodeToolEnv  # noqa: E402
+
+
+def test_the_slow_tool_is_seeded_and_long_tailed():
+    env = SlowCodeToolEnv()
+    delays = []
+    for i in range(4000):
+        env.reset({"id": f"q{i}", "prompt": "Compute 2 * 3.", "answer": "6"})
+        delays.append(env.delay_s("<code>print(2 * 3)</code>"))
+    delays.sort()
+    assert delays[2000] == pytest.approx(0.3, rel=0.1)        # median
+    assert delays[int(0.99 * 4000)] >= 5.0                      # p99
+    row = {"id": "q7", "prompt": "Compute 2 * 3.", "answer": "6"}
+    again, other_seed = SlowCodeToolEnv(), SlowCodeToolEnv(latency_seed=1)
+    for e in (env, again, other_seed):
+        e.reset(row)
+    assert env.delay_s("<code>print(6)</code>") == again.delay_s("<code>print(6)</code>")   # the same call waits alike
+    assert env.delay_s("<code>print(6)</code>") != other_seed.delay_s("<code>print(6)</code>")
+
+
+def test_the_slow_tool_answers_as_code_tool_after_its_delay():
+    env = SlowCodeToolEnv(latency_median_s=0.01, latency_sigma=0.0)
+    env.reset({"id": "a", "prompt": "Compute 2 * 3.", "answer": "6"})
+    result = asyncio.run(env.step("<code>print(2 * 3)</code>"))
+    assert result.observation == "<output>6</output>" and result.reward == 1.0 and not result.done
+    final = asyncio.run(env.step("<answer>6</answer>"))
+    assert final.done and final.info["outcome"] == 1.0
+
+
+def _run(seed, mode, accuracies, wall):
+    curve = [{"step": 5 * (k + 1), "wall_s": w, "heldout_accuracy": a} for k, (a, w) in enumerate(zip(accuracies, wall))]
+    summary = {"final_accuracy": accuracies[-1], "wall_s": wall[-1], "steps_per_s": 1.0, "trajectories_per_s": 1.0,
+               "engine_busy_frac": 0.5, "trainer_busy_frac": 0.5, "staleness_mean": None, "stale_groups_total": 0.0,
+               "health_flags": []}
+    return {"seed": seed, "mode": mode, "steps": 10, "curve": curve, "summary": summary}
+
+
+def test_time_to_target_is_the_first_eval_at_the_sync_final_accuracy(tmp_path):
+    results = [_run(0, "sync", [0.2, 0.6, 0.8], [100, 200, 300]), _run(0, "async_s2", [0.5, 0.8, 0.9], [50, 100, 150]),
+               _run(1, "sync", [0.3, 0.7], [100, 200]), _run(1, "async_s2", [0.4, 0.6], [40, 80])]
+    table = async_rl.modes_table(results, ["sync", "async_s2"])
+    assert table["sync"]["time_to_target_s_each"] == [300, 200]
+    assert table["async_s2"]["time_to_target_s_each"] == [100, None]   # seed 1 never reached 0.7
+    assert table["async_s2"]["time_to_target_s"] is None
+    assert table["sync"]["final_accuracy"] == pytest.approx(0.75)
+    assert table["sync"]["final_accuracy_sd"] == pytest.approx(math.sqrt(0.005))
+    async_rl.write_report(tmp_path / "ASYNC.md", "slow", async_rl.modes_table(results[:2], ["sync", "async_s2"]),
+                          "python benchmarks/async_rl.py --quick")
+    text = (tmp_path / "ASYNC.md").read_text()
+    assert "| async_s2 | [0] | 100 | 3.00x |" in text and "--quick" in text
+
+
+def test_every_mode_makes_a_valid_config():
+    for mode in async_rl.MODES:
+        cfg = async_rl.config(0, "slow", mode, 40)
+        assert cfg.train.eval_every == 5 and cfg.rollout.rejoin == "ready"
+        assert (cfg.train.mode == "async") == mode.startswith("async")
