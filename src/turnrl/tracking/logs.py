@@ -81,9 +81,13 @@ def quiet_logs() -> None:
     (RotaryCacheFilter says why); this process's own handlers drop repeated warnings too."""
     level = os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING").upper()
     if "VLLM_LOGGING_CONFIG_PATH" not in os.environ and os.environ.get("VLLM_CONFIGURE_LOGGING", "1") != "0":
+        import hashlib
         import tempfile
-        path = Path(tempfile.gettempdir()) / f"turnrl-vllm-logging-{level.lower()}.json"
         text = json.dumps(vllm_logging_config(level), indent=1)
+        # named by its content: two turnrl versions on one machine (a CI run beside a user's older
+        # checkout) must not hand each other's actors a config naming filters they do not have
+        digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+        path = Path(tempfile.gettempdir()) / f"turnrl-vllm-logging-{level.lower()}-{digest}.json"
         try:
             if not path.exists() or path.read_text() != text:
                 tmp = path.with_name(f"{path.name}.{os.getpid()}")
