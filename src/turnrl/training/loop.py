@@ -423,8 +423,9 @@ def step_timings(t_start: float, t_rollout: float, t_adv: float, t_train: float,
     step_s = t_sync - t_start
     return {"rollout_s": t_rollout - t_start, "advantage_s": t_adv - t_rollout, "train_s": t_train - t_adv,
             "sync_s": t_sync - t_train, "step_s": step_s,
-            "engine_idle_frac": 1 - sum(engine_busy) / engines / step_s,
-            "trainer_idle_frac": 1 - sum(trainer_busy) / len(trainer_busy) / step_s,
+            # (async: the engines also work while the trainer trains, so their busy time can reach the step's)
+            "engine_idle_frac": max(0.0, 1 - sum(engine_busy) / engines / step_s),
+            "trainer_idle_frac": max(0.0, 1 - sum(trainer_busy) / len(trainer_busy) / step_s),
             # over the engines' own busy time: with overlap_rollout the wait for them (rollout_s) is not it
             "gen_tokens_per_s": generated / max(1e-9, max(engine_busy))}
 
