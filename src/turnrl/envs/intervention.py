@@ -43,7 +43,8 @@ from pydantic import BaseModel, ConfigDict
 
 from turnrl.data import synthetic
 from turnrl.envs.base import EnvContext, EnvSpec, StepResult
-from turnrl.rewards.math import balanced_close, grade_any
+from turnrl.rewards.graders import for_row, grader
+from turnrl.rewards.math import balanced_close
 
 __all__ = ["SYSTEM_PROMPT", "INTERVENTION", "AnswerMarker", "find_answer", "InterventionEnv"]
 
@@ -144,9 +145,10 @@ class InterventionEnv:
         marker = find_answer(text)
         if marker is not None:
             self.chars_used += marker.end
-            grade = grade_any(f"<answer>{marker.content}</answer>", self.example)
+            # math-verify, or the row's own grader (reasoning-gym: its partial credit is the reward)
+            grade = for_row(grader("math"), self.example)(f"<answer>{marker.content}</answer>", self.example)
             outcome = 1.0 if grade.correct else 0.0
-            return StepResult(None, outcome, True, {
+            return StepResult(None, grade.reward, True, {
                 "outcome": outcome, "reason": "answer", "marker": marker.kind, "extracted": grade.extracted,
                 "grade": grade.reason, "turns_used": len(self.turns), "chars_used": self.chars_used,
                 "chars_after_answer": len(text) - marker.end, "interventions": self.interventions})

@@ -51,6 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from turnrl.data import synthetic
 from turnrl.envs.base import EnvSpec, StepResult
+from turnrl.rewards.graders import ROW_GRADERS, for_row, grader
 from turnrl.rewards.math import grade_any
 
 __all__ = ["SYSTEM_PROMPT", "HIGH_LEVEL_PROMPT", "FEEDBACK_REQUEST", "REFINE_REQUEST",
@@ -183,6 +184,8 @@ class MathRefineEnv:
 
     # ------------------------------------------------------------------ turns
     def _grade(self, text: str):
+        if self.example.get("grader") in ROW_GRADERS:   # a reasoning-gym row: its task's own score_answer
+            return for_row(grader("math"), self.example)(text, self.example)
         return grade_any(text, self.example)
 
     def _attempt(self, text: str) -> StepResult:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from turnrl.envs.base import EnvSpec, StepResult
-from turnrl.rewards.graders import Grade, grader as resolve_grader
+from turnrl.rewards.graders import Grade, for_row, grader as resolve_grader
 
 SYSTEM_PROMPT = "Solve the problem. Put the final answer in \\boxed{} or between <answer> and </answer>."
 
@@ -18,7 +18,8 @@ class SingleAnswerEnv:
     def __init__(self, system_prompt: str = SYSTEM_PROMPT, grader: str | Callable[[str, dict], Grade] = "math"):
         """`grader`: "math" (math-verify against any of the row's answers), "exact" (normalized
         exact match of the extracted answer), or an import path / callable `(completion, answers) ->
-        bool or float` (see `turnrl.rewards.graders`)."""
+        bool or float` (see `turnrl.rewards.graders`). A row naming its own grader (reasoning-gym
+        rows) is graded by it: its partial credit is the reward, full credit the outcome."""
         self.system_prompt = system_prompt
         self.grade = resolve_grader(grader) if isinstance(grader, str) else grader
         self.example: dict = {}
@@ -28,11 +29,11 @@ class SingleAnswerEnv:
         return example["prompt"]
 
     def step(self, text: str) -> StepResult:
-        grade = self.grade(text, self.example)
-        outcome = 1.0 if grade.correct else 0.0
+        grade = for_row(self.grade, self.example)(text, self.example)
+        outcome = 1.0 if grade.correct else 0.0   # accuracy: full credit only; the reward may be partial
         info: dict[str, Any] = {"outcome": outcome, "reason": "answer" if grade.extracted is not None else "no_action",
                                 "extracted": grade.extracted, "grade": grade.reason}
-        return StepResult(None, outcome, True, info)
+        return StepResult(None, grade.reward, True, info)
 
 
 ENV = EnvSpec(factory=SingleAnswerEnv, name="math_answer")

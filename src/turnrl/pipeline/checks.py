@@ -19,6 +19,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+from turnrl.data import reasoning_gym
 from turnrl.data.sources import DataSourceError
 
 # `cfg` below is the validated params (turnrl.config.Config). This module does not import
@@ -68,6 +69,9 @@ def data_problems(cfg: Config) -> list[str]:
         if name == "synthetic" or name in sources.DATASETS or name in seen:
             continue   # a registered set is found (data dir or hub) by preprocess, which says how to provide it
         seen.add(name)
+        if reasoning_gym.is_spec(name):   # the library installed, the task known, its config accepted
+            problems += _gym_problem(name, key)
+            continue
         if not _looks_like_path(name):
             problems.append(f"{key} = {name!r}: not a registered data set nor a file path; use synthetic, a "
                             f"registered name ({', '.join(sorted(sources.DATASETS))}) or a .jsonl/.parquet path")
@@ -87,6 +91,9 @@ def benchmark_problems(cfg: Config) -> list[str]:
     for i, bench in enumerate(cfg.eval.benchmarks):
         if not bench.path:
             continue   # a registered set: an unavailable one is reported by the evaluation, not an error
+        if reasoning_gym.is_spec(bench.path):
+            problems += _gym_problem(bench.path, f"eval.benchmarks.{i}")
+            continue
         missing = _missing_file(f"eval.benchmarks.{i}.path", bench.path,
                                 f"or remove benchmark {bench.name!r} from eval.benchmarks")
         if missing:
@@ -96,6 +103,14 @@ def benchmark_problems(cfg: Config) -> list[str]:
         fields = bench.fields or (dict(registered.fields) if registered is not None else None)
         problems += mapping_problems(Path(bench.path), fields, f"eval.benchmarks.{i}.fields")
     return problems
+
+
+def _gym_problem(name: str, key: str) -> list[str]:
+    try:
+        reasoning_gym.check(name, key)
+    except reasoning_gym.ReasoningGymError as exc:
+        return [str(exc)]
+    return []
 
 
 def _looks_like_path(name: str) -> bool:

@@ -6,6 +6,10 @@
   with math-verify (`turnrl.rewards.math.grade_any`).
 - `exact`: that final answer (or, with none, the whole response) against each answer after
   SQuAD normalization (`turnrl.rewards.qa.exact_match`).
+- `reasoning_gym`: a reasoning-gym row (`data.train_set: reasoning_gym:<task>`) scored by the
+  task's own `score_answer(final answer, entry)`; the score (partial credit) is `Grade.score`,
+  full credit is correct. A row that names its grader (`grader: reasoning_gym`) is graded by it
+  whatever grader the environment or benchmark was given (:func:`for_row`).
 - an import path `my_pkg.grading:grade`: `grade(completion, answers) -> bool | float` (> 0 is
   right), `answers` the row's list of acceptable answers.
 
@@ -24,7 +28,9 @@ from turnrl.rewards.math import extract_answer, grade_any, references
 from turnrl.rewards.qa import exact_match
 
 #: The built-in graders' names (what `names()` lists before anything is registered).
-BUILTIN = ("math", "exact")
+BUILTIN = ("math", "exact", "reasoning_gym")
+#: Graders a row may name for itself (its `grader` field), overriding the environment's.
+ROW_GRADERS = ("reasoning_gym",)
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,11 @@ class Grade:
     correct: bool
     extracted: str | None
     reason: str
+    score: float | None = None   # partial credit in [0, 1] where the grader gives one; None: 1 if correct else 0
+
+    @property
+    def reward(self) -> float:
+        return float(self.score) if self.score is not None else (1.0 if self.correct else 0.0)
 
 
 def _math(text: str, example: dict) -> Grade:
@@ -45,6 +56,13 @@ def _exact(text: str, example: dict) -> Grade:
     golds = references(example)
     ok = bool(exact_match(prediction, golds))
     return Grade(ok, prediction, f"{'exact match' if ok else 'no exact match'}: {prediction!r} against {golds!r}")
+
+
+def _reasoning_gym(text: str, example: dict) -> Grade:
+    from turnrl.data import reasoning_gym
+    extracted = extract_answer(text)
+    value = reasoning_gym.score(example, extracted)
+    return Grade(value >= 1.0, extracted, f"reasoning_gym score_answer: {value!r}", value)
 
 
 def _user(fn: Callable, path: str) -> Callable[[str, dict], Grade]:
@@ -83,7 +101,8 @@ def _as_grader(obj: object, name: str, key: str) -> Grader:
 
 # name -> Grader (the built-ins), a grade function, or the import path of either
 _REGISTRY = Registry("grader", "my_pkg.grading:grade", _as_grader,
-                     {"math": Grader(_math, "math"), "exact": Grader(_exact, "exact")})
+                     {"math": Grader(_math, "math"), "exact": Grader(_exact, "exact"),
+                      "reasoning_gym": Grader(_reasoning_gym, "reasoning_gym")})
 
 
 def register(name: str, grader: Grader | Callable | str) -> None:
@@ -98,3 +117,9 @@ def names() -> list[str]:
 def grader(name: str, key: str = "grader") -> Grader:
     """The grader `name` stands for; PluginError naming `key` if it is unknown or unusable."""
     return _REGISTRY.resolve(name, key)
+
+
+def for_row(default: Callable[[str, dict], Grade], example: dict) -> Callable[[str, dict], Grade]:
+    """The grader of `example`: the one the row names (`grader: reasoning_gym`), else `default`."""
+    name = example.get("grader") if isinstance(example, dict) else None
+    return grader(name, "row grader") if name in ROW_GRADERS else default

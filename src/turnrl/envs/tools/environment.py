@@ -19,6 +19,7 @@ from turnrl.envs.tools.tool import ERROR_KINDS, TOOL_FAILURES, CallOutcome
 from turnrl.envs.tools.toolbox import ToolBox, toolbox
 from turnrl.envs.tools.transports import HTTPToolSpec, MCPServerSpec
 from turnrl.plugins import is_import_path, load_object
+from turnrl.rewards.graders import for_row
 
 SYSTEM_PROMPT = ("Solve the problem. You can call the tools; their results come back as tool messages. "
                  "Give the final answer as <answer>...</answer>.")
@@ -64,9 +65,9 @@ class ToolsEnv:
     async def step(self, text: str) -> StepResult:
         turn = self.parse(text)
         if turn.is_answer:
-            g = self.grade(text, self.example)
+            g = for_row(self.grade, self.example)(text, self.example)   # a row's own grader wins
             outcome = 1.0 if g.correct else 0.0
-            return StepResult(None, outcome, True, {"outcome": outcome, "reason": "answer", "extracted": g.extracted,
+            return StepResult(None, g.reward if hasattr(g, "reward") else outcome, True, {"outcome": outcome, "reason": "answer", "extracted": g.extracted,
                                                     **self._info()})
         async def settle(k: int, item: ToolCall | str) -> CallOutcome:
             if not isinstance(item, ToolCall):
