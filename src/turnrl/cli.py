@@ -1,6 +1,6 @@
 """`turnrl COMMAND ...`: the project's commands under one name.
 
-    turnrl config [params.yaml]            validate params and print the resolved config
+    turnrl config [params.yaml] [-S k=v]   validate params, check their files, print the resolved config
     turnrl presets [NAME [--apply]]        list presets, print -S args, or write them to params.yaml
     turnrl evaluate PATH --out DIR ...     score any Hugging Face checkpoint on the configured benchmarks
     turnrl report A.json B.json --out DIR  compare two evaluations as Markdown with plots
@@ -8,6 +8,8 @@
                                            Ray at cluster.address, GPUs, MLflow) and say what to fix
     turnrl serve-search [--port 8000] ...  serve the search environment's BM25 index over HTTP, for
                                            env.options.endpoint (rollout workers on many nodes share it)
+    turnrl env [NAME] [--row N] [--step T]  an environment's resolved options and tool schemas, a row's
+                                           first observation, and steps with the given texts
 """
 from __future__ import annotations
 
