@@ -122,3 +122,20 @@ def test_missing_library_names_the_extra(monkeypatch):
     with pytest.raises(reasoning_gym.ReasoningGymError) as err:
         sources.load("reasoning_gym:chain_sum", params_key="data.train_set")
     assert "\n" not in str(err.value) and "pip install -e '.[ecosystem]'" in str(err.value)
+
+
+def test_partial_credit_is_what_training_maximizes_and_accuracy_counts_full_credit():
+    from turnrl.pipeline.evaluate import summarize
+    from turnrl.rollout.multi_turn import Trajectory
+    row = _row("spell_backward")
+    trajs = []
+    for text in ("<answer>ainomma</answer>", "<answer>ainomm</answer>", "no answer"):
+        env, t = SingleAnswerEnv(), Trajectory(example=row, prompt_ids=[1])
+        env.reset(row)
+        assert t.record(env.step(text))
+        trajs.append(t)
+    assert [t.reward for t in trajs] == pytest.approx([1.0, 0.857142857142857, 0.0], abs=1e-9)
+    assert [t.outcome for t in trajs] == [1.0, 0.0, 0.0]
+    summary = summarize(trajs)
+    assert summary["accuracy"] == pytest.approx(1 / 3)
+    assert summary["partial_credit_mean"] == pytest.approx((1.0 + 0.857142857142857) / 3, abs=1e-9)

@@ -151,7 +151,8 @@ class InterventionEnv:
             return StepResult(None, grade.reward, True, {
                 "outcome": outcome, "reason": "answer", "marker": marker.kind, "extracted": grade.extracted,
                 "grade": grade.reason, "turns_used": len(self.turns), "chars_used": self.chars_used,
-                "chars_after_answer": len(text) - marker.end, "interventions": self.interventions})
+                "chars_after_answer": len(text) - marker.end, "interventions": self.interventions,
+                **({"partial_credit": grade.score} if grade.score is not None else {})})
         self.chars_used += len(text)
         info = {"turns_used": len(self.turns), "chars_used": self.chars_used}
         if len(self.turns) >= self.max_turns:

@@ -33,6 +33,8 @@ class SingleAnswerEnv:
         outcome = 1.0 if grade.correct else 0.0   # accuracy: full credit only; the reward may be partial
         info: dict[str, Any] = {"outcome": outcome, "reason": "answer" if grade.extracted is not None else "no_action",
                                 "extracted": grade.extracted, "grade": grade.reason}
+        if grade.score is not None:   # what training maximizes (Trajectory.reward); accuracy stays full credit
+            info["partial_credit"] = grade.score
         return StepResult(None, grade.reward, True, info)
 
 

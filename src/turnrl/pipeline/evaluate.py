@@ -116,6 +116,8 @@ def summarize(trajs: Sequence[Trajectory], k: int = 1) -> dict:
         "env_errors": sum(t.finish == ENV_ERROR for t in trajs),
     }
     out.update(tool_rates(trajs))
+    if any("partial_credit" in t.info for t in trajs):   # reasoning-gym: the mean score beside accuracy
+        out["partial_credit_mean"] = sum(float(t.info.get("partial_credit", t.outcome)) for t in trajs) / len(trajs)
     for name in sorted({name for t in trajs for name in t.rewards}):   # reward functions, by name
         out[f"reward_{name}_mean"] = sum(t.rewards.get(name, 0.0) for t in trajs) / len(trajs)
     return out
@@ -166,7 +168,7 @@ def records(trajs: Sequence[Trajectory], decode: Callable, decoding: str, benchm
         "prompt": t.example.get("prompt"), "answer": str(t.example.get("answer")),
         "subject": t.example.get("subject"), "level": t.example.get("level"),
         "trajectory": decode(t.response_ids), "extracted": t.info.get("extracted"),
-        "correct": t.outcome > 0, "reason": grading_reason(t, env), "reward": t.outcome, "finish": t.finish,
+        "correct": t.outcome > 0, "reason": grading_reason(t, env), "reward": float(t.info.get("partial_credit", t.outcome)), "finish": t.finish,
         "turns": t.num_turns, "tokens": t.policy_tokens(), "decoding": decoding, "extra": extra_fields(t.example),
     } for i, t in enumerate(trajs)]
 

@@ -139,8 +139,9 @@ class Trajectory:
 
     @property
     def reward(self) -> float:
-        """What training maximizes: the environment's outcome plus the reward functions'."""
-        return self.outcome + self.extra_reward
+        """What training maximizes: the environment's outcome (or, where its grader gives partial
+        credit, `info["partial_credit"]`: reasoning-gym's score_answer) plus the reward functions'."""
+        return float(self.info.get("partial_credit", self.outcome)) + self.extra_reward
 
     @property
     def first_observation(self) -> int:

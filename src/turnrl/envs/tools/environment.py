@@ -67,8 +67,10 @@ class ToolsEnv:
         if turn.is_answer:
             g = for_row(self.grade, self.example)(text, self.example)   # a row's own grader wins
             outcome = 1.0 if g.correct else 0.0
-            return StepResult(None, g.reward if hasattr(g, "reward") else outcome, True, {"outcome": outcome, "reason": "answer", "extracted": g.extracted,
-                                                    **self._info()})
+            score = getattr(g, "score", None)   # reasoning-gym rows: partial credit is the reward
+            return StepResult(None, outcome if score is None else score, True, {
+                "outcome": outcome, "reason": "answer", "extracted": g.extracted, **self._info(),
+                **({"partial_credit": score} if score is not None else {})})
         async def settle(k: int, item: ToolCall | str) -> CallOutcome:
             if not isinstance(item, ToolCall):
                 return CallOutcome(False, f"Error: {item}", "malformed")
