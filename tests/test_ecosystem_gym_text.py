@@ -1,0 +1,58 @@
+"""gym_text: a TextArena game run through turnrl gives the library's own rewards and termination."""
+from __future__ import annotations
+
+import pytest
+
+ta = pytest.importorskip("textarena", reason="pip install textarena==0.7.4")
+
+from turnrl import envs   # noqa: E402
+from turnrl.envs.gym_text import TASK   # noqa: E402
+from turnrl.plugins import PluginError   # noqa: E402
+from turnrl.rollout.multi_turn import Trajectory   # noqa: E402
+
+# A recorded game: GuessTheNumber-v0 (1..20, 10 turns), episode seed 3, target 8.
+RECORDED = ["[10]", "I'd say [5]", "[7]", "no bracket here", "[8]"]
+
+
+def _library(actions: list[str], seed: int) -> tuple[list[tuple[bool, str]], dict]:
+    env = ta.make("GuessTheNumber-v0")
+    env.reset(num_players=1, seed=seed)
+    steps = []
+    for action in actions:
+        done, _ = env.step(action)
+        steps.append((done, "" if done else env.get_observation()[1]))
+        if done:
+            return steps, env.close()[0]
+    return steps, {}
+
+
+def test_replayed_game_has_the_librarys_rewards_and_termination():
+    steps, rewards = _library(RECORDED, 3)
+    env = envs.make("gym_text", make="textarena:GuessTheNumber-v0")
+    row = {"prompt": "episode", "game_seed": 3}
+    first = env.reset(row)
+    assert "Guess The Number" in first
+    traj, shown = Trajectory(example=row, prompt_ids=[1]), first
+    for (lib_done, lib_log), action in zip(steps, RECORDED):
+        result = env.step(action)
+        assert result.done == lib_done
+        done = traj.record(result)
+        if not done:
+            shown += result.observation
+            assert shown == lib_log   # each observation is exactly the game's new messages
+    assert traj.outcome == pytest.approx(rewards[0], abs=1e-9) and rewards[0] == 1.0
+    assert traj.turn_rewards == [0.0] * (len(steps) - 1) + [rewards[0]]
+    assert traj.finish == "terminated" and len(traj.turn_rewards) == len(steps) == 5
+
+
+def test_episodes_come_from_disjoint_seeds():
+    train, heldout = TASK.splits(50, 20, seed=1)
+    assert len(train) == 50 and len(heldout) == 20
+    assert not {r["game_seed"] for r in train} & {r["game_seed"] for r in heldout}
+
+
+def test_unknown_game_is_a_one_line_error_naming_the_key():
+    env = envs.make("gym_text", make="textarena:NoSuchGame-v0")
+    with pytest.raises(PluginError) as err:
+        env.reset({"game_seed": 1})
+    assert str(err.value).startswith("env.options.make = textarena:NoSuchGame-v0:") and "\n" not in str(err.value)
