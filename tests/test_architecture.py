@@ -123,5 +123,5 @@ def test_no_import_cycle():
 def test_the_checker_sees_lazy_and_relative_imports():
     """The rules above could pass by not seeing imports: the trainer's own modules show both kinds."""
     assert "turnrl.training.workers" in GRAPH["turnrl.training.cluster"]   # imported inside a function
-    assert "turnrl.envs" in GRAPH["turnrl.config"]                         # `from turnrl import envs` in a method
+    assert "turnrl.envs" in GRAPH["turnrl.config.sections"]                # `from turnrl import envs` in a method
     assert "turnrl.algos.losses" in GRAPH["turnrl.algos.advantages"]       # `from .losses import ...`

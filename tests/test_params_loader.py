@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from dvc.utils.serialize import YAMLFileCorruptedError, parse_yaml
 
-from turnrl.config import Config, ConfigError, _model_of, _section_at, load_config, parse_config
+from turnrl.config import Config, ConfigError, load_config, parse_config
+from turnrl.config.loading import _model_of, _section_at
 
 from conftest import ROOT
 
