@@ -56,3 +56,34 @@ def test_unknown_game_is_a_one_line_error_naming_the_key():
     with pytest.raises(PluginError) as err:
         env.reset({"game_seed": 1})
     assert str(err.value).startswith("env.options.make = textarena:NoSuchGame-v0:") and "\n" not in str(err.value)
+
+
+class Countdown:
+    """A gymnasium-style text game for the adapter's other protocol: say the seed's number minus
+    one each turn; +0.5 per right step, terminated at 0, truncated after 3 steps."""
+
+    def __init__(self, limit: int = 3):
+        self.limit = limit
+
+    def reset(self, seed=None):
+        self.n, self.steps = seed, 0
+        return f"start at {self.n}", {}
+
+    def step(self, action):
+        self.steps += 1
+        right = action.strip() == str(self.n - 1)
+        self.n -= right
+        reward = 0.5 if right else -0.25
+        return f"now {self.n}", reward, self.n == 0, self.steps >= self.limit, {"right": float(right)}
+
+
+def test_gymnasium_style_factory_keeps_rewards_and_truncation():
+    env = envs.make("gym_text", make="test_ecosystem_gym_text:Countdown", kwargs={"limit": 3})
+    traj = Trajectory(example={"game_seed": 5}, prompt_ids=[1])
+    assert env.reset(traj.example) == "start at 5"
+    results = [env.step(a) for a in ("4", "x", "3")]
+    assert [r.reward for r in results] == [0.5, -0.25, 0.5] and [r.done for r in results] == [False, False, True]
+    assert results[0].observation == "now 4" and results[0].info == {"right": 1.0}
+    for r in results:
+        traj.record(r)
+    assert traj.finish == "truncated" and traj.outcome == pytest.approx(0.75)
