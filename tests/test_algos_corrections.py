@@ -145,8 +145,10 @@ def test_mis_loss_drops_the_rejected_tokens_from_the_gradient():
 
 
 def test_decoupled_loss_weights_by_the_untruncated_ratio_and_can_interpolate():
-    _, grad, _ = _loss_and_grad("decoupled", _batch())
+    _, grad, _ = _loss_and_grad("decoupled", _batch(), cap=None)   # untruncated: rho = [3, 0.5, 1]
     assert torch.allclose(grad, _t([-3 / 3, -0.5 / 3, 1 / 3]))
+    _, grad, _ = _loss_and_grad("decoupled", _batch())               # the default cap 2
+    assert torch.allclose(grad, _t([-2 / 3, -0.5 / 3, 1 / 3]))
     # interpolate: tokens of version 4 under trainer version 5 have pi_prox = mu exactly (rho 1), so
     # the surrogate clips pi_theta / mu = [3, 0.5, 1]: token 0 (A > 0, ratio 3 > 1.28) is clipped
     batch = _batch(versions=torch.tensor([[4, 4, 4]]), trainer_version=torch.tensor([[5, 5, 5]]))

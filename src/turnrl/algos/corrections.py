@@ -139,7 +139,9 @@ class MisOptions(_Options):
 
 
 class DecoupledOptions(_Options):
-    cap: float | None = Field(None, gt=0, description="truncate the behaviour weight pi_prox / mu at C; null: not")
+    cap: float | None = Field(2.0, gt=0, description=(
+        "truncate the behaviour weight pi_prox / mu at C; null: not (AReaL's form; on the tiny default at "
+        "staleness 2 it diverged: kl_ref 100 by step 14)"))
     level: Literal["token", "sequence"] = "token"
     proximal: Literal["recompute", "interpolate"] = Field("recompute", description=(
         "pi_prox: the trainer's logprobs at the start of the update (recompute), or interpolated between mu and "
