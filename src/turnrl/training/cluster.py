@@ -418,8 +418,9 @@ def _start(cfg: Config, model_dir: str, data_dir: str, pg, slots: list[Slot], hi
     asynchronous = cfg.train.mode == "async"
     if asynchronous and cfg.rollout.engine == "vllm":
         # weights change while requests run, so the prefix cache cannot be reset then: cached blocks
-        # computed under older weights would be reused by new requests (measured: the run diverged)
-        engine_options["enable_prefix_caching"] = False
+        # computed under older weights would be reused by new requests (measured: the run diverged);
+        # and no step may be in flight when the weights are reloaded between two engine steps
+        engine_options.update(enable_prefix_caching=False, async_scheduling=False)
     engines = RolloutGroup([s.name for s in engine_slots], [
         # async: feed, take_groups and weight loads reach the actor while its stream generates
         ray.remote(RolloutWorker).options(**options(s, engine_env), max_concurrency=4 if asynchronous else 1).remote(
