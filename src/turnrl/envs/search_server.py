@@ -21,10 +21,9 @@ from __future__ import annotations
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
-from turnrl.envs.search import SearchIndex, build_index, format_results
+from turnrl.envs.search import SearchIndex, format_results
 
 
 class SearchService(ThreadingHTTPServer):

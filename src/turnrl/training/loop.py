@@ -51,7 +51,7 @@ from turnrl.training.checkpoint import CheckpointStore, Resume, write_state
 from turnrl.training.health import HealthMonitor, UnhealthyTraining
 from turnrl.training.rollouts import Rollouts, make_rollouts
 from turnrl.training.cluster import (RolloutGroup, TrainerGroup, Workers, check_cluster, start_ray, start_workers,
-                                     two_models, wait_all)
+                                     two_models)
 
 log = logging.getLogger(__name__)
 
