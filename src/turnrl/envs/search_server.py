@@ -2,19 +2,7 @@
 rollout workers (as Search-R1 and RoSTE run their retrievers); `turnrl serve-search`
 (:mod:`turnrl.pipeline.serve_search`) starts it from params.
 
-The corpus, top-k and passage length are the search environment's: from params
-(`env.options` when `env.name` is `search`, its defaults otherwise), the corpus being
-`env.options.corpus` or the one `preprocess` wrote (`data/processed/corpus.parquet`); flags
-override them. Point the environment at it with `env.options.endpoint: http://HOST:PORT`.
-
-    GET  /health   {"ok": true, "passages": N, "fingerprint": ..., "top_k": k, "max_passage_chars": c}
-    POST /search   {"query": "...", "k": 3 (optional)}  ->
-                   {"passages": [{id, title, text, score}], "result": "<result>...</result>"}
-
-`result` is the observation the environment would show (`format_results`), so the service is
-also a ready-made HTTP tool for the `tools` environment (`env.options.http: [{name: search,
-url: http://HOST:PORT/search, parameters: {...query...}}]`). Requests are served on threads; the
-index is shared (bm25s retrieval under a lock).
+Its endpoints and options are described in `turnrl.pipeline.serve_search`.
 """
 from __future__ import annotations
 
