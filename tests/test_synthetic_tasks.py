@@ -66,7 +66,8 @@ def test_the_builtins_are_plugins_with_tasks():
     for name in synthetic.TASKS:
         spec = envs.resolve(name)
         assert spec.task is synthetic.TASKS[name] and spec.task.rows is not None and spec.task.demonstration
-    assert envs.resolve("math_answer").task is None
+    answer = envs.resolve("math_answer").task   # no rows of its own: it demonstrates data.train_set's
+    assert answer is synthetic.ANSWER_TASK and answer.rows is None and answer.any_row
 
 
 def test_env_options_follow_params(tmp_path):

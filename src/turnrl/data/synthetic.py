@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
-__all__ = ["Demonstration", "SyntheticTask", "TASKS", "addition_steps"]
+__all__ = ["ANSWER_TASK", "Demonstration", "SyntheticTask", "TASKS", "addition_steps"]
 
 
 @dataclass(frozen=True)
@@ -52,12 +52,16 @@ class SyntheticTask:
     demonstration  (row, rng, good) -> Demonstration (or a list of policy turns): the scripted
                    turns `model.path: tiny` is warm-started on; `good` ones use the environment
                    well, the others show the habit RL must unlearn
+    any_row        the demonstration takes any row with a reference answer (`answer`), not only
+                   this task's own rows: with `data.train_set` naming a data set (reasoning-gym,
+                   a jsonl with answers) the warm start demonstrates that set's training rows
     """
     name: str
     rows: Callable[..., list[dict]] | None = None
     key: Callable[[dict], object] | None = None
     demonstration: Callable[[dict, random.Random, bool], "Demonstration | list[str]"] | None = None
     skill_good_fraction: float = 1.0
+    any_row: bool = False
 
     def splits(self, train: int, heldout: int, seed: int) -> tuple[list[dict], list[dict]]:
         """Train and held-out rows; no problem occurs in both."""
@@ -190,11 +194,23 @@ RAMBLE = "Let me think about it again."
 def intervention_demonstration(row: dict, rng: random.Random, good: bool) -> Demonstration:
     """Good: work the columns and answer in the first turn. Otherwise ramble for one to three
     turns, each interrupted by the environment; with the default three turns, a third ramble
-    leaves no turn to answer in."""
-    worked = f"{addition_steps(row['a'], row['b'])} <answer>{row['answer']}</answer>"
+    leaves no turn to answer in. A row that is not an addition (a data set's: reasoning-gym, a
+    jsonl) has no columns to work: its good turn is the reference answer."""
+    answer = f"<answer>{row['answer']}</answer>"
+    worked = f"{addition_steps(row['a'], row['b'])} {answer}" if "a" in row and "b" in row else answer
     if good:
         return Demonstration([worked])
     return Demonstration([RAMBLE] * rng.randint(1, 3) + [worked], choice=(0, RAMBLE[0]))
+
+
+# --------------------------------------------------------------------------- one answer
+def answer_demonstration(row: dict, rng: random.Random, good: bool) -> Demonstration:
+    """math_answer, any row with a reference answer. Good: the answer between the tags the
+    grader reads. Otherwise the habit RL must unlearn: the answer stated without them, which no
+    grader extracts (scored 0); only the choice to start without the tag is trained in the prior."""
+    if good:
+        return Demonstration([f"<answer>{row['answer']}</answer>"])
+    return Demonstration([f"The answer is {row['answer']}."], choice=(0, "The"))
 
 
 TASKS: dict[str, SyntheticTask] = {
@@ -204,5 +220,8 @@ TASKS: dict[str, SyntheticTask] = {
     "math_refine": SyntheticTask("math_refine", partial(addition_rows, digits=2), lambda r: (r["a"], r["b"]),
                                  refine_demonstration, skill_good_fraction=0.5),
     "intervention": SyntheticTask("intervention", partial(addition_rows, digits=2), lambda r: (r["a"], r["b"]),
-                                  intervention_demonstration, skill_good_fraction=0.5),
+                                  intervention_demonstration, skill_good_fraction=0.5, any_row=True),
 }
+
+# math_answer's: no rows of its own (data.train_set names its data); it demonstrates their training rows
+ANSWER_TASK = SyntheticTask("math_answer", demonstration=answer_demonstration, skill_good_fraction=0.5, any_row=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from turnrl.data import synthetic
 from turnrl.envs.base import EnvSpec, StepResult
 from turnrl.rewards.graders import Grade, for_row, grader as resolve_grader
 
@@ -38,4 +39,4 @@ class SingleAnswerEnv:
         return StepResult(None, grade.reward, True, info)
 
 
-ENV = EnvSpec(factory=SingleAnswerEnv, name="math_answer")
+ENV = EnvSpec(factory=SingleAnswerEnv, task=synthetic.ANSWER_TASK, name="math_answer")

@@ -29,13 +29,42 @@ def _failure(env_name: str, row: dict, what: str, exc: BaseException) -> WarmSta
         "demonstration (docs/plugins.md, \"The warm start\"), or set model.path to a checkpoint")
 
 
+def demonstrable(task: synthetic.SyntheticTask | None, env_name: str) -> synthetic.SyntheticTask:
+    """The environment's task if it gives demonstrations; else, before any work, a WarmStartError
+    (a game, an environment without a task: only a checkpoint can play it)."""
+    if task is None or task.demonstration is None:
+        raise WarmStartError(f"env.name = {env_name or getattr(task, 'name', '')!r}: model.path: tiny is warm-started "
+                             "on the environment's demonstrations and it gives none; add EnvSpec(task=SyntheticTask("
+                             "name, demonstration=fn)) (docs/plugins.md, \"The warm start\") or set model.path to a "
+                             "checkpoint")
+    return task
+
+
+def demonstration_rows(cfg: Config, task: synthetic.SyntheticTask) -> tuple[list[dict], list[dict], str]:
+    """(training rows to demonstrate, held-out rows, where they came from). The environment's
+    synthetic split when it has one and data.train_set is `synthetic` (or its demonstration
+    only knows its own rows); else data.train_set's training rows, those with a reference
+    answer where the demonstration takes any row (reasoning-gym, a jsonl with answers).
+    Never a held-out row: the training split of preprocess excludes them."""
+    data_rows = task.rows is None or (task.any_row and cfg.data.train_set != "synthetic")
+    if not data_rows:
+        train, heldout = task.splits(cfg.data.train_examples, cfg.data.heldout_examples, cfg.seed)
+        return train, heldout, "synthetic"
+    from turnrl.pipeline.preprocess import training_splits
+    train, heldout, _, _ = training_splits(cfg)
+    if task.rows is not None:   # a built-in's demonstration writes the reference answer
+        train = [r for r in train if str(r.get("answer") or "").strip()]
+        if not train:
+            raise WarmStartError(f"data.train_set = {cfg.data.train_set!r}: model.path: tiny is warm-started on "
+                                 "demonstrations of its training rows and none has a reference answer; give the "
+                                 "rows an answer field (data.fields) or set model.path to a checkpoint")
+    return train, heldout, str(cfg.data.train_set)
+
+
 def demonstrations(task: synthetic.SyntheticTask, rows: list[dict], count: int, good_fraction: float,
                    seed: int, name: str, env_name: str = "") -> list[tuple[dict, synthetic.Demonstration, bool]]:
     """(row, demonstration, good) triples; a share `good_fraction` of them good."""
-    if task.demonstration is None:
-        raise WarmStartError(f"env.name = {env_name or task.name!r}: model.path: tiny is warm-started on the "
-                             "environment's demonstrations and it gives none; add EnvSpec(task=SyntheticTask(name, "
-                             "demonstration=fn)) (docs/plugins.md, \"The warm start\") or set model.path to a checkpoint")
+    demonstrable(task, env_name or task.name)
     rng = seeded_rng(seed, name)
     out = []
     for _ in range(count):
@@ -75,9 +104,11 @@ def build_tiny(cfg: Config, out_dir: Path, log_metrics: Callable[[int, dict], No
     working the columns, ramble instead of answering). RL then starts from a policy that sometimes succeeds and often fails, and must
     find out what pays.
 
-    The demonstrations come from the environment's task (its EnvSpec): its synthetic training
-    split (the same rows, and the same seed, as the preprocess stage's) when it has one, else the
-    training rows of data.train_set; never from the held-out split, whatever data RL uses. An
+    The demonstrations come from the environment's task (its EnvSpec), by its demonstration
+    function: of its synthetic training split (the same rows, and the same seed, as the
+    preprocess stage's), or of data.train_set's training rows when the environment has no
+    synthetic rows or its demonstration takes any row with an answer (math_answer, intervention)
+    and data.train_set names a data set (`demonstration_rows`); never of the held-out split. An
     environment with data files (a search corpus) gets them written for these rows first.
     """
     with tempfile.TemporaryDirectory(prefix="turnrl-warmstart-") as data_dir:
@@ -87,12 +118,8 @@ def build_tiny(cfg: Config, out_dir: Path, log_metrics: Callable[[int, dict], No
 def _build_tiny(cfg: Config, out_dir: Path, data_dir: Path, log_metrics) -> dict:
     spec = cfg.model.warmstart
     env = envs.resolve(cfg.env.name)
-    task: synthetic.SyntheticTask = env.task
-    if task.rows is not None:
-        train_rows, heldout_rows = task.splits(cfg.data.train_examples, cfg.data.heldout_examples, cfg.seed)
-    else:   # a plugin without synthetic rows: its demonstrations are of the training data
-        from turnrl.pipeline.preprocess import training_splits
-        train_rows, heldout_rows, _, _ = training_splits(cfg)
+    task: synthetic.SyntheticTask = demonstrable(env.task, cfg.env.name)
+    train_rows, heldout_rows, source = demonstration_rows(cfg, task)
     if env.prepare_data is not None:
         env.prepare_data(heldout_rows + train_rows, data_dir, **cfg.env.checked_options())
     make_env = cfg.env.factory(max_turns=cfg.rollout.max_turns, seed=cfg.seed, data_dir=data_dir)
@@ -134,6 +161,8 @@ def _build_tiny(cfg: Config, out_dir: Path, data_dir: Path, log_metrics) -> dict
         "skill_final_loss": skill_losses[-1] if skill_losses else None,
         "prior_final_loss": prior_losses[-1] if prior_losses else None,
     }
+    if source != "synthetic":   # (the default's summary stays as it was)
+        summary["demonstrated_rows"] = source
     (out_dir / "turnrl_model.json").write_text(json.dumps({"kind": "tiny", **summary}, indent=2))
     return summary
 
