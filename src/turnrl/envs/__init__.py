@@ -36,6 +36,7 @@ _REGISTRY = Registry("environment", "my_tasks.guess:make_env", _as_spec, {
     "math_answer": "turnrl.envs.single_answer:ENV",
     "tools": "turnrl.envs.tools:ENV",
     "gym_text": "turnrl.envs.gym_text:ENV",   # TextArena / gymnasium-style text games
+    "openenv": "turnrl.envs.openenv:ENV",   # OpenEnv (openenv-core) servers or Environment classes
     "skyrl_gym": "turnrl.envs.skyrl_gym:ENV",   # skyrl-gym (SkyRL) environments
 })
 
