@@ -38,6 +38,7 @@ _REGISTRY = Registry("environment", "my_tasks.guess:make_env", _as_spec, {
     "gym_text": "turnrl.envs.gym_text:ENV",   # TextArena / gymnasium-style text games
     "openenv": "turnrl.envs.openenv:ENV",   # OpenEnv (openenv-core) servers or Environment classes
     "skyrl_gym": "turnrl.envs.skyrl_gym:ENV",   # skyrl-gym (SkyRL) environments
+    "verifiers": "turnrl.envs.verifiers:ENV",   # verifiers 0.4.0, in its own venv behind a bridge
 })
 
 

@@ -38,6 +38,11 @@ import sys
 import traceback
 from typing import Any
 
+# run by file path, Python puts this file's folder first on sys.path: turnrl's envs, whose
+# verifiers.py would shadow the library
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
 POLICY_TIMEOUT_S = 3600.0   # an episode waiting this long for turnrl's next turn is dropped
 
 
@@ -82,9 +87,10 @@ class Bridge:
                              "answer": str(getattr(data, "answer", "") or "")})
             return {"rows": rows}
         if op == "start":
-            episode = Episode(self, self.task(int(request["index"])))
+            task = self.task(int(request["index"]))
+            episode = Episode(self, task)
             self.episodes[request["episode"]] = episode
-            return await episode.next_event()
+            return {**await episode.next_event(), "system_prompt": task.data.system_prompt or ""}
         if op == "step":
             episode = self.episodes.get(request["episode"])
             if episode is None:
