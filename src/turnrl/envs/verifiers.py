@@ -97,6 +97,14 @@ def _folder(path: str) -> str:
                       "directory or turnrl's checkout)")
 
 
+class BridgeError(PluginError):
+    """An error the bridge answered with (the library's, on one line)."""
+
+    def __init__(self, error: str, op: str):
+        super().__init__(f"verifiers bridge, {op}: {error}")
+        self.error = error
+
+
 class Bridge:
     """One bridge process: requests by id, answered by a reader thread (thread-safe)."""
 
@@ -114,9 +122,10 @@ class Bridge:
         threading.Thread(target=self._drain, daemon=True, name="verifiers-bridge-err").start()
         try:
             self.info = self.request("info")   # loads the environment: a bad one fails here, in one line
-        except PluginError:
+        except PluginError as exc:
             self.close()
-            raise
+            raise PluginError(f"env.options.environment = {spec['environment']!r}: "
+                              f"{exc.error if isinstance(exc, BridgeError) else exc}") from None
 
     @property
     def alive(self) -> bool:
@@ -166,7 +175,7 @@ class Bridge:
             raise PluginError(f"the verifiers bridge did not answer {op!r} within env.options.timeout_s = "
                               f"{self.timeout_s:g}") from None
         if not answer.get("ok"):
-            raise PluginError(f"verifiers: {answer.get('error')}")
+            raise BridgeError(str(answer.get("error")), op)
         return answer
 
     def close(self) -> None:

@@ -47,6 +47,11 @@ POLICY_TIMEOUT_S = 3600.0   # an episode waiting this long for turnrl's next tur
 
 
 def _one_line(exc: BaseException) -> str:
+    errors = getattr(exc, "errors", None)
+    if callable(errors) and type(exc).__name__ == "ValidationError":   # pydantic's: each field and why
+        with contextlib.suppress(Exception):
+            parts = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors()[:3]]
+            return f"ValidationError: {'; '.join(parts)}"[:500]
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]
 
@@ -246,8 +251,7 @@ class Interaction:
         else:
             new = [__import__('verifiers.v1.dialects', fromlist=['parse_message']).parse_message(m) if isinstance(m, dict) else m for m in message]
         self.started = True
-        for m in new:
-            self._add(m)
+        # the library commits a turn's messages with its reply: a refused turn leaves them out of the trace
         stopped = await self._refused()
         if stopped is not None:
             self.trace.stop(stopped)
@@ -258,6 +262,8 @@ class Interaction:
         await self.episode.events.put(("turn", {"done": False, "messages": texts, "roles": roles}))
         text = await asyncio.wait_for(self.episode.replies.get(), POLICY_TIMEOUT_S)
         reply = vf.AssistantMessage(content=text)
+        for m in new:
+            self._add(m)
         self._add(reply, sampled=True)
         return Segment(messages=[reply])
 
@@ -275,7 +281,7 @@ async def serve(spec: dict[str, Any]) -> None:
         problem = None
     except Exception as exc:   # noqa: BLE001 - every request then answers this one line
         traceback.print_exc(file=sys.stderr)
-        bridge, problem = None, f"cannot load verifiers environment {spec.get('environment')!r}: {_one_line(exc)}"
+        bridge, problem = None, f"verifiers cannot load it: {_one_line(exc)}"
 
     async def answer(request: dict[str, Any]) -> None:
         rid = request.get("id")
