@@ -1,0 +1,209 @@
+"""Learning on tasks nobody here wrote (issue 32, item 5): the embedded default (`model.path:
+tiny`, warm-started on the data's own training rows) trained by GRPO on reasoning-gym tasks and
+played on a TextArena game, through the real pipeline, 3 seeds each:
+
+    python benchmarks/ecosystem.py                 # every row, seeds 0 1 2 -> benchmarks/ECOSYSTEM.md
+    python benchmarks/ecosystem.py --quick         # basic_arithmetic, seed 0, 5 steps (ecosystem-quick.json)
+    python benchmarks/ecosystem.py --rows chain_sum_retry --seeds 1
+
+Each row is a user's `dvc exp run -S ...` in a scratch copy of the committed project
+(`benchmarks/learning.py`'s copy_project and run_one: `-S seed=S -S eval.benchmarks=[]`
+added), the held-out accuracy of the row's own task (sampled at T=1; greedy beside it) before
+and after training, the health flags and the curves of plots/train.csv. The game row cannot be
+warm-started (a game gives no demonstrations: prepare_model says so before any work), so it
+plays from the warm-start checkpoint the pipeline built for the `chain_sum_retry` row of the
+same seed (`model.path: <that models/initial>`). Results go to benchmarks/results/ecosystem.json
+after every run (a rerun skips finished runs) and benchmarks/ECOSYSTEM.md.
+
+Target: every reasoning-gym row gains >= +10 points on every seed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.learning import Row, copy_project, flags_text, mean_sd, run_one  # noqa: E402
+
+TARGET = 10.0   # points, every seed, every reasoning-gym row
+STEPS = 40   # the default train.steps
+HELDOUT = 64
+# a shorter skill phase than the default's 1200 steps: on 2 shared cores the default's takes ~12 min
+WARM = ["model.warmstart.skill_steps=300"]
+
+
+def _gym(task: str, size: int, config: dict) -> str:
+    """A reasoning-gym set as a -S value (a mapping in hydra's override syntax)."""
+    cfg = ", ".join(f"{k}: {json.dumps(v)}" for k, v in config.items())
+    return f'{{name: "reasoning_gym:{task}", size: {size}, config: {{{cfg}}}}}'
+
+
+@dataclass
+class EcoRow:
+    name: str
+    env: str
+    task: str                 # what the reasoning-gym task or the game is
+    turns: str                # the protocol, in words
+    sets: list[str]
+    game: bool = False        # plays from another row's checkpoint (`from_row`)
+    from_row: str = ""
+
+    def row(self) -> Row:
+        return Row(self.name, self.env, "grpo", sets=self.sets)
+
+
+def _data(task: str, size: int, config: dict) -> list[str]:
+    spec = _gym(task, size, config)
+    return [f"data.train_set={spec}", f"data.heldout_set={spec}", f"data.heldout_examples={HELDOUT}", *WARM]
+
+
+ROWS = [
+    EcoRow("basic_arithmetic", "math_answer", "basic_arithmetic: 2 one-digit terms, + and -",
+           "one answer", ["env.name=math_answer", "rollout.max_turns=1",
+                          *_data("basic_arithmetic", 1000, {"min_terms": 2, "max_terms": 2, "min_digits": 1,
+                                                            "max_digits": 1, "operators": ["+", "-"],
+                                                            "allow_parentheses": False, "allow_negation": False})]),
+    EcoRow("letter_counting", "math_answer", "letter_counting: 3-5 words", "one answer",
+           ["env.name=math_answer", "rollout.max_turns=1",
+            *_data("letter_counting", 1000, {"min_words": 3, "max_words": 5})]),
+    EcoRow("chain_sum_retry", "intervention", "chain_sum: 2 one-digit terms",
+           "retry with feedback (intervention, up to 3 turns)",
+           ["env.name=intervention", *_data("chain_sum", 1000, {"min_terms": 2, "max_terms": 2, "min_digits": 1,
+                                                                 "max_digits": 1})]),
+    EcoRow("guess_the_number", "gym_text", "TextArena GuessTheNumber-v0 (1-20, 3 guesses)", "game, up to 3 turns",
+           ["env.name=gym_text", 'env.options={make: "textarena:GuessTheNumber-v0", kwargs: {max_turns: 3}}',
+            f"data.heldout_examples={HELDOUT}"], game=True, from_row="chain_sum_retry"),
+]
+
+
+def checkpoint_dir(work: Path, row: str, seed: int) -> Path:
+    return work / "checkpoints" / f"{row}-seed{seed}"
+
+
+def run(row: EcoRow, seed: int, steps: int, work: Path) -> dict:
+    """One (row, seed) through `dvc exp run` in the row's project copy; a finished reasoning-gym
+    row keeps its warm-start checkpoint for the game row."""
+    project = work / row.name
+    if not (project / "dvc.yaml").exists():
+        project.mkdir(parents=True, exist_ok=True)
+        copy_project(project)
+    extra = [f"train.steps={steps}"]
+    if row.game:
+        source = checkpoint_dir(work, row.from_row, seed)
+        if not (source / "config.json").exists():
+            return {"row": row.name, "env": row.env, "seed": seed, "wall_s": 0.0,
+                    "failed": f"no checkpoint of {row.from_row} seed {seed} yet: run that row first"}
+        extra.append(f"model.path={source}")
+    result = run_one(project, row.row(), seed, extra)
+    if "failed" not in result:
+        for stage in ("baseline", "eval"):
+            task = json.loads((project / "metrics" / f"{stage}.json").read_text())["task"]
+            result[f"{stage}_partial_credit"] = task.get("partial_credit_mean")
+        if not row.game:
+            keep = checkpoint_dir(work, row.name, seed)
+            shutil.rmtree(keep, ignore_errors=True)
+            shutil.copytree(project / "models" / "initial", keep)
+    return result
+
+
+def _pts(values: list[float]) -> str:
+    return mean_sd(values)
+
+
+def report(results: list[dict], rows: list[EcoRow], seeds: list[int], command: str) -> str:
+    lines = ["# Learning on reasoning-gym and a game (issue 32)", "",
+             f"Generated by `{command}` (benchmarks/ecosystem.py; numbers from benchmarks/results/ecosystem.json).",
+             "The embedded default (`model.path: tiny`) warm-started on demonstrations of each row's own training",
+             "rows (prepare_model; never held-out rows), then GRPO through the real pipeline (`dvc exp run`,",
+             f"`-S seed=S -S eval.benchmarks=[]`). Held-out accuracy of the row's task ({HELDOUT} problems or",
+             "episodes, sampled at T=1; greedy in the per-seed table; full credit of the task's own `score_answer`).",
+             f"Gain in points. Target: every reasoning-gym row >= +{TARGET:.0f} on every seed.", "",
+             "| row | `env.name` | task | turns | gain, mean ± sd | per seed | baseline → trained (mean) | target |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        done = sorted((r for r in results if r["row"] == row.name and "gain_pts" in r), key=lambda r: r["seed"])
+        gains = [r["gain_pts"] for r in done]
+        per_seed = ", ".join(f"{r['seed']}: {r['gain_pts']:+.1f}" for r in done) or "-"
+        acc = (f"{statistics.mean(r['baseline'] for r in done):.3f} → {statistics.mean(r['trained'] for r in done):.3f}"
+               if done else "-")
+        if row.game:
+            verdict = "no target (a game)"
+        elif len(done) < len(seeds):
+            verdict = f"{len(done)}/{len(seeds)} seeds ran"
+        else:
+            verdict = "met" if min(gains) >= TARGET else "**not met**"
+        lines.append(f"| {row.name} | `{row.env}` | {row.task} | {row.turns} | {_pts(gains)} | {per_seed} | {acc} | "
+                     f"{verdict} |")
+    lines += ["", "Commands (add `-S seed=S -S eval.benchmarks=[] -S train.steps=N`):", ""]
+    for row in rows:
+        how = " ".join(f"-S '{s}'" for s in row.sets)
+        lines.append(f"- {row.name}: `dvc exp run {how}`" + (
+            f" `-S model.path=<{row.from_row}'s models/initial, same seed>`" if row.game else ""))
+    lines += ["", "## Per seed", "",
+              "| row | seed | steps | baseline | trained | greedy: baseline → trained | partial credit: baseline → "
+              "trained | gain | health flags | run (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    order = {row.name: i for i, row in enumerate(rows)}
+    for r in sorted(results, key=lambda r: (order.get(r["row"], 99), r["seed"])):
+        if "failed" in r:
+            lines.append(f"| {r['row']} | {r['seed']} | - | - | - | - | - | failed: {r['failed'][-200:]!r} | - | "
+                         f"{r['wall_s']:.0f} |")
+            continue
+        greedy = (f"{r['baseline_greedy']:.3f} → {r['trained_greedy']:.3f}"
+                  if r.get("trained_greedy") is not None else "-")
+        pc = (f"{r['baseline_partial_credit']:.3f} → {r['eval_partial_credit']:.3f}"
+              if r.get("eval_partial_credit") is not None else "-")
+        lines.append(f"| {r['row']} | {r['seed']} | {r['steps']} | {r['baseline']:.3f} | {r['trained']:.3f} | {greedy} | "
+                     f"{pc} | {r['gain_pts']:+.1f} | {flags_text(r.get('health', {}))} | {r['wall_s']:.0f} |")
+    lines += ["", "## Curves", "", "`reward_mean` per training step (plots/train.csv), per row and seed:", ""]
+    for r in sorted(results, key=lambda r: (order.get(r["row"], 99), r["seed"])):
+        curve = r.get("curves", {}).get("reward_mean")
+        if curve:
+            lines.append(f"- {r['row']} seed {r['seed']}: " + " ".join(f"{v:.2f}" for v in curve))
+    commits = sorted({r.get("commit", "unknown") for r in results})
+    lines += ["", f"Measured at commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="basic_arithmetic, seed 0, 5 steps")
+    p.add_argument("--rows", nargs="+", choices=[r.name for r in ROWS], default=[r.name for r in ROWS])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--work-dir", type=Path, default=ROOT / ".cache" / "ecosystem")
+    p.add_argument("--results", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rows, args.seeds, args.steps = ["basic_arithmetic"], [0], 5
+    results_path = args.results or ROOT / "benchmarks" / "results" / (
+        "ecosystem-quick.json" if args.quick else "ecosystem.json")
+    results = json.loads(results_path.read_text()) if results_path.exists() else []
+    work = args.work_dir
+    rows = [r for r in ROWS if r.name in args.rows]
+    command = "python benchmarks/ecosystem.py" + (" --quick" if args.quick else "")
+    # every seed of the reasoning-gym rows first, then the games (each plays from a checkpoint of one of them)
+    order = [(seed, row) for game in (False, True) for seed in args.seeds for row in rows if row.game == game]
+    for seed, row in order:
+        if any(r["row"] == row.name and r["seed"] == seed and r.get("steps") == args.steps for r in results):
+            continue
+        print(f"ecosystem: {row.name}, seed {seed}, {args.steps} steps", flush=True)
+        result = run(row, seed, args.steps, work)
+        results = [r for r in results if not (r["row"] == row.name and r["seed"] == seed)] + [result]
+        results_path.parent.mkdir(parents=True, exist_ok=True)
+        results_path.write_text(json.dumps(results, indent=1) + "\n")
+        print(json.dumps({k: result.get(k) for k in ("row", "seed", "baseline", "trained", "gain_pts", "wall_s",
+                                                      "failed")}), flush=True)
+        if not args.quick:
+            (ROOT / "benchmarks" / "ECOSYSTEM.md").write_text(report(results, ROWS, args.seeds, command))
+    print(report(results, rows, args.seeds, command).split("\n## Per seed")[0])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
