@@ -160,12 +160,12 @@ def _get_json(url: str, path: str, timeout: float) -> Any:
         raise OpenEnvError(f"the OpenEnv server at {url} is unreachable ({type(exc).__name__}: {exc})") from None
     if response.status_code != 200:
         raise OpenEnvError(f"the OpenEnv server at {url} answered {response.status_code} to GET {path}: "
-                           f"{response.text[:200]}")
+                           f"{' '.join(response.text.split())[:200]}")
     try:
         return response.json()
     except ValueError:
         raise OpenEnvError(f"the OpenEnv server at {url} answered GET {path} with something not JSON: "
-                           f"{response.text[:200]!r}") from None
+                           f"{' '.join(response.text.split())[:200]!r}") from None
 
 
 # --------------------------------------------------------------------------- `command`: a server per process
@@ -240,14 +240,14 @@ def _die_with_parent() -> None:
         pass
 
 
-_SERVERS: dict[tuple[str, float], _Server] = {}
+_SERVERS: dict[str, _Server] = {}   # command -> its server in this process
 _SERVERS_LOCK = threading.Lock()
 
 
 def server_url(command: str, timeout_s: float) -> str:
     """The address of this process's server for `command`, started (or restarted) if needed."""
     with _SERVERS_LOCK:
-        server = _SERVERS.setdefault((command, timeout_s), _Server(command, timeout_s))
+        server = _SERVERS.setdefault(command, _Server(command, timeout_s))
     return server.ensure()
 
 
@@ -382,10 +382,12 @@ class RemoteOpenEnv(_Episode):
         o = self.o
         url = o.url or server_url(o.command, o.startup_timeout_s)
         self.where = f"the OpenEnv server at {url}"
-        if self.action_fn is None:
+        if o.action is not None and self.action_fn is None:
+            self.field = o.action   # a field named: the server validates the action itself
+        elif self.action_fn is None:
             if url not in self._schemas:
                 self._schemas[url] = _get_json(url, "/schema", o.connect_timeout_s)
-            self.field = _text_field(self._schemas[url].get("action") or {}, o.action, self.where)
+            self.field = _text_field(self._schemas[url].get("action") or {}, None, self.where)
         future = asyncio.run_coroutine_threadsafe(self._reset(url, self.reset_args(example)), _Loop.get())
         try:
             answer = future.result(timeout=o.connect_timeout_s + o.step_timeout_s + 5)
