@@ -115,6 +115,7 @@ class Bridge:
         self.proc = subprocess.Popen([python, str(BRIDGE), json.dumps(spec)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.pending: dict[int, Future] = {}
+        self.exited: PluginError | None = None
         self.lock = threading.Lock()
         self.next_id = 0
         self.stderr: collections.deque[str] = collections.deque(maxlen=40)
@@ -146,14 +147,17 @@ class Bridge:
             if future is not None:
                 future.set_result(answer)
         rc = self.proc.wait()
-        last = next((l for l in reversed(self.stderr) if l.strip()), "")
+        last = next((line for line in reversed(self.stderr) if line.strip()), "")
         with self.lock:
+            self.exited = PluginError(f"the verifiers bridge exited (exit code {rc}): {last}"[:400])
             futures, self.pending = list(self.pending.values()), {}
         for future in futures:
-            future.set_exception(PluginError(f"the verifiers bridge exited (exit code {rc}): {last}"[:400]))
+            future.set_exception(self.exited)
 
     def send(self, op: str, wait: bool = True, **fields: Any) -> Future | None:
         with self.lock:
+            if self.exited is not None:   # no reader is left to answer
+                raise self.exited
             self.next_id += 1
             rid = self.next_id
             future: Future | None = Future() if wait else None
