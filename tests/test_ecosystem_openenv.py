@@ -258,11 +258,11 @@ def test_a_hanging_server_ends_every_trajectory_within_the_timeout(faulty, tiny_
 
 
 def _garbage_server(reply_to_step: str) -> tuple[str, callable]:
-    """A WebSocket server that answers resets as OpenEnv does and steps with `reply_to_step`."""
+    """A WebSocket server that answers resets as OpenEnv does and steps with `reply_to_step`;
+    returns (its address, stop)."""
     from websockets.asyncio.server import serve
     loop = asyncio.new_event_loop()
-    ready = threading.Event()
-    holder = {}
+    ready, holder = threading.Event(), {}
 
     async def handler(ws):
         async for raw in ws:
@@ -274,17 +274,22 @@ def _garbage_server(reply_to_step: str) -> tuple[str, callable]:
                 await ws.send(reply_to_step)
 
     async def main():
-        holder["server"] = await serve(handler, "127.0.0.1", 0)
-        holder["port"] = holder["server"].sockets[0].getsockname()[1]
+        holder["stop"] = asyncio.Event()
+        server = await serve(handler, "127.0.0.1", 0)
+        holder["port"] = server.sockets[0].getsockname()[1]
         ready.set()
-        try:
-            await holder["server"].serve_forever()
-        except asyncio.CancelledError:   # stopped by the test
-            pass
+        await holder["stop"].wait()
+        server.close()              # closes the connections; their handlers end
+        await server.wait_closed()
 
-    threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True).start()
+    thread = threading.Thread(target=lambda: (loop.run_until_complete(main()), loop.close()), daemon=True)
+    thread.start()
     ready.wait(10)
-    return f"http://127.0.0.1:{holder['port']}", lambda: loop.call_soon_threadsafe(holder["server"].close)
+
+    def stop():
+        loop.call_soon_threadsafe(holder["stop"].set)
+        thread.join(10)
+    return f"http://127.0.0.1:{holder['port']}", stop
 
 
 @pytest.mark.parametrize("reply, needle", [
