@@ -554,9 +554,17 @@ def test_the_policy_is_a_transformers_model_that_loads_and_registers(store, requ
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TURNRL_PIPELINE_KEY", f"unit:model:{copy}")
     shutil.copytree(tiny_model_dir, tmp_path / "models/final")
+    # MLflow asks the Hub for a license by the model's name: never by a repo-like relative path
+    # (offline, five retried requests); an absolute folder is no repo id, so nothing is asked
+    import huggingface_hub
+    asked = []
+    real_list = huggingface_hub.list_repo_files
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", lambda name, *a, **k: asked.append(name) or
+                        real_list(name, *a, **k))
     cfg = _config(store, request, model_copy_max_mb=1000 if copy else 0, register_model=f"turnrl-unit-{copy}")
     with runs.stage_run("train", cfg) as run:
         model_id = model_logging.log_policy(run, "models/final")
+    assert asked == ([str(tmp_path / "models/final")] if copy else [])
     with runs.stage_run("eval", cfg) as evaluation:
         version = model_logging.register_policy(evaluation, "models/final", {"task": {"accuracy": 0.25}},
                                                 {"task": {"accuracy": 0.75}, "math500": {"accuracy": 0.1}})

@@ -104,8 +104,10 @@ def log_policy(run: StageRun, folder: str | Path, *, name: str = "policy") -> st
         if copy:
             from huggingface_hub import ModelCard
             from transformers import AutoModelForCausalLM, AutoTokenizer
-            model = AutoModelForCausalLM.from_pretrained(folder)
-            tokenizer = AutoTokenizer.from_pretrained(folder)
+            # By its absolute path: MLflow looks a model's license up on the Hub by its name_or_path,
+            # and a relative "models/final" reads as a repo id (five retried requests, ~25 s offline)
+            model = AutoModelForCausalLM.from_pretrained(folder.resolve())
+            tokenizer = AutoTokenizer.from_pretrained(folder.resolve())
             card = ModelCard(f"---\nlicense: other\n---\n# turnrl policy\n\n{cfg.algorithm.name} on {cfg.env.name}, "
                              f"{cfg.train.steps} steps, from {cfg.model.path}.\n")
             quiet = logging.getLogger("mlflow.transformers")
