@@ -105,3 +105,18 @@ def test_the_inlined_scripts_draw_every_curve(page, tmp_path):
     assert set(drawn) >= {next(iter(plot)) for plot in plots}
     assert all(lines >= 1 for lines in drawn.values()), drawn
     assert drawn["reward"] >= 2 and drawn["step_time"] >= 4, drawn       # a curve per y field
+
+
+def test_the_curve_csv_keeps_columns_that_appear_after_step_one(tmp_path):
+    """Held-out accuracy is measured every train.eval_every steps: its column must not be lost
+    because step 1 has none (the csv's columns are every step's keys, not the first step's)."""
+    import csv
+
+    from turnrl.pipeline.plots import write_csv
+    history = [{"step": 1, "reward_mean": 0.1}, {"step": 2, "reward_mean": 0.2, "heldout_accuracy": 0.5},
+               {"step": 3, "reward_mean": 0.3, "health_staleness": 1.0}]
+    write_csv(history, tmp_path / "train.csv")
+    rows = list(csv.DictReader((tmp_path / "train.csv").open()))
+    assert list(rows[0]) == ["step", "reward_mean", "heldout_accuracy", "health_staleness"]
+    assert [r["heldout_accuracy"] for r in rows] == ["", "0.5", ""]
+    assert rows[2]["health_staleness"] == "1.0"

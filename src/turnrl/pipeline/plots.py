@@ -16,9 +16,11 @@ CURVES = [
 
 def write_csv(history: list[dict], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    keys = ["step"] + [k for k in history[0] if k != "step"] if history else ["step"]
+    # Every key of every step, in order of first appearance: some appear later than step 1
+    # (held-out accuracy every train.eval_every steps, a health check's first verdict)
+    keys = ["step"] + [k for k in dict.fromkeys(k for h in history for k in h) if k != "step"]
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=keys)
         writer.writeheader()
         writer.writerows(history)
 
