@@ -35,25 +35,28 @@ import verifiers.v1 as vf
 from verifiers.v1.graph import MessageNode
 from verifiers.v1.trace import AgentInfo, Trace, TraceTask
 from verifiers.v1.utils.loaders import load_taskset, taskset_config_type
-req = json.loads(sys.argv[1])
-config = taskset_config_type(req["environment"]).model_validate({"id": req["environment"], **req["args"]})
-task = list(load_taskset(config))[req["index"]]
-trace = Trace(task=TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
-              agent=AgentInfo(config=vf.AgentConfig()))
 kinds = {"system": vf.SystemMessage, "user": vf.UserMessage, "assistant": vf.AssistantMessage}
-for i, (role, text) in enumerate([("system", task.data.system_prompt)] + req["messages"]):
-    trace.nodes.append(MessageNode(parent=i - 1 if i else None, message=kinds[role](content=text),
-                                   sampled=role == "assistant"))
-asyncio.run(task.score(trace))
-print(json.dumps({"reward": trace.reward, "rewards": {k: r.score for k, r in trace.rewards.items()},
-                  "prompt": task.data.prompt_text, "answer": task.data.answer,
-                  "system_prompt": task.data.system_prompt}))
+answers = []
+for req in json.loads(sys.argv[1]):
+    config = taskset_config_type(req["environment"]).model_validate({"id": req["environment"], **req["args"]})
+    task = list(load_taskset(config))[req["index"]]
+    trace = Trace(task=TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
+                  agent=AgentInfo(config=vf.AgentConfig()))
+    for i, (role, text) in enumerate([("system", task.data.system_prompt)] + req["messages"]):
+        trace.nodes.append(MessageNode(parent=i - 1 if i else None, message=kinds[role](content=text),
+                                       sampled=role == "assistant"))
+    asyncio.run(task.score(trace))
+    answers.append({"reward": trace.reward, "rewards": {k: r.score for k, r in trace.rewards.items()},
+                    "prompt": task.data.prompt_text, "answer": task.data.answer,
+                    "system_prompt": task.data.system_prompt})
+print(json.dumps(answers))
 """
 
 
-def library_score(environment: str, index: int, messages: list[tuple[str, str]], args: dict | None = None) -> dict:
-    req = {"environment": environment, "index": index, "messages": messages, "args": args or {}}
-    out = subprocess.run([str(VENV_PYTHON), "-c", LIBRARY_SCORE, json.dumps(req)], capture_output=True, text=True,
+def library_scores(environment: str, index: int, conversations: list[list[tuple[str, str]]]) -> list[dict]:
+    """The library's score of each conversation (one subprocess: importing verifiers takes seconds)."""
+    reqs = [{"environment": environment, "index": index, "messages": c, "args": {}} for c in conversations]
+    out = subprocess.run([str(VENV_PYTHON), "-c", LIBRARY_SCORE, json.dumps(reqs)], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": EXAMPLES}, timeout=300, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -74,32 +77,30 @@ def play(environment: str, index: int, replies: list[str], **options) -> tuple[l
     return results, conversation, env
 
 
-def assert_parity(environment: str, index: int, result, conversation) -> dict:
+def assert_parity(result, library: dict) -> None:
     """turnrl's outcome, reward and per-reward info equal the library's score, to 1e-9."""
-    library = library_score(environment, index, conversation)
     assert result.done
     assert abs(result.info["outcome"] - library["reward"]) <= 1e-9
     assert abs(result.reward - library["reward"]) <= 1e-9
     assert set(library["rewards"]) <= set(result.info)
     for name, score in library["rewards"].items():
         assert abs(result.info[name] - score) <= 1e-9, name
-    return library
 
 
 def test_single_turn_rewards_equal_the_librarys():
     """arith_vf: right, wrong, and right but wordy (correct weight 1, concise weight 0.5)."""
-    _, conversation, env = play("arith_vf", 1, [])
-    library = library_score("arith_vf", 1, [])
-    assert conversation == [("user", library["prompt"])]
-    assert env.system_prompt == library["system_prompt"] and env.observation_role == "user"
-    answer = library["answer"]
-    wordy = " ".join(["well"] * 25) + f" {answer}"
-    expected = {answer: 1.5, str(int(answer) + 1): 0.5, wordy: 1.0}
-    for reply, reward in expected.items():
-        results, conversation, _ = play("arith_vf", 1, [reply])
+    env = envs.make("verifiers", environment="arith_vf", path=[EXAMPLES])
+    first = env.reset({"verifiers_index": 1})
+    (task,) = library_scores("arith_vf", 1, [[]])
+    assert first == task["prompt"] and env.system_prompt == task["system_prompt"] and env.observation_role == "user"
+    answer = task["answer"]
+    expected = {answer: 1.5, str(int(answer) + 1): 0.5, " ".join(["well"] * 25) + f" {answer}": 1.0}
+    played = [play("arith_vf", 1, [reply]) for reply in expected]
+    library = library_scores("arith_vf", 1, [conversation for _, conversation, _ in played])
+    for (results, _, _), reference, reward in zip(played, library, expected.values()):
         assert len(results) == 1 and results[0].done and results[0].observation is None
-        library = assert_parity("arith_vf", 1, results[0], conversation)
-        assert library["reward"] == pytest.approx(reward)
+        assert_parity(results[0], reference)
+        assert reference["reward"] == pytest.approx(reward)
 
 
 def test_multi_turn_stop_conditions_and_rewards():
@@ -108,14 +109,16 @@ def test_multi_turn_stop_conditions_and_rewards():
     cases = {("10", "70", "50"): (3, "user_closed", ["Higher.", "Lower."]),
              ("1", "2", "3", "4", "5"): (4, "max_turns", ["Higher."] * 3),
              ("10", "I give up", "50"): (2, "gave_up", ["Higher."])}
-    for replies, (turns, reason, observations) in cases.items():
-        results, conversation, _ = play("guess_vf", 0, list(replies))
-        assert len(results) == turns, replies
+    played = [play("guess_vf", 0, list(replies)) for replies in cases]
+    library = library_scores("guess_vf", 0, [conversation for _, conversation, _ in played])
+    for (turns, reason, observations), (results, _, _), reference in zip(cases.values(), played, library):
+        assert len(results) == turns, reason
         assert [r.done for r in results] == [False] * (turns - 1) + [True]
         assert [r.observation for r in results[:-1]] == observations
         assert results[-1].info["reason"] == reason
-        assert_parity("guess_vf", 0, results[-1], conversation)
+        assert_parity(results[-1], reference)
     assert results[-1].info["solved"] == 0.0 and results[-1].info["few_turns"] == pytest.approx(0.5)
+    assert played[0][0][-1].info["solved"] == 1.0
 
 
 def test_rows_index_the_taskset_and_the_splits_are_disjoint():
