@@ -31,6 +31,15 @@ print(f"turnrl setup ok: torch {__import__('torch').__version__}, vllm {vllm.__v
       f"transformers {transformers.__version__}")
 PY
 
+# verifiers 0.4.0 (env.name: verifiers) pins mcp==2.0.0 while turnrl needs mcp>=2.3 (and caps
+# openai<3), so it gets a virtualenv of its own, which turnrl's bridge runs (docs/ecosystem.md).
+# No torch; ~2 min and ~570 MB from scratch. Skipped when it is already there.
+if ! .venv-verifiers/bin/python -c 'import verifiers, sys; sys.exit(verifiers.__version__ != "0.4.0")' 2>/dev/null; then
+    [ -x .venv-verifiers/bin/python ] || "$PYTHON" -m venv .venv-verifiers
+    .venv-verifiers/bin/pip install --quiet --upgrade pip
+    .venv-verifiers/bin/pip install --quiet "verifiers==0.4.0"
+fi
+
 # `dvc plots show` offline: DVC's page loads vega from a CDN, so it is blank with no network. The
 # versions it names come from the npm registry (cached in .cache/plots/, nothing committed) and are
 # inlined in a local template, set in .dvc/config.local. Without npm, DVC's own page is used.
