@@ -101,7 +101,11 @@ class Bridge:
             if episode is None:
                 raise KeyError(f"no episode {request['episode']!r} (never started, or already over)")
             await episode.replies.put(str(request["text"]))
-            answer = await episode.next_event()
+            try:
+                answer = await episode.next_event()
+            except Exception:
+                self.episodes.pop(request["episode"], None)   # a failed episode is over
+                raise
             if answer.get("done"):
                 self.episodes.pop(request["episode"], None)
             return answer
