@@ -151,6 +151,24 @@ def test_server_and_in_process_match_the_library_client(guess_url, seed):
     assert oe.server_url(GUESS_COMMAND, 180.0) == guess_url   # one server per process, not per episode
 
 
+def test_loss_mask_covers_exactly_the_policys_tokens(guess_url, tiny_model_dir):
+    """Through the server (an async step, awaited by `replay`): the policy's turns are trained on,
+    the server's observation between them is not."""
+    from transformers import AutoTokenizer
+
+    from turnrl.rollout.chat import ChatFormat
+    from turnrl.rollout.multi_turn import replay
+    fmt = ChatFormat(AutoTokenizer.from_pretrained(tiny_model_dir))
+    turns = ["4", "8"]   # seed 3's number is 8: "Higher.", then "Correct!"
+    t = replay(envs.make("openenv", url=guess_url), fmt, {"game_seed": 3}, turns)
+    expected = [fmt.encode(x) + [fmt.end_of_turn_id] for x in turns]
+    assert [i for i, m in zip(t.response_ids, t.loss_mask) if m] == expected[0] + expected[1]
+    first = len(expected[0])
+    observation_end = t.loss_mask.index(1, first)
+    assert "Higher." in fmt.tokenizer.decode(t.response_ids[first:observation_end])
+    assert (t.turn_rewards, t.outcome, t.finish) == ([0.0, 1.0], 1.0, "done")
+
+
 def test_none_reward_is_zero_and_numeric_fields_are_info():
     env = envs.make("openenv", env_class="examples.openenv_guess.env:GuessEnvironment")
     env.reset({"game_seed": 3})
