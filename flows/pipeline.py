@@ -37,7 +37,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from turnrl.config import ConfigError, parse_config
+from turnrl.config import ConfigError, load_config, parse_config
 from turnrl.pipeline.stage import BAD_INPUT_EXIT  # bad params / data / model path
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
@@ -136,7 +136,9 @@ def apply_overrides(params_path: str | Path, overrides: dict[str, Any] | None) -
     rt.dump(data, out)
     new_text = out.getvalue()
     source = f"{path.name} with overrides" if flat else path.name
-    parse_config(yaml.safe_load(new_text), source=source)      # raises ConfigError naming the key
+    # read back as DVC will read it (ruamel's safe loader, YAML 1.2); raises ConfigError naming the key
+    from ruamel.yaml import YAML
+    parse_config(YAML(typ="safe").load(new_text), source=source)
     if new_text != text:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(new_text)
@@ -272,7 +274,7 @@ def mlflow_parent(project: Path, key: str) -> dict[str, str] | None:
     """The pipeline's MLflow parent run for `key` in the project's tracking store (params.yaml
     tracking.uri, else its mlflow.db): {run_id, name, experiment_id, link}, or None."""
     from turnrl.tracking.runs import find_parent, run_link, tracking_uri
-    cfg = parse_config(yaml.safe_load((project / PARAMS_FILE).read_text()), source=PARAMS_FILE)
+    cfg = load_config(project / PARAMS_FILE)
     uri = tracking_uri(cfg, project)
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
         return None
