@@ -4,14 +4,14 @@ played on a TextArena game, through the real pipeline, 3 seeds each:
 
     python benchmarks/ecosystem.py                 # every row, seeds 0 1 2 -> benchmarks/ECOSYSTEM.md
     python benchmarks/ecosystem.py --quick         # basic_arithmetic, seed 0, 5 steps (ecosystem-quick.json)
-    python benchmarks/ecosystem.py --rows chain_sum_retry --seeds 1
+    python benchmarks/ecosystem.py --rows needle_haystack_retry --seeds 1 --steps 20
 
 Each row is a user's `dvc exp run -S ...` in a scratch copy of the committed project
 (`benchmarks/learning.py`'s copy_project and run_one: `-S seed=S -S eval.benchmarks=[]`
 added), the held-out accuracy of the row's own task (sampled at T=1; greedy beside it) before
 and after training, the health flags and the curves of plots/train.csv. The game row cannot be
 warm-started (a game gives no demonstrations: prepare_model says so before any work), so it
-plays from the warm-start checkpoint the pipeline built for the `chain_sum_retry` row of the
+plays from the warm-start checkpoint the pipeline built for the `letter_counting` row of the
 same seed (`model.path: <that models/initial>`). Results go to benchmarks/results/ecosystem.json
 after every run (a rerun skips finished runs) and benchmarks/ECOSYSTEM.md.
 
@@ -72,13 +72,13 @@ ROWS = [
     EcoRow("letter_counting", "math_answer", "letter_counting: 3-5 words", "one answer",
            ["env.name=math_answer", "rollout.max_turns=1",
             *_data("letter_counting", 1000, {"min_words": 3, "max_words": 5})]),
-    EcoRow("chain_sum_retry", "intervention", "chain_sum: 2 one-digit terms",
+    EcoRow("needle_haystack_retry", "intervention", "needle_haystack: 2-3 statements, reply with a name",
            "retry with feedback (intervention, up to 3 turns)",
-           ["env.name=intervention", *_data("chain_sum", 1000, {"min_terms": 2, "max_terms": 2, "min_digits": 1,
-                                                                 "max_digits": 1})]),
+           ["env.name=intervention", *_data("needle_haystack", 1000, {"min_num_statements": 2,
+                                                                       "max_num_statements": 3})]),
     EcoRow("guess_the_number", "gym_text", "TextArena GuessTheNumber-v0 (1-20, 3 guesses)", "game, up to 3 turns",
            ["env.name=gym_text", 'env.options={make: "textarena:GuessTheNumber-v0", kwargs: {max_turns: 3}}',
-            f"data.heldout_examples={HELDOUT}"], game=True, from_row="chain_sum_retry"),
+            f"data.heldout_examples={HELDOUT}"], game=True, from_row="letter_counting"),
 ]
 
 
@@ -187,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work_dir
     rows = [r for r in ROWS if r.name in args.rows]
     command = "python benchmarks/ecosystem.py" + (" --quick" if args.quick else "")
-    # every seed of the reasoning-gym rows first, then the games (each plays from a checkpoint of one of them)
-    order = [(seed, row) for game in (False, True) for seed in args.seeds for row in rows if row.game == game]
+    # seed by seed; a game after the row whose checkpoint it plays from (ROWS lists it later)
+    order = [(seed, row) for seed in args.seeds for row in rows]
     for seed, row in order:
         if any(r["row"] == row.name and r["seed"] == seed and r.get("steps") == args.steps for r in results):
             continue
