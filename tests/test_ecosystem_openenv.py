@@ -6,6 +6,7 @@ measured (`pytest -s`)."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import signal
@@ -19,14 +20,14 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("openenv.core")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # examples/
+from turnrl import envs
+from turnrl.envs import openenv as oe
+from turnrl.plugins import PluginError
+from turnrl.rollout.multi_turn import ENV_ERROR, Budgets, run_rollouts
 
-from examples.openenv_guess.env import GuessAction, GuessEnvironment, GuessObservation  # noqa: E402
-from turnrl import envs  # noqa: E402
-from turnrl.envs import openenv as oe  # noqa: E402
-from turnrl.plugins import PluginError  # noqa: E402
-from turnrl.rollout.multi_turn import ENV_ERROR, Budgets, run_rollouts  # noqa: E402
+# openenv-core itself is imported by the tests that use it (it imports gradio: seconds), not at collection
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("openenv.core") is None,
+                                reason="openenv-core is not installed (the ecosystem extra)")
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -54,19 +55,22 @@ def free_port() -> int:
 
 
 # --------------------------------------------------------------------------- a faulty OpenEnv server
-class FaultyGuess(GuessEnvironment):
-    """The guessing game, except that a guess containing HANG never answers and CRASH raises."""
-
-    def step(self, action, timeout_s=None, **kwargs):
-        if "HANG" in action.guess:
-            time.sleep(60)
-        if "CRASH" in action.guess:
-            raise RuntimeError("the game crashed")
-        return super().step(action, timeout_s=timeout_s, **kwargs)
-
-
 def faulty_app():
+    """The guessing game, except that a guess containing HANG never answers and CRASH raises
+    (uvicorn --factory calls this in the server's process)."""
+    sys.path.insert(0, str(REPO))
     from openenv.core.env_server import create_app
+
+    from examples.openenv_guess.env import GuessAction, GuessEnvironment, GuessObservation
+
+    class FaultyGuess(GuessEnvironment):
+        def step(self, action, timeout_s=None, **kwargs):
+            if "HANG" in action.guess:
+                time.sleep(60)
+            if "CRASH" in action.guess:
+                raise RuntimeError("the game crashed")
+            return super().step(action, timeout_s=timeout_s, **kwargs)
+
     return create_app(FaultyGuess, GuessAction, GuessObservation, max_concurrent_envs=64)
 
 
