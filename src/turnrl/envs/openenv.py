@@ -267,7 +267,8 @@ def _text_field(schema: dict, action: str | None, where: str) -> str:
     kinds = ", ".join(f"{k} ({v.get('type', 'any')})" for k, v in props.items()) or "none"
     if action is not None:
         if action not in props:
-            raise PluginError(f"env.options.action = {action!r}: {where}'s Action has no such field; its fields: {kinds}")
+            raise PluginError(f"env.options.action = {action!r}: {where}'s Action has no such field; "
+                              f"its fields: {kinds}")
         return action
     strings = [k for k, v in props.items() if v.get("type") == "string"]
     if len(strings) != 1:
