@@ -356,12 +356,13 @@ def test_a_server_restarted_mid_run_is_reconnected(guess_url):
 # --------------------------------------------------------------------------- the real stack
 @pytest.mark.slow
 def test_two_training_steps_against_an_openenv_server(tiny_model_dir, tmp_path):
-    """GRPO through Ray, DeepSpeed and vLLM; the rollout worker starts the example server."""
+    """GRPO through Ray and DeepSpeed; the rollout worker starts the example server. On the HF
+    engine: it spares CI a vLLM start (~100 s); the vLLM path has its own tests."""
     from conftest import train_two_steps
     start = time.time()
     history = train_two_steps(tiny_model_dir, tmp_path, {"name": "openenv", "options": {"command": GUESS_COMMAND}},
                               {"name": "grpo"}, data={"train_examples": 16, "heldout_examples": 4},
-                              rollout={"n": 2, "max_tokens_per_turn": 8, "max_turns": 2})
+                              rollout={"n": 2, "max_tokens_per_turn": 8, "max_turns": 2, "engine": "hf"})
     print(f"\nMEASURED openenv: two training steps in {time.time() - start:.1f} s")
     assert all(0.0 <= h["reward_mean"] <= 1.0 for h in history)
     assert all(h["finish_env_error_frac"] == 0.0 for h in history)
