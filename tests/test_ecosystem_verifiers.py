@@ -179,4 +179,6 @@ def test_two_training_steps_on_a_verifiers_environment(tiny_model_dir, tmp_path)
     print(f"\nMEASURED verifiers: two training steps in {time.time() - start:.1f} s")
     assert all(h["finish_env_error_frac"] == 0.0 for h in history)
     assert all(0.0 <= h["reward_mean"] <= 1.5 for h in history)
-    assert all("env_correct_mean" in h and "env_concise_mean" in h for h in history)
+    # each reward by name, over the trajectories that reached the environment (a turn cut by the
+    # token limit does not: the untrained model rarely ends one within 8 tokens)
+    assert any("env_correct_mean" in h and "env_concise_mean" in h for h in history)
