@@ -134,7 +134,8 @@ def test_bad_input_is_one_line():
     cases = [({"environment": "no_such_vf"}, "env.options.environment = 'no_such_vf': .*not found"),
              ({"environment": "arith_vf", "args": {"bogus": 1}},
               "env.options.environment = 'arith_vf': .*taskset.bogus: Extra inputs are not permitted"),
-             ({"environment": "arith_vf", "python": "/no/such/python"}, "env.options.python = .*run ./setup.sh"),
+             ({"environment": "arith_vf", "python": "/no/such/python"},
+              "env.options.python = '/no/such/python': no such file; run ./setup.sh"),
              ({"environment": "arith_vf", "path": ["no/such/folder"]}, "env.options.path: 'no/such/folder'")]
     for options, message in cases:
         with pytest.raises(PluginError, match=message) as err:
@@ -144,12 +145,15 @@ def test_bad_input_is_one_line():
         envs.make("verifiers", environment="arith_vf", path=[EXAMPLES], args={"size": 4}).reset({"verifiers_index": 9})
 
 
-def test_no_bridge_venv_names_setup(tmp_path, monkeypatch):
+def test_no_bridge_venv_stops_with_the_options(tmp_path, monkeypatch):
+    """Without .venv-verifiers the options are refused (turnrl config, preprocess: before any work)."""
     monkeypatch.delenv(vfe.PYTHON_ENV_VAR, raising=False)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(vfe, "_repo_root", lambda: tmp_path)
-    with pytest.raises(PluginError, match="run ./setup.sh, or set env.options.python"):
-        vfe.find_python(None)
+    with pytest.raises(PluginError, match="env.options.python = None: no .venv-verifiers.*run ./setup.sh, or set "
+                                          "env.options.python") as err:
+        envs.make("verifiers", environment="arith_vf")
+    assert "\n" not in str(err.value)
 
 
 def test_a_bridge_that_dies_is_an_error_then_a_new_bridge():

@@ -40,7 +40,7 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from turnrl.data.synthetic import SyntheticTask
 from turnrl.envs.base import RESERVED_INFO_KEYS, EnvSpec, StepResult
@@ -60,10 +60,20 @@ class VerifiersOptions(BaseModel):
     args: dict[str, Any] = Field(default_factory=dict, description="the taskset's config fields")
     env_args: dict[str, Any] = Field(default_factory=dict, description="the env config's fields")
     path: list[str] = Field(default_factory=list, description="folders to import the environment's module from")
-    python: str | None = Field(None, description=(
+    python: str | None = Field(None, validate_default=True, description=(
         f"the bridge environment's python (default: ${PYTHON_ENV_VAR}, else .venv-verifiers/bin/python of this "
         "folder, a parent, or turnrl's checkout)"))
     timeout_s: float = Field(120.0, gt=0, description="how long to wait for each answer of the bridge")
+
+    @field_validator("python", mode="after")
+    @classmethod
+    def _bridge_python(cls, python: str | None) -> str | None:
+        # checked with the options (turnrl config, preprocess): a missing venv stops before any work
+        try:
+            find_python(python)
+        except PluginError as exc:
+            raise ValueError(str(exc)) from None
+        return python
 
 
 def _repo_root() -> Path:
@@ -74,8 +84,8 @@ def find_python(python: str | None) -> str:
     """The bridge's interpreter; PluginError (one line) when there is none."""
     if python:
         if not Path(python).exists():
-            raise PluginError(f"env.options.python = {python!r} does not exist; run ./setup.sh (it makes "
-                              ".venv-verifiers) or point python at an environment with verifiers==0.4.0")
+            raise PluginError("no such file; run ./setup.sh (it makes .venv-verifiers) or point env.options.python "
+                              "at a python with verifiers==0.4.0")
         return python
     if os.environ.get(PYTHON_ENV_VAR):
         return find_python(os.environ[PYTHON_ENV_VAR])
@@ -83,7 +93,7 @@ def find_python(python: str | None) -> str:
     for folder in (here, *here.parents, _repo_root()):
         if (folder / VENV_PYTHON).exists():
             return str(folder / VENV_PYTHON)
-    raise PluginError("env.name = verifiers: no .venv-verifiers/bin/python here or in a parent folder (verifiers "
+    raise PluginError("no .venv-verifiers/bin/python here, in a parent folder or in turnrl's checkout (verifiers "
                       "0.4.0 runs in its own environment); run ./setup.sh, or set env.options.python (or "
                       f"${PYTHON_ENV_VAR}) to a python with verifiers==0.4.0")
 
