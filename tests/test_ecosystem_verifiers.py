@@ -170,6 +170,43 @@ def test_a_bridge_that_dies_is_an_error_then_a_new_bridge():
     assert fresh.step("50").done
 
 
+BROKEN_ENV = """
+import verifiers.v1 as vf
+
+class Task(vf.Task[vf.TaskData, vf.State, vf.TaskConfig]):
+    @vf.reward
+    async def one(self) -> float:
+        return 1.0
+
+class Tasks(vf.Taskset[Task, vf.TasksetConfig]):
+    def load(self):
+        yield Task(vf.TaskData(prompt="Say something."), self.config.task)
+
+class Config(vf.EnvConfig):
+    solver: vf.AgentConfig = vf.AgentConfig()
+
+class BrokenEnv(vf.Env[Config]):
+    async def run(self, task, agents):
+        async with agents.solver.interaction(task) as solver:
+            await solver.turn()
+            raise ValueError("the env broke after the first reply")
+
+__all__ = ["Tasks", "BrokenEnv"]
+"""
+
+
+def test_an_env_that_raises_is_a_one_line_error_not_a_hang(tmp_path):
+    (tmp_path / "broken_vf.py").write_text(BROKEN_ENV)
+    env = envs.make("verifiers", environment="broken_vf", path=[str(tmp_path)], timeout_s=60)
+    assert env.reset({"verifiers_index": 0}) == "Say something."
+    start = time.monotonic()
+    with pytest.raises(PluginError, match="ValueError: the env broke after the first reply") as err:
+        env.step("hello")
+    assert time.monotonic() - start < 30 and "\n" not in str(err.value)
+    again = envs.make("verifiers", environment="broken_vf", path=[str(tmp_path)], timeout_s=60)
+    assert again.reset({"verifiers_index": 0}) == "Say something."   # the same bridge serves on
+
+
 # --------------------------------------------------------------------------- the real stack
 @pytest.mark.slow
 def test_two_training_steps_on_a_verifiers_environment(tiny_model_dir, tmp_path):
