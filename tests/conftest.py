@@ -17,12 +17,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 # The files that take longest, longest first (seconds measured with two workers: pipeline_e2e
-# ~640, resume ~240, flows ~230, critic ~150, scale ~110, ...). Two xdist workers take files in
+# ~640, resume ~240, flows ~230, critic ~150, scale ~110, each ecosystem adapter ~120, ...). Two xdist workers take files in
 # collection order (`--no-loadscope-reorder`), so the longest start first and the short ones
 # fill in: the run does not end with one worker alone on a long file.
 LONGEST_FIRST = ("test_pipeline_e2e.py", "test_resume.py", "test_flows.py", "test_checks_first.py", "test_compat.py",
                  "test_async.py", "test_tool_faults.py", "test_eval_during_training.py", "test_critic.py",
-                 "test_scale.py", "test_benchmarks.py", "test_tools_pipeline.py", "test_mlmt.py", "test_mlmt_two_models.py",
+                 "test_scale.py", "test_ecosystem_openenv.py", "test_ecosystem_verifiers.py",
+                 "test_ecosystem_skyrl_gym.py", "test_benchmarks.py", "test_tools_pipeline.py", "test_mlmt.py", "test_mlmt_two_models.py",
                  "test_evaluation.py",
                  "test_doctor_model.py", "test_rollout.py", "test_update.py", "test_env_math_refine.py")
 
