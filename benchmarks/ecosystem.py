@@ -118,6 +118,31 @@ def run(row: EcoRow, seed: int, steps: int, work: Path) -> dict:
     return result
 
 
+def _lr(result: dict) -> str:
+    """The run's train.lr, from its command (runs before 9b9a9a8 used the default)."""
+    sets = [a.split("=", 1)[1] for a in result.get("command", "").split(" -S ") if a.startswith("train.lr=")]
+    return sets[-1] if sets else "0.0005 (default)"
+
+
+def why(result: dict) -> str:
+    """What a run's curves say about a gain under the target: no reward to learn from, or a
+    policy that learned and then broke (KL to the start, truncated answers)."""
+    curves = result.get("curves", {})
+    reward, kl = curves.get("reward_mean", []), curves.get("kl_ref", [])
+    same = curves.get("groups_all_same_frac", [])
+    if not reward or max(reward) < 0.02:
+        share = f"; {100 * statistics.mean(same):.0f}% of groups all alike" if same else ""
+        return f"no signal: reward_mean never above {max(reward, default=0):.2f}{share}"
+    peak = max(range(len(reward)), key=reward.__getitem__)
+    text = f"reward_mean peaked at {reward[peak]:.2f} (step {peak + 1}), ended at {reward[-1]:.2f}"
+    if kl:
+        text += f"; KL to the start {kl[-1]:.1f} at the end (max {max(kl):.1f})"
+    trunc = curves.get("finish_truncated_frac", [])
+    if trunc and trunc[-1] > 0.5:
+        text += f"; {100 * trunc[-1]:.0f}% of the last step's answers cut by the token limit"
+    return text
+
+
 def _pts(values: list[float]) -> str:
     return mean_sd(values)
 
@@ -152,25 +177,27 @@ def report(results: list[dict], rows: list[EcoRow], seeds: list[int], command: s
         lines.append(f"- {row.name}: `dvc exp run {how}`" + (
             f" `-S model.path=<{row.from_row}'s models/initial, same seed>`" if row.game else ""))
     lines += ["", "## Per seed", "",
-              "| row | seed | steps | baseline | trained | greedy: baseline → trained | partial credit: baseline → "
-              "trained | gain | health flags | run (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "| row | seed | steps | train.lr | baseline | trained | greedy: baseline → trained | partial credit: "
+              "baseline → trained | gain | health flags | run (s) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     order = {row.name: i for i, row in enumerate(rows)}
     for r in sorted(results, key=lambda r: (order.get(r["row"], 99), r["seed"])):
         if "failed" in r:
-            lines.append(f"| {r['row']} | {r['seed']} | - | - | - | - | - | failed: {r['failed'][-200:]!r} | - | "
+            lines.append(f"| {r['row']} | {r['seed']} | - | - | - | - | - | - | failed: {r['failed'][-200:]!r} | - | "
                          f"{r['wall_s']:.0f} |")
             continue
         greedy = (f"{r['baseline_greedy']:.3f} → {r['trained_greedy']:.3f}"
                   if r.get("trained_greedy") is not None else "-")
         pc = (f"{r['baseline_partial_credit']:.3f} → {r['eval_partial_credit']:.3f}"
               if r.get("eval_partial_credit") is not None else "-")
-        lines.append(f"| {r['row']} | {r['seed']} | {r['steps']} | {r['baseline']:.3f} | {r['trained']:.3f} | {greedy} | "
+        lines.append(f"| {r['row']} | {r['seed']} | {r['steps']} | {_lr(r)} | {r['baseline']:.3f} | {r['trained']:.3f} | {greedy} | "
                      f"{pc} | {r['gain_pts']:+.1f} | {flags_text(r.get('health', {}))} | {r['wall_s']:.0f} |")
-    lines += ["", "## Curves", "", "`reward_mean` per training step (plots/train.csv), per row and seed:", ""]
+    lines += ["", "## Curves", "", "`reward_mean` per training step (plots/train.csv), per row and seed, and for a",
+              f"run under +{TARGET:.0f} what its curves say:", ""]
     for r in sorted(results, key=lambda r: (order.get(r["row"], 99), r["seed"])):
         curve = r.get("curves", {}).get("reward_mean")
         if curve:
-            lines.append(f"- {r['row']} seed {r['seed']}: " + " ".join(f"{v:.2f}" for v in curve))
+            lines.append(f"- {r['row']} seed {r['seed']}: " + " ".join(f"{v:.2f}" for v in curve)
+                         + ("" if r.get("gain_pts", 0) >= TARGET else f" ({why(r)})"))
     commits = sorted({r.get("commit", "unknown") for r in results})
     lines += ["", f"Measured at commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}."]
     return "\n".join(lines) + "\n"
@@ -184,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--work-dir", type=Path, default=ROOT / ".cache" / "ecosystem")
     p.add_argument("--results", type=Path, default=None)
+    p.add_argument("--report", action="store_true", help="only rewrite ECOSYSTEM.md from the results")
     args = p.parse_args(argv)
     if args.quick:
         args.rows, args.seeds, args.steps = ["basic_arithmetic"], [0], 5
@@ -193,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work_dir
     rows = [r for r in ROWS if r.name in args.rows]
     command = "python benchmarks/ecosystem.py" + (" --quick" if args.quick else "")
+    if args.report:
+        (ROOT / "benchmarks" / "ECOSYSTEM.md").write_text(report(results, ROWS, args.seeds, command))
+        return 0
     # seed by seed; a game after the row whose checkpoint it plays from (ROWS lists it later)
     order = [(seed, row) for seed in args.seeds for row in rows]
     for seed, row in order:
