@@ -83,8 +83,9 @@ ROWS = [
            "retry with feedback (intervention, up to 3 turns)",
            ["env.name=intervention", *_data("letter_counting", 1000, {"min_words": 3, "max_words": 5})]),
     EcoRow("guess_the_number", "gym_text", "TextArena GuessTheNumber-v0 (1-20, 3 guesses)", "game, up to 3 turns",
-           ["env.name=gym_text", 'env.options={make: "textarena:GuessTheNumber-v0", kwargs: {max_turns: 3}}',
-            f"data.heldout_examples={HELDOUT}", "train.lr=0.0002"], game=True, from_row="letter_counting"),
+           ["env.name=gym_text", '++env.options.make="textarena:GuessTheNumber-v0"',
+            "++env.options.kwargs={max_turns: 3}", f"data.heldout_examples={HELDOUT}", "train.lr=0.0002"],
+           game=True, from_row="letter_counting"),
 ]
 
 
