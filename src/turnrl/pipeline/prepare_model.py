@@ -92,8 +92,8 @@ def replay_demonstration(make_env: Callable[[], envs.Env], fmt: ChatFormat, row:
 
 
 def build_tiny(cfg: Config, out_dir: Path, log_metrics: Callable[[int, dict], None] | None = None) -> dict:
-    """Tokenizer + tiny Qwen2 + supervised warm start on the environment's synthetic task;
-    returns a summary for metrics.
+    """Tokenizer + tiny Qwen2 + supervised warm start on the environment's demonstrations (of
+    its synthetic task, or of data.train_set's rows); returns a summary for metrics.
 
     The warm start has two phases. `skill_steps` on whole demonstrations teach the skill
     (call the tool and copy its output, search and copy, write useful feedback, work the
