@@ -166,10 +166,12 @@ def report(results: list[dict], rows: list[EcoRow], seeds: list[int], command: s
                if done else "-")
         if row.game:
             verdict = "no target (a game)"
+        elif gains and min(gains) < TARGET:
+            verdict = f"**not met** ({len(done)}/{len(seeds)} seeds ran)"
         elif len(done) < len(seeds):
-            verdict = f"{len(done)}/{len(seeds)} seeds ran"
+            verdict = f"{len(done)}/{len(seeds)} seeds ran, each met"
         else:
-            verdict = "met" if min(gains) >= TARGET else "**not met**"
+            verdict = "met"
         lines.append(f"| {row.name} | `{row.env}` | {row.task} | {row.turns} | {_pts(gains)} | {per_seed} | {acc} | "
                      f"{verdict} |")
     lines += ["", "Commands (add `-S seed=S -S eval.benchmarks=[] -S train.steps=N`):", ""]
