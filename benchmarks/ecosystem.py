@@ -108,6 +108,8 @@ def run(row: EcoRow, seed: int, steps: int, work: Path) -> dict:
                     "failed": f"no checkpoint of {row.from_row} seed {seed} yet: run that row first"}
         extra.append(f"model.path={source}")
     result = {**run_one(project, row.row(), seed, extra), "sets": row.sets}
+    # the results file names no folder of this machine: the work dir is the reader's own
+    result["command"] = result.get("command", "").replace(str(work), "<work-dir>")
     if "failed" not in result:
         for stage in ("baseline", "eval"):
             task = json.loads((project / "metrics" / f"{stage}.json").read_text())["task"]
