@@ -1,5 +1,5 @@
 """Guess the number as an OpenEnv environment (openenv-core's `Environment`, `Action`,
-`Observation`), for `env.name: openenv` (docs/ecosystem.md).
+`Observation`), for `env.name: openenv` (docs/ecosystem-openenv.md).
 
 The secret is drawn from 1..16 by the reset's `seed`. Each step's action is a guess (text, so
 "I think 11" works: the last whole number in it counts); the observation says "Higher.",
