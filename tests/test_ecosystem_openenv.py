@@ -353,6 +353,31 @@ def test_a_server_restarted_mid_run_is_reconnected(guess_url):
     measured("server restarted", seconds_to_new_server=took)
 
 
+def test_a_killed_worker_leaves_no_server_behind():
+    """A Ray worker ends by SIGKILL, so no atexit stop runs: the server its command started must
+    still stop (within seconds), not live on as an orphan."""
+    worker = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from turnrl.envs.openenv import server_url; "
+        f"print(server_url({GUESS_COMMAND!r}, 120), flush=True); time.sleep(600)")],
+        stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        url = worker.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), url
+        oe._get_json(url, "/health", 5.0)
+    finally:
+        worker.kill()
+        worker.wait()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            oe._get_json(url, "/health", 1.0)
+        except oe.OpenEnvError:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"the server at {url} outlived its killed worker by 15 s")
+
+
 # --------------------------------------------------------------------------- the real stack
 @pytest.mark.slow
 def test_two_training_steps_against_an_openenv_server(tiny_model_dir, tmp_path):

@@ -191,10 +191,12 @@ class _Server:
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         fd, self.log = tempfile.mkstemp(prefix="turnrl-openenv-", suffix=".log")
-        # its own process group (stopped whole at exit); the shell dies with this process (Linux)
+        # Its own process group (stopped whole by stop()). A Ray worker is killed, not exited, so
+        # no atexit runs: a detached watcher stops the group once this process is gone.
         self.proc = subprocess.Popen(["/bin/sh", "-c", self.command.replace("{port}", str(port))], cwd=project_root(),
                                      stdout=fd, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
+                                     start_new_session=True)
+        _watch(self.proc.pid)
         os.close(fd)
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
@@ -232,12 +234,14 @@ class _Server:
                 return
 
 
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-    except Exception:   # noqa: BLE001 - not Linux: the atexit stop still applies
-        pass
+def _watch(group: int) -> None:
+    """Stop process group `group` (a server's) within seconds of this process's end, however it
+    ends: a Ray worker is killed with SIGKILL, and Ray may kill its direct children too, so the
+    watcher is detached (its shell exits at once; the loop lives on under init)."""
+    loop = (f"while kill -0 {os.getpid()} && kill -0 {group}; do sleep 1; done; "
+            f"kill -TERM -{group}; sleep 5; kill -KILL -{group}")
+    subprocess.run(["/bin/sh", "-c", f"({loop}) >/dev/null 2>&1 &"], stdin=subprocess.DEVNULL,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, check=False)
 
 
 _SERVERS: dict[str, _Server] = {}   # command -> its server in this process
