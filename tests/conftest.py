@@ -1,5 +1,6 @@
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,18 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny")
     save(build_model(tokenizer, Config().model.tiny, seed=0), tokenizer, out)
     return out
+
+
+def measured(what: str, **numbers) -> None:
+    """Print what a fault or speed test measured (shown with `pytest -s`)."""
+    print(f"\nMEASURED {what}: " + ", ".join(f"{k} = {v:.3g}" if isinstance(v, float) else f"{k} = {v}"
+                                            for k, v in numbers.items()))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def copy_project(dest: Path) -> None:

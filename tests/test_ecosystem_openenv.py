@@ -10,7 +10,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import free_port, measured
 from turnrl import envs
 from turnrl.envs import openenv as oe
 from turnrl.plugins import PluginError
@@ -41,17 +41,6 @@ SEEDS = [3, 5, 11]
 def step(env, text):
     result = env.step(text)
     return asyncio.run(result) if asyncio.iscoroutine(result) else result
-
-
-def measured(what: str, **numbers) -> None:
-    print(f"\nMEASURED {what}: " + ", ".join(f"{k} = {v:.3g}" if isinstance(v, float) else f"{k} = {v}"
-                                            for k, v in numbers.items()))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- a faulty OpenEnv server

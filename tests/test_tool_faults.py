@@ -21,6 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from transformers import AutoTokenizer
 
+from conftest import free_port, measured
 from turnrl import envs
 from turnrl.envs.base import StepResult
 from turnrl.envs.tools import close_toolboxes
@@ -37,17 +38,6 @@ def call(name, **arguments) -> str:
 
 def step(env, text):
     return asyncio.run(env.step(text))
-
-
-def measured(what: str, **numbers) -> None:
-    print(f"\nMEASURED {what}: " + ", ".join(f"{k} = {v:.3g}" if isinstance(v, float) else f"{k} = {v}"
-                                            for k, v in numbers.items()))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_listening(port: int, seconds: float = 30) -> None:

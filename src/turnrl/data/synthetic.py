@@ -31,7 +31,21 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
-__all__ = ["ANSWER_TASK", "Demonstration", "SyntheticTask", "TASKS", "addition_steps"]
+__all__ = ["ANSWER_TASK", "Demonstration", "SyntheticTask", "TASKS", "addition_steps", "split_numbers"]
+
+
+def split_numbers(count: int, *, split: str, exclude: set, start: int = 0) -> list[int]:
+    """`count` numbers of `split` that the other split never gets: 2 * (start + i), plus 1 for
+    training (held-out even, training odd), skipping any in `exclude`. The episodes of an
+    environment without a data set: a game's seeds, a taskset's indices."""
+    odd = 0 if split == "heldout" else 1
+    numbers, i = [], 0
+    while len(numbers) < count:
+        number = 2 * (start + i) + odd
+        i += 1
+        if number not in exclude:
+            numbers.append(number)
+    return numbers
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from turnrl.data.synthetic import SyntheticTask
+from turnrl.data.synthetic import SyntheticTask, split_numbers
 from turnrl.envs.base import EnvSpec, StepResult
 from turnrl.plugins import PluginError, is_import_path, load_object
 
 SYSTEM_PROMPT = "You are playing a text game. Read the game's messages and reply with your move."
-_SPLIT_BASE = {"heldout": 0, "train": 1}   # held-out seeds are even, training seeds odd: never shared
 
 
 class GymTextOptions(BaseModel):
@@ -115,16 +114,9 @@ class GymTextEnv:
 
 def episode_rows(count: int, *, seed: int, split: str, exclude: set, make: str = "game") -> list[dict]:
     """Seeded episodes: row i of a split plays game seed 2 * (seed * 10**6 + i) + (0 held-out, 1 train)."""
-    rows = []
-    i = 0
-    while len(rows) < count:
-        game_seed = 2 * (seed * 10 ** 6 + i) + _SPLIT_BASE.get(split, 1)
-        i += 1
-        if game_seed in exclude:
-            continue
-        rows.append({"id": f"episode-{split}-{game_seed}", "prompt": f"episode seed {game_seed}", "answer": "",
-                     "answers": [], "subject": None, "level": None, "source": "gym_text", "game_seed": game_seed})
-    return rows
+    return [{"id": f"episode-{split}-{game_seed}", "prompt": f"episode seed {game_seed}", "answer": "", "answers": [],
+             "subject": None, "level": None, "source": "gym_text", "game_seed": game_seed}
+            for game_seed in split_numbers(count, split=split, exclude=exclude, start=seed * 10 ** 6)]
 
 
 TASK = SyntheticTask(name="gym_text", rows=episode_rows, key=lambda r: r["game_seed"])

@@ -42,14 +42,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from turnrl.data.synthetic import SyntheticTask
+from turnrl.data.synthetic import SyntheticTask, split_numbers
 from turnrl.envs.base import RESERVED_INFO_KEYS, EnvSpec, StepResult
 from turnrl.plugins import PluginError
 
 BRIDGE = Path(__file__).with_name("verifiers_bridge.py")
 VENV_PYTHON = Path(".venv-verifiers") / "bin" / "python"
 PYTHON_ENV_VAR = "TURNRL_VERIFIERS_PYTHON"
-_SPLIT_BASE = {"heldout": 0, "train": 1}
 
 
 class VerifiersOptions(BaseModel):
@@ -289,15 +288,9 @@ def _forget(b: Bridge, episode: str) -> None:
 def task_rows(count: int, *, seed: int, split: str, exclude: set) -> list[dict]:
     """Row i of a split is the taskset's task 2 * i (held-out) or 2 * i + 1 (training), so the
     splits never share one; the environment's own prompt and answer are read at reset."""
-    rows, i = [], 0
-    while len(rows) < count:
-        index = 2 * i + _SPLIT_BASE.get(split, 1)
-        i += 1
-        if index in exclude:
-            continue
-        rows.append({"id": f"verifiers-{split}-{index}", "prompt": f"verifiers task {index}", "answer": "",
-                     "answers": [], "subject": None, "level": None, "source": "verifiers", "verifiers_index": index})
-    return rows
+    return [{"id": f"verifiers-{split}-{index}", "prompt": f"verifiers task {index}", "answer": "", "answers": [],
+             "subject": None, "level": None, "source": "verifiers", "verifiers_index": index}
+            for index in split_numbers(count, split=split, exclude=exclude)]
 
 
 TASK = SyntheticTask(name="verifiers", rows=task_rows, key=lambda r: r["verifiers_index"])
