@@ -40,6 +40,17 @@ if ! .venv-verifiers/bin/python -c 'import verifiers, sys; sys.exit(verifiers.__
     .venv-verifiers/bin/pip install --quiet "verifiers==0.4.0"
 fi
 
+# GEM (gem-llm 0.1.0, served to `env.name: openenv` by src/turnrl/envs/gem_server.py) requires
+# math-verify[antlr4_13_2], i.e. antlr4-python3-runtime 4.13.2, while hydra-core/omegaconf (dvc's
+# `exp run -S`) require antlr4-python3-runtime 4.9.*: it gets a virtualenv of its own, beside
+# openenv-core 0.3.0 for the server (docs/ecosystem-text-games.md). No torch; 699 MB, 2-4.5 min
+# from scratch (measured on 2 busy cores). Skipped when it is already there.
+if ! .venv-gem/bin/python -c 'import importlib.metadata as m, sys; sys.exit((m.version("gem-llm"), m.version("openenv-core")) != ("0.1.0", "0.3.0"))' 2>/dev/null; then
+    [ -x .venv-gem/bin/python ] || "$PYTHON" -m venv .venv-gem
+    .venv-gem/bin/pip install --quiet --upgrade pip
+    .venv-gem/bin/pip install --quiet "gem-llm==0.1.0" "openenv-core==0.3.0"
+fi
+
 # `dvc plots show` offline: DVC's page loads vega from a CDN, so it is blank with no network. The
 # versions it names come from the npm registry (cached in .cache/plots/, nothing committed) and are
 # inlined in a local template, set in .dvc/config.local. Without npm, DVC's own page is used.
