@@ -139,14 +139,16 @@ def pytest_testnodedown(node, error) -> None:
         reporter.write_line(text)
 
 
-def train_two_steps(model_dir, tmp_path, env: dict, algorithm: dict, **sections) -> list[dict]:
+def train_two_steps(model_dir, tmp_path, env: dict, algorithm: dict, resume: bool = False, **sections) -> list[dict]:
     """Two steps of the training loop on the real stack (Ray actors, DeepSpeed, vLLM) for a
     small config (`sections` update its sections, e.g. train={"lr": 1e-2}); the training rows
-    are the preprocess stage's."""
+    are the preprocess stage's. `resume`: step 1 in one run, which checkpoints, then step 2 in
+    a second one (a new Ray, new actors, new environments) resumed from that checkpoint."""
     import ray
 
     from turnrl.config import Config
     from turnrl.pipeline.preprocess import load_split, preprocess
+    from turnrl.training.checkpoint import CheckpointStore, fingerprint
     from turnrl.training.loop import train
     data = {"env": env, "algorithm": algorithm,
             "data": {"train_examples": 32, "heldout_examples": 8}, "eval": {"benchmarks": []},
@@ -155,10 +157,21 @@ def train_two_steps(model_dir, tmp_path, env: dict, algorithm: dict, **sections)
         data[name] = {**data.get(name, {}), **values}
     cfg = Config.model_validate(data)
     preprocess(cfg, tmp_path / "data")
-    try:
-        history = train(cfg, str(model_dir), str(tmp_path / "data"), load_split(tmp_path / "data", "train"),
-                        str(tmp_path / "final"), heldout_rows=load_split(tmp_path / "data", "heldout"))
-    finally:
-        ray.shutdown()
+    rows, heldout = load_split(tmp_path / "data", "train"), load_split(tmp_path / "data", "heldout")
+
+    def run(run_cfg, store=None, at=None) -> list[dict]:
+        try:
+            return train(run_cfg, str(model_dir), str(tmp_path / "data"), rows, str(tmp_path / "final"),
+                         checkpoints=store, resume=at, heldout_rows=heldout)
+        finally:
+            ray.shutdown()
+    if not resume:
+        history = run(cfg)
+    else:
+        store = CheckpointStore(tmp_path / "checkpoints", fingerprint(cfg, [model_dir]))
+        run(cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": 1})}), store)
+        at = store.resumable(cfg.train.steps)
+        assert at is not None and at.step == 1, "no checkpoint of step 1 to resume from"
+        history = run(cfg, store, at)
     assert [h["step"] for h in history] == [1, 2]
     return history

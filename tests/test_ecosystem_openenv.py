@@ -327,7 +327,7 @@ def test_a_server_restarted_mid_run_is_reconnected(guess_url):
     reset starts a new server and plays on."""
     live = envs.make("openenv", command=GUESS_COMMAND)
     live.reset({"game_seed": 3})
-    server = oe._SERVERS[GUESS_COMMAND]
+    server = oe._SERVERS.live[GUESS_COMMAND]
     os.killpg(server.proc.pid, signal.SIGKILL)
     server.proc.wait()
     with pytest.raises(oe.OpenEnvError, match="closed the session during the step|could not be reached"):
@@ -338,7 +338,8 @@ def test_a_server_restarted_mid_run_is_reconnected(guess_url):
     took = time.perf_counter() - start
     result = step(fresh, "8")
     assert (result.observation, result.reward, result.done) == ("Correct!", 1.0, True)
-    assert server.url != guess_url   # a new server, on a new port
+    restarted = oe._SERVERS.live[GUESS_COMMAND]
+    assert restarted is not server and restarted.alive and restarted.url != guess_url   # a new server, new port
     measured("server restarted", seconds_to_new_server=took)
 
 
@@ -369,13 +370,14 @@ def test_a_killed_worker_leaves_no_server_behind():
 
 # --------------------------------------------------------------------------- the real stack
 @pytest.mark.slow
-def test_two_training_steps_against_an_openenv_server(tiny_model_dir, tmp_path):
-    """GRPO through Ray and DeepSpeed; the rollout worker starts the example server. On the HF
-    engine: it spares CI a vLLM start (~100 s); the vLLM path has its own tests."""
+def test_two_training_steps_against_an_openenv_server_resumed_between_them(tiny_model_dir, tmp_path):
+    """GRPO through Ray and DeepSpeed; the rollout worker starts the example server. Step 2 runs
+    in a second run resumed from step 1's checkpoint, whose new worker starts its own server. On
+    the HF engine: it spares CI a vLLM start (~100 s); the vLLM path has its own tests."""
     from conftest import train_two_steps
     start = time.time()
     history = train_two_steps(tiny_model_dir, tmp_path, {"name": "openenv", "options": {"command": GUESS_COMMAND}},
-                              {"name": "grpo"}, data={"train_examples": 16, "heldout_examples": 4},
+                              {"name": "grpo"}, resume=True, data={"train_examples": 16, "heldout_examples": 4},
                               rollout={"n": 2, "max_tokens_per_turn": 8, "max_turns": 2, "engine": "hf"})
     print(f"\nMEASURED openenv: two training steps in {time.time() - start:.1f} s")
     assert all(0.0 <= h["reward_mean"] <= 1.0 for h in history)

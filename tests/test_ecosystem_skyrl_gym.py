@@ -197,11 +197,12 @@ def test_tiny_model_and_synthetic_data_fail_before_any_work(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_training_steps_on_skyrl_format_rows(tiny_model_dir, tmp_path):
+def test_two_training_steps_on_skyrl_format_rows_resumed_between_them(tiny_model_dir, tmp_path):
+    """Step 2 in a second run, resumed from step 1's checkpoint."""
     from conftest import train_two_steps
     start = time.time()
     history = train_two_steps(tiny_model_dir, tmp_path, {"name": "skyrl_gym", "options": {"id": "gsm8k"}},
-                              {"name": "grpo"}, data={**_skyrl_rows(tmp_path / "rows.jsonl", 40),
+                              {"name": "grpo"}, resume=True, data={**_skyrl_rows(tmp_path / "rows.jsonl", 40),
                                                       "train_examples": 16, "heldout_examples": 4},
                               # the adapter through Ray actors, the trainer and the rollout loop; the HF
                               # engine spares CI a vLLM start (~100 s; the vLLM path has its own tests)

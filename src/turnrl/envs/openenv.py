@@ -36,7 +36,6 @@ the rollout's loop (every trajectory's step in flight at once).
 from __future__ import annotations
 
 import asyncio
-import atexit
 import inspect
 import json
 import math
@@ -55,6 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from turnrl.data.synthetic import SyntheticTask
 from turnrl.envs.base import RESERVED_INFO_KEYS, EnvSpec, StepResult
 from turnrl.envs.gym_text import episode_rows
+from turnrl.envs.helpers import Helpers
 from turnrl.plugins import PluginError, is_import_path, load_object, project_root
 
 SYSTEM_PROMPT = "You are acting in an environment. Read its messages and reply with your action."
@@ -170,28 +170,26 @@ def _get_json(url: str, path: str, timeout: float) -> Any:
 
 # --------------------------------------------------------------------------- `command`: a server per process
 class _Server:
-    """A server this process started from `command`, on a free port; restarted if it died."""
+    """A server this process started from `command`, on a free port (a shared helper: started
+    again once it died, its failed start remembered a while)."""
 
     def __init__(self, command: str, timeout_s: float):
         self.command, self.timeout_s = command, timeout_s
         self.proc: subprocess.Popen | None = None
         self.url, self.log = "", ""
-        self.lock = threading.Lock()
+        self.start()
 
-    def ensure(self) -> str:
-        with self.lock:
-            if self.proc is None or self.proc.poll() is not None:
-                self.start()
-            return self.url
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def start(self) -> None:
-        self.stop()
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         fd, self.log = tempfile.mkstemp(prefix="turnrl-openenv-", suffix=".log")
-        # Its own process group (stopped whole by stop()). A Ray worker is killed, not exited, so
+        # Its own process group (stopped whole by close()). A Ray worker is killed, not exited, so
         # no atexit runs: a detached watcher stops the group once this process is gone.
         self.proc = subprocess.Popen(["/bin/sh", "-c", self.command.replace("{port}", str(port))], cwd=project_root(),
                                      stdout=fd, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -208,7 +206,7 @@ class _Server:
                 return
             except OpenEnvError:
                 time.sleep(0.2)
-        self.stop()
+        self.close()
         raise OpenEnvError(f"env.options.command: no answer to GET {self.url}/health within "
                            f"env.options.startup_timeout_s = {self.timeout_s} s: {self.tail()}")
 
@@ -220,7 +218,8 @@ class _Server:
             lines = []
         return " | ".join(lines[-3:])[-400:] or "(no output)"
 
-    def stop(self) -> None:
+    def close(self) -> None:
+        """Stop the server's whole process group."""
         if self.proc is None or self.proc.poll() is not None:
             return
         for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
@@ -244,24 +243,17 @@ def _watch(group: int) -> None:
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, check=False)
 
 
-_SERVERS: dict[str, _Server] = {}   # command -> its server in this process
-_SERVERS_LOCK = threading.Lock()
+_SERVERS: Helpers[_Server] = Helpers(retry_s=10.0, failures=(OpenEnvError,))   # command -> its server here
 
 
 def server_url(command: str, timeout_s: float) -> str:
     """The address of this process's server for `command`, started (or restarted) if needed."""
-    with _SERVERS_LOCK:
-        server = _SERVERS.setdefault(command, _Server(command, timeout_s))
-    return server.ensure()
+    return _SERVERS.get(command, lambda: _Server(command, timeout_s)).url
 
 
-@atexit.register
 def stop_servers() -> None:
-    """Stop every server this process started (at exit; tests call it)."""
-    with _SERVERS_LOCK:
-        servers = list(_SERVERS.values())
-    for server in servers:
-        server.stop()
+    """Stop every server this process started (at exit too; tests call it)."""
+    _SERVERS.close()
 
 
 # --------------------------------------------------------------------------- text <-> Action, Observation

@@ -27,13 +27,11 @@ stop condition.
 """
 from __future__ import annotations
 
-import atexit
 import collections
 import json
 import os
 import subprocess
 import threading
-import time
 import uuid
 import weakref
 from concurrent.futures import Future, TimeoutError as FutureTimeout
@@ -44,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from turnrl.data.synthetic import SyntheticTask, split_numbers
 from turnrl.envs.base import RESERVED_INFO_KEYS, EnvSpec, StepResult
+from turnrl.envs.helpers import Helpers
 from turnrl.plugins import PluginError
 
 BRIDGE = Path(__file__).with_name("verifiers_bridge.py")
@@ -201,10 +200,7 @@ class Bridge:
                 self.proc.wait()
 
 
-_BRIDGES: dict[str, Bridge] = {}
-_FAILED: dict[str, tuple[float, PluginError]] = {}   # a failed start, kept a while: not retried per trajectory
-_BRIDGES_LOCK = threading.Lock()
-RETRY_START_S = 30.0
+_BRIDGES: Helpers[Bridge] = Helpers(retry_s=30.0, failures=(PluginError,))   # a failed start: not retried per trajectory
 
 
 def bridge(options: VerifiersOptions) -> Bridge:
@@ -213,28 +209,11 @@ def bridge(options: VerifiersOptions) -> Bridge:
     path = [_folder(p) for p in options.path]
     spec = {"environment": options.environment, "args": options.args, "env_args": options.env_args}
     key = json.dumps([python, path, spec], sort_keys=True, default=str)
-    with _BRIDGES_LOCK:
-        current = _BRIDGES.get(key)
-        if current is None or not current.alive:
-            failed = _FAILED.get(key)
-            if failed is not None and time.monotonic() - failed[0] < RETRY_START_S:
-                raise failed[1]
-            try:
-                current = Bridge(python, spec, path, options.timeout_s)
-            except PluginError as exc:
-                _FAILED[key] = (time.monotonic(), exc)
-                raise
-            _BRIDGES[key] = current
-        return current
+    return _BRIDGES.get(key, lambda: Bridge(python, spec, path, options.timeout_s))
 
 
-@atexit.register
 def close_bridges() -> None:
-    with _BRIDGES_LOCK:
-        bridges = list(_BRIDGES.values())
-        _BRIDGES.clear()
-    for b in bridges:
-        b.close()
+    _BRIDGES.close()
 
 
 def _info_key(name: str) -> str:

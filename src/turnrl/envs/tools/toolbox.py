@@ -6,20 +6,20 @@ up to `retries` times on transport errors (connection refused or reset, HTTP 502
 MCP session, which the retry reopens) with a short backoff. Whatever a tool does, a call ends
 with a `CallOutcome`: a result, or an error observation of one of `ERROR_KINDS`.
 
-A box that fails to start (an MCP server that cannot be reached) is remembered for
-`RETRY_START_S`: every trajectory's environment then fails at once with the same error instead
-of each waiting `connect_timeout_s` in turn.
+Boxes are shared helpers of the process (turnrl.envs.helpers): one that fails to start (an MCP
+server that cannot be reached) is remembered for `RETRY_START_S`: every trajectory's environment
+then fails at once with the same error instead of each waiting `connect_timeout_s` in turn.
 """
 from __future__ import annotations
 
 import asyncio
-import atexit
 import concurrent.futures
 import json
 import threading
 import time
 from typing import Any, Sequence
 
+from turnrl.envs.helpers import Helpers
 from turnrl.envs.tools.functions import FunctionTool, exit_error
 from turnrl.envs.tools.tool import CallOutcome, Tool, ToolError, TransportError, result_text
 from turnrl.envs.tools.transports import HTTPTool, HTTPToolSpec, MCPServerSpec, MCPSession
@@ -186,6 +186,10 @@ class ToolBox:
                     raise
                 await asyncio.sleep(0.05 * 2 ** attempt)
 
+    @property
+    def alive(self) -> bool:
+        return not self.closed and self.thread.is_alive()
+
     def close(self) -> None:
         """Close the MCP sessions (their stdio servers exit) and the HTTP client; stop the loop."""
         if self.closed:
@@ -205,9 +209,7 @@ class ToolBox:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=5)
 
-_BOXES: dict[str, ToolBox] = {}
-_FAILED: dict[str, tuple[float, BaseException]] = {}   # a box's failed start: when, and why
-_BOXES_LOCK = threading.Lock()
+_BOXES: Helpers[ToolBox] = Helpers(RETRY_START_S, failures=(PluginError,))
 
 
 def toolbox(functions: Sequence[str] = (), http: Sequence[HTTPToolSpec] = (), mcp: Sequence[MCPServerSpec] = (),
@@ -216,28 +218,9 @@ def toolbox(functions: Sequence[str] = (), http: Sequence[HTTPToolSpec] = (), mc
     environment with the same configuration: one MCP session, one HTTP pool, one bound)."""
     key = json.dumps([list(functions), [h.model_dump() for h in http], [m.model_dump() for m in mcp], settings],
                      sort_keys=True, default=str)
-    with _BOXES_LOCK:
-        box = _BOXES.get(key)
-        if box is not None and not box.closed and box.thread.is_alive():
-            return box
-        failed = _FAILED.get(key)
-        if failed is not None and time.monotonic() - failed[0] < RETRY_START_S:
-            raise failed[1]
-        try:
-            box = _BOXES[key] = ToolBox(functions, http, mcp, **settings)
-        except PluginError as exc:
-            _FAILED[key] = (time.monotonic(), exc)
-            raise
-        _FAILED.pop(key, None)
-        return box
+    return _BOXES.get(key, lambda: ToolBox(functions, http, mcp, **settings))
 
 
-@atexit.register
 def close_toolboxes() -> None:
     """Close every box of this process (MCP servers started over stdio exit with it)."""
-    with _BOXES_LOCK:
-        boxes = list(_BOXES.values())
-        _BOXES.clear()
-        _FAILED.clear()
-    for box in boxes:
-        box.close()
+    _BOXES.close()
