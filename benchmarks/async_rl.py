@@ -3,11 +3,14 @@
     python benchmarks/async_rl.py --quick          # seed 0: sync against async at staleness 2
     python benchmarks/async_rl.py                  # seeds 0-2: sync, overlap_rollout, async at staleness 1, 2, 4
     python benchmarks/async_rl.py --task fast      # the default code_tool with its in-process sandbox
+    python benchmarks/async_rl.py --task tail --quick --steps 20   # a longer tail: waits dominate the step
 
 The same work for every mode: the embedded default's warm start (code_tool's, built once per
 seed), then `train.steps` GRPO steps of train.prompts_per_step x rollout.n trajectories on
 `examples.slow_tools.env:ENV` (task `slow`: code_tool whose every tool call first waits a
-seeded lognormal delay, median 0.3 s, p99 5.5 s) or on code_tool itself (task `fast`), through
+seeded lognormal delay, median 0.3 s, p99 5.5 s; task `tail`: sigma 1.75, p99 17.6 s, where the
+slowest of a step's ~200 calls, not the compute, sets a synchronous step's length) or on
+code_tool itself (task `fast`), through
 the training loop on the real stack (Ray actors, DeepSpeed, vLLM), with held-out accuracy
 scored every `train.eval_every` steps (64 problems, one sample each) against the wall time.
 
@@ -16,7 +19,7 @@ run's final held-out accuracy; null if never), `final_accuracy`, `wall_s`, steps
 trajectories/s, the engines' and the trainer's busy fractions, staleness, and the health flags
 raised. Async runs use the decoupled-PPO correction (algorithm.policy_loss: decoupled).
 Results go to benchmarks/results/async-<task>.json after every run (a rerun skips the runs it
-has) and benchmarks/ASYNC.md; the last line printed is one JSON object {"modes": {...}}
+has) and the task's table in benchmarks/ASYNC.md; the last line printed is one JSON object {"modes": {...}}
 (quick: the one seed's numbers; full: the mean over seeds).
 """
 from __future__ import annotations
@@ -38,7 +41,9 @@ MODES: dict[str, dict] = {
     **{f"async_s{k}": {"train": {"mode": "async", "max_staleness": k}, "algorithm": {"policy_loss": "decoupled"}}
        for k in (1, 2, 4)},
 }
-TASKS = {"slow": {"name": "examples.slow_tools.env:ENV"}, "fast": {"name": "code_tool"}}
+TASKS = {"slow": {"name": "examples.slow_tools.env:ENV"},
+         "tail": {"name": "examples.slow_tools.env:ENV", "options": {"latency_sigma": 1.75}},
+         "fast": {"name": "code_tool"}}
 EVAL = {"eval_every": 5, "eval_examples": 64}
 
 
@@ -131,8 +136,21 @@ def modes_table(results: list[dict], modes: list[str]) -> dict[str, dict]:
 
 
 def write_report(path: Path, task: str, table: dict[str, dict], command: str) -> None:
+    """The task's table in benchmarks/ASYNC.md, between its markers; the rest of the file (the
+    other tasks, the text around them) is kept."""
+    begin, end = f"<!-- task {task}: written by benchmarks/async_rl.py -->", f"<!-- end of task {task} -->"
+    block = "\n".join([begin, *report_lines(task, table, command), end])
+    text = path.read_text() if path.exists() else "# Asynchronous RL: time to the synchronous run's accuracy\n"
+    if begin in text and end in text:
+        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
+
+
+def report_lines(task: str, table: dict[str, dict], command: str) -> list[str]:
     sync = table.get("sync", {}).get("time_to_target_s")
-    lines = [f"# Asynchronous RL: time to the synchronous run's accuracy (task `{task}`)", "",
+    lines = [f"## Task `{task}`", "",
              f"Rerun with `{command}` (benchmarks/async_rl.py; numbers from benchmarks/results/async-{task}.json).", "",
              "| mode | seeds | time to sync's final accuracy (s) | speed-up | final held-out acc. | wall (s) | "
              "steps/s | traj/s | engine busy | trainer busy | staleness | stale groups | health flags |",
@@ -147,7 +165,7 @@ def write_report(path: Path, task: str, table: dict[str, dict], command: str) ->
                      f"{fmt(r['engine_busy_frac'], '.2f')} | {fmt(r['trainer_busy_frac'], '.2f')} | "
                      f"{fmt(r['staleness_mean'], '.2f')} | {fmt(r['stale_groups_total'], '.0f')} | "
                      f"{', '.join(r['health_flags']) or 'none'} |")
-    path.write_text("\n".join(lines) + "\n")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,9 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [r for r in results if r["seed"] in seeds and r["steps"] == args.steps]
     table = modes_table(chosen, modes)
     command = "python benchmarks/async_rl.py" + (" --quick" if args.quick else "") + \
-        ("" if args.task == "slow" else f" --task {args.task}")
-    write_report(ROOT / "benchmarks" / ("ASYNC.md" if args.task == "slow" else f"ASYNC-{args.task}.md"),
-                 args.task, table, command)
+        ("" if args.task == "slow" else f" --task {args.task}") + ("" if args.steps == 40 else f" --steps {args.steps}")
+    write_report(ROOT / "benchmarks" / "ASYNC.md", args.task, table, command)
     print(json.dumps({"modes": {m: {"time_to_target_s": r["time_to_target_s"], "final_accuracy": r["final_accuracy"],
                                     "wall_s": r["wall_s"]} for m, r in table.items()}}))
     return 0

@@ -63,6 +63,14 @@ def test_time_to_target_is_the_first_eval_at_the_sync_final_accuracy(tmp_path):
                           "python benchmarks/async_rl.py --quick")
     text = (tmp_path / "ASYNC.md").read_text()
     assert "| async_s2 | [0] | 100 | 3.00x |" in text and "--quick" in text
+    # another task's table and the text written around the tables stay when one task is rewritten
+    (tmp_path / "ASYNC.md").write_text(text + "\n## What the numbers say\n\nhand-written\n")
+    async_rl.write_report(tmp_path / "ASYNC.md", "tail", async_rl.modes_table(results[:2], ["sync"]), "tail command")
+    async_rl.write_report(tmp_path / "ASYNC.md", "slow", async_rl.modes_table(results[2:], ["sync", "async_s2"]),
+                          "python benchmarks/async_rl.py")
+    text = (tmp_path / "ASYNC.md").read_text()
+    assert text.count("## Task `slow`") == 1 and "| async_s2 | [1] | - | - |" in text and "| [0] | 100 |" not in text
+    assert "## Task `tail`" in text and "tail command" in text and "hand-written" in text
 
 
 def test_every_mode_makes_a_valid_config():
@@ -70,3 +78,7 @@ def test_every_mode_makes_a_valid_config():
         cfg = async_rl.config(0, "slow", mode, 40)
         assert cfg.train.eval_every == 5 and cfg.rollout.rejoin == "ready"
         assert (cfg.train.mode == "async") == mode.startswith("async")
+    tail = async_rl.config(0, "tail", "sync", 20)
+    assert tail.env.options == {"latency_sigma": 1.75} and tail.train.steps == 20
+    median, sigma = SlowCodeToolEnv().median, tail.env.options["latency_sigma"]
+    assert median * math.exp(2.326 * sigma) == pytest.approx(17.6, abs=0.1)   # its p99, seconds

@@ -69,6 +69,10 @@ def test_cluster_params_that_cannot_work_fail_before_anything_starts():
     assert threads_per_actor(cfg, slot) == 2
     overlap = Config.model_validate({"cluster": {"num_cpus": 4}, "train": {"overlap_rollout": True}})
     assert threads_per_actor(overlap, plan_placement(overlap)[1][0]) == 2    # trainer and engine busy at once
+    asynchronous = Config.model_validate({"cluster": {"num_cpus": 4}, "train": {"mode": "async"},
+                                          "algorithm": {"policy_loss": "decoupled"}})
+    assert threads_per_actor(asynchronous, plan_placement(asynchronous)[1][0]) == 2   # so in async too
+    assert threads_per_actor(cfg.model_copy(update={"train": asynchronous.train}), slot) == 1   # 4 // (2 + 1)
     with pytest.raises(ConfigError, match="overlap_rollout"):
         check_cluster(Config.model_validate({"train": {"overlap_rollout": True},
                                              "cluster": {"trainer_gpus": 1, "engine_gpus": 1}}))

@@ -390,7 +390,8 @@ class TrainCfg(_Section):
         "prompt rolled out again (counted as stale_groups)"))
     groups_in_flight: int = Field(0, ge=0, description=(
         "async: the most groups admitted to the engines at once (fed and not yet trained on); 0: "
-        "prompts_per_step x (max_staleness + 1). At least prompts_per_step"))
+        "prompts_per_step + prompts_per_step / 4 (rounded up): one batch, and spares for the slowest groups. "
+        "More lets the engines run further ahead, and the batches grow staler. At least prompts_per_step"))
     eval_every: int = Field(0, ge=0, description=(
         "score held-out accuracy during training every N steps and at the last (heldout_accuracy against step "
         "and wall_s in plots/train.csv and MLflow: time to accuracy); 0: never. Not part of the update"))
@@ -533,7 +534,7 @@ class ClusterCfg(_Section):
     engine_gpus: float = Field(0.0, ge=0, description="GPUs per rollout engine")
     threads_per_actor: int = Field(0, ge=0, description=(
         "OMP threads of each actor; 0: num_cpus // max(trainer_ranks, rollout_engines) on a local Ray "
-        "(roles take turns; their sum with train.overlap_rollout), else the actor's CPUs rounded (at least 1)"))
+        "(roles take turns; their sum with train.overlap_rollout or train.mode async), else the actor's CPUs rounded (at least 1)"))
     weight_sync: Literal["auto", "object_store", "nccl"] = Field("auto", description=(
         "how weights reach the engines after an update: object_store (buckets through Ray's object store, "
         "shared memory on one node), nccl (vLLM's NCCL broadcast, GPUs in separate placement); "

@@ -151,9 +151,9 @@ def threads_per_actor(cfg: Config, slot: Slot) -> int:
     c = cfg.cluster
     if c.threads_per_actor:
         return c.threads_per_actor
-    if not c.address:   # one machine: the actors busy at once are the ranks, or the engines (both with overlap)
-        busy = c.trainer_ranks + c.rollout_engines if cfg.train.overlap_rollout else max(c.trainer_ranks,
-                                                                                          c.rollout_engines)
+    if not c.address:   # one machine: the actors busy at once are the ranks, or the engines (both with overlap or async)
+        both = cfg.train.overlap_rollout or cfg.train.mode == "async"
+        busy = c.trainer_ranks + c.rollout_engines if both else max(c.trainer_ranks, c.rollout_engines)
         return max(1, c.num_cpus // busy)
     return max(1, round(slot.cpus))
 

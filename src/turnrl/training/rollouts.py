@@ -74,6 +74,14 @@ class SyncRollouts:
         self.loading = []
 
 
+def default_groups_in_flight(prompts_per_step: int) -> int:
+    """One batch and a quarter: the spare groups let a batch go without its slowest (a long tool
+    call) while the engines are never further ahead than the next batch. More in flight made
+    every batch as stale as the bound allows and threw a fifth of the rollouts away as too stale
+    (benchmarks/ASYNC.md, prompts_per_step x (max_staleness + 1) at max_staleness 2)."""
+    return prompts_per_step + math.ceil(prompts_per_step / 4)
+
+
 class AsyncRollouts:
     POLL_S = 0.5   # how long one take waits on an engine before the others are asked
 
@@ -81,7 +89,7 @@ class AsyncRollouts:
         t = cfg.train
         self.rollout, self.sampler, self.version = rollout, sampler, version
         self.prompts, self.max_staleness = t.prompts_per_step, t.max_staleness
-        self.budget = t.groups_in_flight or t.prompts_per_step * (t.max_staleness + 1)
+        self.budget = t.groups_in_flight or default_groups_in_flight(t.prompts_per_step)
         self.outstanding = 0      # groups fed and not yet taken
         self.buffer: list[list[Trajectory]] = []   # taken, fresh, beyond the last batch
         self.busy_before = [0.0] * len(rollout.handles)
