@@ -51,6 +51,14 @@ if ! .venv-gem/bin/python -c 'import importlib.metadata as m, sys; sys.exit((m.v
     .venv-gem/bin/pip install --quiet "gem-llm==0.1.0" "openenv-core==0.3.0"
 fi
 
+# verl's rollout-correction functions, for tests/test_verl_parity.py only (turnrl's TIS/MIS against
+# verl's on the same ratios): verl 0.9.1 and the three small packages its helper module imports,
+# without their dependencies (2.5 MB; torch and ray are the stack's). Nothing of turnrl imports them.
+if [ ! -f .cache/verl-0.9.1/verl/trainer/ppo/rollout_corr_helper.py ]; then
+    .venv/bin/pip install --quiet --no-deps --target .cache/verl-0.9.1 \
+        "verl==0.9.1" "tensordict==0.15.3" "pyvers==0.2.3" "codetiming==1.4.0"
+fi
+
 # `dvc plots show` offline: DVC's page loads vega from a CDN, so it is blank with no network. The
 # versions it names come from the npm registry (cached in .cache/plots/, nothing committed) and are
 # inlined in a local template, set in .dvc/config.local. Without npm, DVC's own page is used.
