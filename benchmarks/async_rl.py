@@ -123,6 +123,7 @@ def modes_table(results: list[dict], modes: list[str]) -> dict[str, dict]:
             continue
         ttt = [time_to_target(r["curve"], sync_final.get(r["seed"])) for r in runs]
         row: dict[str, Any] = {"seeds": [r["seed"] for r in runs], "time_to_target_s_each": ttt,
+                               "curves": {r["seed"]: r["curve"] for r in runs},
                                "time_to_target_s": statistics.fmean(ttt) if ttt and None not in ttt else None}
         for key in ("final_accuracy", "wall_s", "steps_per_s", "trajectories_per_s", "engine_busy_frac",
                     "trainer_busy_frac", "staleness_mean", "stale_groups_total"):
@@ -165,6 +166,11 @@ def report_lines(task: str, table: dict[str, dict], command: str) -> list[str]:
                      f"{fmt(r['engine_busy_frac'], '.2f')} | {fmt(r['trainer_busy_frac'], '.2f')} | "
                      f"{fmt(r['staleness_mean'], '.2f')} | {fmt(r['stale_groups_total'], '.0f')} | "
                      f"{', '.join(r['health_flags']) or 'none'} |")
+    lines += ["", "Held-out accuracy during training (step: accuracy at wall seconds):", ""]
+    for mode, r in table.items():
+        for seed, curve in r["curves"].items():
+            points = ", ".join(f"{p['step']}: {p['heldout_accuracy']:.3f} at {p['wall_s']:.0f} s" for p in curve)
+            lines.append(f"- {mode}, seed {seed}: {points}")
     return lines
 
 
