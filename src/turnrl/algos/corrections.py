@@ -103,7 +103,8 @@ def effective_sample_size(weights: torch.Tensor, mask: torch.Tensor) -> torch.Te
     w = _where_mask(weights, mask)
     n = mask.to(weights.dtype).sum()
     denominator = n * (w ** 2).sum()
-    return torch.where(denominator > 0, w.sum() ** 2 / denominator.clamp(min=1e-30), torch.ones(()))
+    ess = w.sum() ** 2 / denominator.clamp(min=1e-30)   # <= 1 (Cauchy-Schwarz) but for float rounding
+    return torch.where(denominator > 0, ess.clamp(max=1.0), torch.ones(()))
 
 
 def importance_stats(raw: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor,

@@ -77,7 +77,7 @@ class SyncRollouts:
 def default_groups_in_flight(prompts_per_step: int) -> int:
     """One batch and a quarter: the spare groups let a batch go without its slowest (a long tool
     call) while the engines are never further ahead than the next batch. More in flight made
-    every batch as stale as the bound allows and threw a fifth of the rollouts away as too stale
+    every batch as stale as the bound allows and threw a quarter of the rollouts away as too stale
     (benchmarks/ASYNC.md, prompts_per_step x (max_staleness + 1) at max_staleness 2)."""
     return prompts_per_step + math.ceil(prompts_per_step / 4)
 
