@@ -17,16 +17,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-# The files that take longest, longest first (seconds measured with two workers: pipeline_e2e
-# ~640, resume ~240, flows ~230, critic ~150, scale ~110, each ecosystem adapter ~120, ...). Two xdist workers take files in
+# The files that take longest, longest first (their slowest tests in the CI run of 4b04af3, two
+# workers: pipeline_e2e ~850 s, resume ~410, tools_pipeline ~250, plugins ~210, flows ~190,
+# checks_first, critic, compat, benchmarks ~130 each, ...). Two xdist workers take files in
 # collection order (`--no-loadscope-reorder`), so the longest start first and the short ones
 # fill in: the run does not end with one worker alone on a long file.
-LONGEST_FIRST = ("test_pipeline_e2e.py", "test_resume.py", "test_flows.py", "test_checks_first.py", "test_compat.py",
-                 "test_async.py", "test_tool_faults.py", "test_eval_during_training.py", "test_critic.py",
-                 "test_scale.py", "test_ecosystem_openenv.py", "test_ecosystem_verifiers.py",
-                 "test_ecosystem_skyrl_gym.py", "test_benchmarks.py", "test_tools_pipeline.py", "test_mlmt.py", "test_mlmt_two_models.py",
-                 "test_evaluation.py",
-                 "test_doctor_model.py", "test_rollout.py", "test_update.py", "test_env_math_refine.py")
+LONGEST_FIRST = ("test_pipeline_e2e.py", "test_resume.py", "test_tools_pipeline.py", "test_plugins.py", "test_flows.py",
+                 "test_checks_first.py", "test_critic.py", "test_compat.py", "test_benchmarks.py",
+                 "test_eval_during_training.py", "test_async.py", "test_tracking_server.py", "test_tool_faults.py",
+                 "test_scale.py", "test_mlmt_two_models.py", "test_ecosystem_skyrl_gym.py", "test_ecosystem_verifiers.py",
+                 "test_ecosystem_openenv.py", "test_mlmt.py", "test_evaluation.py", "test_update.py", "test_rollout.py",
+                 "test_env_math_refine.py", "test_doctor_model.py", "test_ecosystem_gem.py")
 
 
 def pytest_collection_modifyitems(items) -> None:

@@ -370,14 +370,15 @@ def test_a_killed_worker_leaves_no_server_behind():
 
 # --------------------------------------------------------------------------- the real stack
 @pytest.mark.slow
-def test_two_training_steps_against_an_openenv_server_resumed_between_them(tiny_model_dir, tmp_path):
-    """GRPO through Ray and DeepSpeed; the rollout worker starts the example server. Step 2 runs
-    in a second run resumed from step 1's checkpoint, whose new worker starts its own server. On
-    the HF engine: it spares CI a vLLM start (~100 s); the vLLM path has its own tests."""
+def test_two_training_steps_against_an_openenv_server(tiny_model_dir, tmp_path):
+    """GRPO through Ray and DeepSpeed; the rollout worker starts the example server. On the HF
+    engine: it spares CI a vLLM start (~100 s); the vLLM path has its own tests. (Resuming
+    between the steps, which starts a second server, took 152 s against 51 s in CI: that is
+    shown with skyrl_gym's two steps, and resume's code path is the same for every adapter.)"""
     from conftest import train_two_steps
     start = time.time()
     history = train_two_steps(tiny_model_dir, tmp_path, {"name": "openenv", "options": {"command": GUESS_COMMAND}},
-                              {"name": "grpo"}, resume=True, data={"train_examples": 16, "heldout_examples": 4},
+                              {"name": "grpo"}, data={"train_examples": 16, "heldout_examples": 4},
                               rollout={"n": 2, "max_tokens_per_turn": 8, "max_turns": 2, "engine": "hf"})
     print(f"\nMEASURED openenv: two training steps in {time.time() - start:.1f} s")
     assert all(0.0 <= h["reward_mean"] <= 1.0 for h in history)
