@@ -14,19 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import measured
+from conftest import measured, needs_setup
 from turnrl import envs
 from turnrl.envs import openenv as oe
 
 REPO = Path(__file__).resolve().parents[1]
 GEM_PYTHON = REPO / ".venv-gem" / "bin" / "python"
-pytestmark = [
-    pytest.mark.skipif(not GEM_PYTHON.exists(), reason=(
-        ".venv-gem/bin/python is absent: run setup.sh (gem-llm cannot be installed in .venv: it needs "
-        "antlr4-python3-runtime 4.13.2, hydra-core/omegaconf need 4.9.*)")),
-    pytest.mark.skipif(importlib.util.find_spec("openenv.core") is None,
-                       reason="openenv-core is not installed in .venv (the ecosystem extra)"),
-]
+needs_setup(GEM_PYTHON, "gem-llm cannot be installed in .venv: it needs antlr4-python3-runtime 4.13.2, "
+                        "hydra-core/omegaconf need 4.9.*")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("openenv.core") is None,
+                                reason="openenv-core is not installed in .venv (the ecosystem extra)")
 
 ENV_ID = "game:GuessTheNumber-v0-easy"   # 1..10, 4 turns
 COMMAND = f".venv-gem/bin/python src/turnrl/envs/gem_server.py --env {ENV_ID} --port {{port}}"

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import needs_setup
 from turnrl import envs
 from turnrl.envs import verifiers as vfe
 from turnrl.plugins import PluginError
@@ -21,11 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = str(REPO / "examples" / "verifiers_env")
 VENV_PYTHON = REPO / ".venv-verifiers" / "bin" / "python"
 
-if not VENV_PYTHON.exists():
-    if os.environ.get("CI") == "true":   # setup.sh makes it in CI: missing there is a failure
-        raise RuntimeError(f"{VENV_PYTHON.relative_to(REPO)} is missing in CI; setup.sh should have made it")
-    pytest.skip(".venv-verifiers is missing (verifiers 0.4.0 cannot share turnrl's environment): run ./setup.sh",
-                allow_module_level=True)
+needs_setup(VENV_PYTHON, "verifiers 0.4.0 cannot share turnrl's environment")
 
 # The library's own score of a conversation: its taskset's task, a vf.Trace of the messages,
 # Task.score (the weighted @vf.reward methods), run in the verifiers virtualenv.

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import needs_setup
 from turnrl.algos.corrections import effective_sample_size, importance_weights, log_ratio, rejection_mask
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +58,9 @@ def _ratios(seed: int = 0, batch: int = 12, length: int = 20):
     return log_ratio(logp_prox, logp_mu, mask), mask
 
 
-@pytest.mark.skipif(not (VERL / "verl").exists(), reason="verl 0.9.1 is not in .cache/verl-0.9.1: run ./setup.sh")
+needs_setup(VERL / "verl", "verl 0.9.1's rollout-correction module")
+
+
 def test_truncated_and_masked_importance_sampling_equal_verls(tmp_path):
     log_rho, mask = _ratios()
     tis = {"tis_token_2": ("token", 2.0), "tis_token_1.2": ("token", 1.2), "tis_sequence_2": ("sequence", 2.0),
