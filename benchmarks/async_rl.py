@@ -34,17 +34,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # examples.slow_tools, as the plugin loader finds it in a project
-ASYNC = {"train": {"mode": "async"}, "algorithm": {"policy_loss": "decoupled"}}
-MODES: dict[str, dict] = {
-    "sync": {},
-    "overlap": {"train": {"overlap_rollout": True}},
-    **{f"async_s{k}": {"train": {"mode": "async", "max_staleness": k}, "algorithm": {"policy_loss": "decoupled"}}
-       for k in (1, 2, 4)},
-}
-TASKS = {"slow": {"name": "examples.slow_tools.env:ENV"},
-         "tail": {"name": "examples.slow_tools.env:ENV", "options": {"latency_sigma": 1.75}},
-         "fast": {"name": "code_tool"}}
-EVAL = {"eval_every": 5, "eval_examples": 64}
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -52,6 +41,18 @@ def _merge(base: dict, over: dict) -> dict:
     for key, value in over.items():
         out[key] = _merge(out.get(key, {}), value) if isinstance(value, dict) else value
     return out
+
+
+ASYNC = {"train": {"mode": "async"}, "algorithm": {"policy_loss": "decoupled"}}
+MODES: dict[str, dict] = {
+    "sync": {},
+    "overlap": {"train": {"overlap_rollout": True}},
+    **{f"async_s{k}": _merge(ASYNC, {"train": {"max_staleness": k}}) for k in (1, 2, 4)},
+}
+TASKS = {"slow": {"name": "examples.slow_tools.env:ENV"},
+         "tail": {"name": "examples.slow_tools.env:ENV", "options": {"latency_sigma": 1.75}},
+         "fast": {"name": "code_tool"}}
+EVAL = {"eval_every": 5, "eval_examples": 64}
 
 
 def config(seed: int, task: str, mode: str, steps: int):
