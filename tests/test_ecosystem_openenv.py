@@ -340,6 +340,7 @@ def test_a_server_restarted_mid_run_is_reconnected(guess_url):
     assert (result.observation, result.reward, result.done) == ("Correct!", 1.0, True)
     restarted = oe._SERVERS.live[GUESS_COMMAND]
     assert restarted is not server and restarted.alive and restarted.url != guess_url   # a new server, new port
+    assert not os.path.exists(server.log) and os.path.exists(restarted.log)   # the dead one's log removed
     measured("server restarted", seconds_to_new_server=took)
 
 
@@ -347,11 +348,13 @@ def test_a_killed_worker_leaves_no_server_behind():
     """A Ray worker ends by SIGKILL, so no atexit stop runs: the server its command started must
     still stop (within seconds), not live on as an orphan."""
     worker = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from turnrl.envs.openenv import server_url; "
-        f"print(server_url({GUESS_COMMAND!r}, 120), flush=True); time.sleep(600)")],
+        "import sys, time; from turnrl.envs import openenv as oe; "
+        f"print(oe.server_url({GUESS_COMMAND!r}, 120), oe._SERVERS.live[{GUESS_COMMAND!r}].log, flush=True); "
+        "time.sleep(600)")],
         stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
-        url = worker.stdout.readline().strip()
+        url, log = worker.stdout.readline().split()
+        assert os.path.exists(log)
         assert url.startswith("http://127.0.0.1:"), url
         oe._get_json(url, "/health", 5.0)
     finally:
@@ -366,6 +369,10 @@ def test_a_killed_worker_leaves_no_server_behind():
         time.sleep(0.2)
     else:
         pytest.fail(f"the server at {url} outlived its killed worker by 15 s")
+    deadline = time.monotonic() + 15   # the watcher removes the server's log once the group is stopped
+    while os.path.exists(log) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not os.path.exists(log), f"the killed worker's server log {log} was left behind"
 
 
 # --------------------------------------------------------------------------- the real stack

@@ -36,10 +36,12 @@ the rollout's loop (every trajectory's step in flight at once).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import math
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -194,21 +196,24 @@ class _Server:
         self.proc = subprocess.Popen(["/bin/sh", "-c", self.command.replace("{port}", str(port))], cwd=project_root(),
                                      stdout=fd, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
-        _watch(self.proc.pid)
+        _watch(self.proc.pid, self.log)
         os.close(fd)
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise OpenEnvError(f"env.options.command exited with code {self.proc.returncode} before its server "
-                                   f"answered GET /health: {self.tail()}")
+                failure = OpenEnvError(f"env.options.command exited with code {self.proc.returncode} before its "
+                                       f"server answered GET /health: {self.tail()}")
+                break
             try:
                 _get_json(self.url, "/health", 1.0)
                 return
             except OpenEnvError:
                 time.sleep(0.2)
+        else:
+            failure = OpenEnvError(f"env.options.command: no answer to GET {self.url}/health within "
+                                   f"env.options.startup_timeout_s = {self.timeout_s} s: {self.tail()}")
         self.close()
-        raise OpenEnvError(f"env.options.command: no answer to GET {self.url}/health within "
-                           f"env.options.startup_timeout_s = {self.timeout_s} s: {self.tail()}")
+        raise failure
 
     def tail(self) -> str:
         try:
@@ -219,26 +224,29 @@ class _Server:
         return " | ".join(lines[-3:])[-400:] or "(no output)"
 
     def close(self) -> None:
-        """Stop the server's whole process group."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-                self.proc.wait(wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
-            except ProcessLookupError:
-                return
+        """Stop the server's whole process group and remove its log."""
+        if self.proc is not None and self.proc.poll() is None:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                    self.proc.wait(5.0)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+                except ProcessLookupError:
+                    break
+        if self.log:
+            with contextlib.suppress(OSError):
+                os.unlink(self.log)
 
 
-def _watch(group: int) -> None:
-    """Stop process group `group` (a server's) within seconds of this process's end, however it
-    ends: a Ray worker is killed with SIGKILL, and Ray may kill its direct children too, so the
-    watcher is detached (its shell exits at once; the loop lives on under init)."""
+def _watch(group: int, log: str) -> None:
+    """Stop process group `group` (a server's) and remove its `log` within seconds of this
+    process's end (or of the server's), however it ends: a Ray worker is killed with SIGKILL, and
+    Ray may kill its direct children too, so the watcher is detached (its shell exits at once;
+    the loop lives on under init)."""
     loop = (f"while kill -0 {os.getpid()} && kill -0 {group}; do sleep 1; done; "
-            f"kill -TERM -{group}; sleep 5; kill -KILL -{group}")
+            f"kill -TERM -{group}; sleep 5; kill -KILL -{group}; rm -f {shlex.quote(log)}")
     subprocess.run(["/bin/sh", "-c", f"({loop}) >/dev/null 2>&1 &"], stdin=subprocess.DEVNULL,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, check=False)
 
