@@ -239,6 +239,7 @@ def test_scripted_turns_call_twice_then_answer():
 
 # --------------------------------------------------------------------------- end to end (slow)
 @pytest.mark.slow
+@pytest.mark.long   # ~130 s: the benchmark itself, outside CI like the rest of benchmarks/
 def test_quick_run_prints_both_step_times_last(tmp_path):
     """A tiny `--quick` (grpo pair only, 2 prompts x 2 samples x 8 tokens, one measured step, no
     overlap case): the real Ray/DeepSpeed/vLLM loop and TRL's GRPOTrainer both run; ~2 min."""

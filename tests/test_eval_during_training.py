@@ -10,9 +10,13 @@ TRAINING = ("reward_mean", "accuracy", "response_tokens_mean", "loss", "kl_ref",
 
 
 def test_heldout_accuracy_is_scored_every_n_steps_and_changes_no_training_number(tiny_model_dir, tmp_path):
-    plain = train_two_steps(tiny_model_dir, tmp_path / "plain", {"name": "code_tool"}, {"name": "grpo"})
+    # the transformers engine spares two vLLM starts (~50 s each in CI); the held-out rollouts go
+    # through the same engine interface either way
+    rollout = {"n": 2, "max_tokens_per_turn": 16, "engine": "hf"}
+    plain = train_two_steps(tiny_model_dir, tmp_path / "plain", {"name": "code_tool"}, {"name": "grpo"},
+                            rollout=rollout)
     scored = train_two_steps(tiny_model_dir, tmp_path / "scored", {"name": "code_tool"}, {"name": "grpo"},
-                             train={"eval_every": 1, "eval_examples": 4})
+                             train={"eval_every": 1, "eval_examples": 4}, rollout=rollout)
     for step in (0, 1):   # the held-out rollouts draw from their own seeded streams
         assert {k: scored[step][k] for k in TRAINING} == {k: plain[step][k] for k in TRAINING}
         assert "heldout_accuracy" not in plain[step]

@@ -296,7 +296,9 @@ REAL_DATA = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("setting", sorted(REAL_DATA))
+# nq_open_search is long (~180 s): the search environment on NQ-open has its own tests (test_env_search)
+@pytest.mark.parametrize("setting", [pytest.param(s, marks=[pytest.mark.long] if s == "nq_open_search" else [])
+                                     for s in sorted(REAL_DATA)])
 def test_real_data_runs_through_the_pipeline(project, first_run, setting):
     """The tiny model on real sets: accuracy near zero is expected; the path must work.
     Only `eval` and what it depends on run (baseline_eval is the same code as eval, and

@@ -223,6 +223,7 @@ def test_benchmark_files_with_list_and_boxed_answers_graded_by_math_verify(tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.long   # ~230 s; CI covers the example's parts in this file in-process, and a pipeline run in test_pipeline_e2e
 def test_the_example_task_package_through_the_pipeline(tmp_path):
     """examples/guess (an environment with an options model and demonstrations, a reward function,
     training data and a benchmark file with its own field names) through `dvc exp run` from a

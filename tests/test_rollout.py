@@ -108,6 +108,33 @@ def check_token_in_token_out(t, fmt):
     assert all(lp == 0 for lp, m in zip(t.engine_logprobs, t.loss_mask) if not m)
 
 
+class _Template:
+    """A tokenizer stand-in whose chat template takes a system message or refuses it."""
+    def __init__(self, takes_system: bool):
+        self.takes_system = takes_system
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False, **_):
+        if messages[0]["role"] == "system" and not self.takes_system:
+            raise ValueError("System role not supported")
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages)
+
+
+def test_what_a_template_does_is_probed_per_tokenizer_not_per_address():
+    """CI caught Gemma 2's check reading another family's answer: the probes were cached by
+    id(tokenizer), and a new tokenizer took a freed one's address. Freed objects' addresses
+    are reused at once in CPython, so 50 rounds of free-then-create reuse one for sure."""
+    import gc
+    from turnrl.rollout.chat import _PROBES, _renders_system
+    for _ in range(50):
+        accepting = _Template(True)
+        assert _renders_system(accepting)
+        del accepting
+        gc.collect()
+        assert not _renders_system(_Template(False))
+    gc.collect()
+    assert not any(isinstance(k, _Template) for k in list(_PROBES.keys())), "a freed tokenizer's probes stay"
+
+
 def test_real_transformers_engine_keeps_sampled_ids(tiny_model_dir, fmt):
     from turnrl.rollout.engines import HFEngine
     engine = HFEngine(str(tiny_model_dir))

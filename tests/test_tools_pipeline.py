@@ -16,6 +16,7 @@ SETS = ["env.name=tools", "data.train_set=gsm8k_train", "data.heldout_set=gsm8k_
 
 
 @pytest.mark.slow
+@pytest.mark.long   # ~250 s; CI covers its parts: function tools by path (test_tools), GSM8K through the pipeline (test_pipeline_e2e)
 def test_gsm8k_with_a_users_function_as_the_tool_through_the_pipeline(tmp_path, data_dir):
     project = tmp_path / "project"
     project.mkdir()

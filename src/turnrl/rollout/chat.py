@@ -31,8 +31,9 @@ the frame around one, so consecutive tool messages render as the template groups
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 _ASSISTANT = "\u2063ASSISTANT_MARK\u2063"
 _OBS = "\u2063OBSERVATION_MARK\u2063"
@@ -127,10 +128,19 @@ class ChatFormat:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-_FRAMES: dict[tuple[int, str, int], tuple[str, ...] | None] = {}
-_SYSTEM: dict[int, bool] = {}
-_TOOLS: dict[int, bool] = {}
-_END: dict[int, tuple[str | None, int | None]] = {}
+# What each tokenizer's template does, probed once per tokenizer. Weakly keyed by the tokenizer
+# itself: a cache keyed by id() handed a dead tokenizer's answers to a new one at the same address.
+_PROBES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _probed(tokenizer, key: tuple, probe: Callable[[], Any]) -> Any:
+    try:
+        answers = _PROBES.setdefault(tokenizer, {})
+    except TypeError:   # an object without weak references: probe every time
+        return probe()
+    if key not in answers:
+        answers[key] = probe()
+    return answers[key]
 
 
 def _obs_mark(k: int) -> str:
@@ -142,25 +152,25 @@ def _frame_or_none(tokenizer, role: str, count: int = 1) -> tuple[str, ...] | No
     them, after the last: count + 1 pieces), found by rendering a conversation with them and
     taking what surrounds them after the assistant message; None when the template raises on
     the role or drops a message."""
-    key = (id(tokenizer), role, count)
-    if key not in _FRAMES:
-        marks = [_obs_mark(k) for k in range(count)]
-        base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _ASSISTANT}]
-        with_obs = base + [{"role": role, "content": m} for m in marks]
-        try:
-            full = tokenizer.apply_chat_template(with_obs, tokenize=False, add_generation_prompt=True)
-        except Exception:   # jinja2's TemplateError from raise_exception(...), or the template's own bug
-            full = ""
-        tail = full.split(_ASSISTANT, 1)[1] if _ASSISTANT in full else ""
-        pieces: list[str] = []
-        for m in marks:
-            if m not in tail:
-                pieces = []
-                break
-            piece, tail = tail.split(m, 1)
-            pieces.append(piece)
-        _FRAMES[key] = tuple(pieces) + (tail,) if pieces else None
-    return _FRAMES[key]
+    return _probed(tokenizer, ("frame", role, count), lambda: _probe_frame(tokenizer, role, count))
+
+
+def _probe_frame(tokenizer, role: str, count: int) -> tuple[str, ...] | None:
+    marks = [_obs_mark(k) for k in range(count)]
+    base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _ASSISTANT}]
+    with_obs = base + [{"role": role, "content": m} for m in marks]
+    try:
+        full = tokenizer.apply_chat_template(with_obs, tokenize=False, add_generation_prompt=True)
+    except Exception:   # jinja2's TemplateError from raise_exception(...), or the template's own bug
+        full = ""
+    tail = full.split(_ASSISTANT, 1)[1] if _ASSISTANT in full else ""
+    pieces: list[str] = []
+    for m in marks:
+        if m not in tail:
+            return None
+        piece, tail = tail.split(m, 1)
+        pieces.append(piece)
+    return tuple(pieces) + (tail,) if pieces else None
 
 
 def _observation_frame(tokenizer, role: str, count: int = 1) -> tuple[str, ...]:
@@ -173,17 +183,16 @@ def _observation_frame(tokenizer, role: str, count: int = 1) -> tuple[str, ...]:
 
 def renders_tools(tokenizer) -> bool:
     """Whether the chat template renders `tools=` (their schemas show up in the prompt)."""
-    key = id(tokenizer)
-    if key not in _TOOLS:
-        probe = {"type": "function", "function": {"name": "turnrl_probe_tool", "description": "probe",
-                                                  "parameters": {"type": "object", "properties": {}}}}
+    def probe() -> bool:
+        tool = {"type": "function", "function": {"name": "turnrl_probe_tool", "description": "probe",
+                                                 "parameters": {"type": "object", "properties": {}}}}
         try:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": "q"}], tools=[probe], tokenize=False,
+            text = tokenizer.apply_chat_template([{"role": "user", "content": "q"}], tools=[tool], tokenize=False,
                                                  add_generation_prompt=True)
-            _TOOLS[key] = "turnrl_probe_tool" in text
         except Exception:
-            _TOOLS[key] = False
-    return _TOOLS[key]
+            return False
+        return "turnrl_probe_tool" in text
+    return _probed(tokenizer, ("tools",), probe)
 
 
 def tools_text(tools: Sequence[dict]) -> str:
@@ -197,24 +206,22 @@ def tools_text(tools: Sequence[dict]) -> str:
 
 def _renders_system(tokenizer) -> bool:
     """Whether the template takes a system message (Gemma 2's raises)."""
-    key = id(tokenizer)
-    if key not in _SYSTEM:
+    def probe() -> bool:
         try:
             text = tokenizer.apply_chat_template([{"role": "system", "content": _OBS}, {"role": "user", "content": "q"}],
                                                  tokenize=False, add_generation_prompt=True)
-            _SYSTEM[key] = _OBS in text
         except Exception:
-            _SYSTEM[key] = False
-    return _SYSTEM[key]
+            return False
+        return _OBS in text
+    return _probed(tokenizer, ("system",), probe)
 
 
 def _end_of_turn(tokenizer) -> tuple[str | None, int | None]:
     """The special token the template writes right after an assistant message's content."""
-    key = id(tokenizer)
-    if key not in _END:
+    def probe() -> tuple[str | None, int | None]:
         frame = _frame_or_none(tokenizer, "user", 1)
         closing = frame[0] if frame is not None else ""
         specials = set(getattr(tokenizer, "all_special_tokens", [])) | set(getattr(tokenizer, "added_tokens_encoder", {}))
         token = next((t for t in sorted(specials, key=len, reverse=True) if t and closing.startswith(t)), None)
-        _END[key] = (token, tokenizer.convert_tokens_to_ids(token) if token is not None else None)
-    return _END[key]
+        return token, tokenizer.convert_tokens_to_ids(token) if token is not None else None
+    return _probed(tokenizer, ("end",), probe)
