@@ -199,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [r for r in results if r["seed"] in seeds and r["steps"] == args.steps]
     table = modes_table(chosen, modes)
     command = "python benchmarks/async_rl.py" + (" --quick" if args.quick else "") + \
+        ("" if args.quick or seeds == [0, 1, 2] else " --seeds " + " ".join(map(str, seeds))) + \
+        ("" if args.quick or modes == list(MODES) else " --modes " + " ".join(modes)) + \
         ("" if args.task == "slow" else f" --task {args.task}") + ("" if args.steps == 40 else f" --steps {args.steps}")
     write_report(ROOT / "benchmarks" / "ASYNC.md", args.task, table, command)
     print(json.dumps({"modes": {m: {"time_to_target_s": r["time_to_target_s"], "final_accuracy": r["final_accuracy"],

@@ -176,7 +176,9 @@ def _failing_project(root: Path, model_dir: Path, after: int, **params) -> Path:
     from test_resume import PARAMS, _project
     _project(root, model_dir)
     (root / "failing_reward.py").write_text(FAILING_REWARD.format(calls=str(root / "calls.txt"), after=after))
-    merged = {**PARAMS, "reward": {"functions": ["failing_reward:score"], "on_error": "fail"}, **params}
+    merged = {**PARAMS, "reward": {"functions": ["failing_reward:score"], "on_error": "fail"},
+              "rollout": {**PARAMS["rollout"], "engine": "hf"},   # spares a vLLM start (~50 s in CI)
+              **params}
     (root / "params.yaml").write_text(yaml.safe_dump(merged))
     return root
 

@@ -346,6 +346,7 @@ SHORT = {
     "model.warmstart.demonstrations": 100, "model.warmstart.skill_steps": 20,
     "model.warmstart.prior_steps": 5,
     "eval.limit": 20,
+    "rollout.engine": "hf",   # spares a vLLM start (~50 s in CI): the test is about the deployment
 }
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
@@ -387,6 +388,7 @@ def _kill_tree(proc: subprocess.Popen | None) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long   # ~230 s with two workers: a Prefect server, a worker and three stages; the flow itself is tested above
 def test_deployment_run_with_overrides(tmp_path):
     """prefect.yaml deployed to a local server and a process work pool; one run with overrides
     and a subset of the stages."""

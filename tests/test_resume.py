@@ -206,7 +206,8 @@ def test_an_unhealthy_run_stops_with_its_checkpoint_and_resumes_with_warn(tiny_m
     import pandas as pd
 
     root = _project(tmp_path / "unhealthy", tiny_model_dir)
-    params = {**PARAMS, "train": {**PARAMS["train"], "on_unhealthy": "stop", "health": {"no_signal_steps": 3}}}
+    params = {**PARAMS, "train": {**PARAMS["train"], "on_unhealthy": "stop", "health": {"no_signal_steps": 3}},
+              "rollout": {**PARAMS["rollout"], "engine": "hf"}}   # spares a vLLM start (~50 s in CI) per run
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     code, out = _run_train_stage(root)
     assert code == 1, out[-3000:]

@@ -27,7 +27,8 @@ STEPS = 8
 PARAMS = {
     "data": {"train_examples": 32, "heldout_examples": 8}, "eval": {"benchmarks": []},
     "train": {"steps": STEPS, "prompts_per_step": 2, "checkpoint_every": 4},
-    "rollout": {"n": 2, "max_tokens_per_turn": 16, "max_tokens_total": 48},
+    # the transformers engine: what dies here is the tracking server, and a vLLM start costs ~50 s in CI
+    "rollout": {"n": 2, "max_tokens_per_turn": 16, "max_tokens_total": 48, "engine": "hf"},
     # every step traced, so traces are in flight when the server dies; a short retry window
     "tracking": {"traces": {"every": 1, "per_step": 2}, "retry_s": 5},
 }
