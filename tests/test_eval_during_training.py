@@ -4,7 +4,8 @@ import pytest
 
 from conftest import train_two_steps
 
-pytestmark = pytest.mark.slow
+# long (~100 s in CI: two trainings): CI checks held-out scoring during training in test_async
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 TRAINING = ("reward_mean", "accuracy", "response_tokens_mean", "loss", "kl_ref", "logp_gap_max", "grad_norm")
 
