@@ -1,8 +1,10 @@
 """The policy trainer's math on a GPU, checked against a CPU float32 reference.
 
 What runs is the trainer's own code: `token_logprobs` and `entropy` from
-turnrl.training.workers (what PolicyWorker computes for its logprobs and its update) and
-`policy_loss_with_kl` from turnrl.algos (the update's loss: clipped surrogate + kl_coef * KL).
+turnrl.training.workers (what PolicyWorker computes for its logprobs and its update) and two
+registered policy losses, called as the worker calls them (`compute_policy_loss`): `clipped`
+(PPO's clipped surrogate + kl_coef * KL, `policy_loss_with_kl`) and `decoupled` (the asynchronous
+mode's correction: clipped against the recomputed pi_prox, weighted by min(pi_prox / mu, 2)).
 Around them, one update step as PolicyWorker.train takes it on one rank: a train-mode forward,
 the loss, backward, the global grad norm clipped to `grad_clip`, AdamW with the worker's betas.
 DeepSpeed itself is not run (the GPU image has none); in bf16 the step keeps fp32 master weights
@@ -41,7 +43,9 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import turnrl  # noqa: E402,F401  first: it sets OMP_WAIT_POLICY before torch loads libgomp (10x on busy cores)
 import torch  # noqa: E402
-from turnrl.algos import masked_mean, policy_loss_with_kl   # noqa: E402
+from turnrl.algos import masked_mean   # noqa: E402
+from turnrl.algos.registry import compute_policy_loss, resolve_loss   # noqa: E402
+from turnrl.config.sections import AlgorithmCfg   # noqa: E402
 from turnrl.training.workers import entropy, token_logprobs  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -53,6 +57,23 @@ TINY_DIR = ROOT / ".cache" / "gpu-check" / "tiny"
 # weight decay; a small lr (a 190M model) and kl_coef > 0 so the KL term is exercised too.
 SETTINGS = {"lr": 1e-5, "betas": (0.9, 0.99), "weight_decay": 0.0, "grad_clip": 1.0,
             "clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.05, "kl_kind": "k3", "agg": "token-mean"}
+
+# The policy losses checked, by their registered names (`algorithm.policy_loss`), as the worker
+# calls them (`compute_policy_loss`): `clipped`, PPO's (old_logp: the rollout's logprobs); and
+# `decoupled`, the asynchronous mode's correction (old_logp: pi_prox, the trainer's own scores
+# recomputed before the update; engine_logprobs: mu, the sampler's; weight min(pi_prox / mu, 2)).
+LOSSES = ("clipped", "decoupled")
+
+
+def algorithm(loss: str) -> AlgorithmCfg:
+    return AlgorithmCfg(policy_loss=loss, clip_low=SETTINGS["clip_low"], clip_high=SETTINGS["clip_high"],
+                        kl_coef=SETTINGS["kl_coef"], kl_estimator=SETTINGS["kl_kind"], loss_agg=SETTINGS["agg"])
+
+
+def run_key(model: str, loss: str) -> str:
+    """Where a run lives in the reference files: the model's name for `clipped` (as before
+    `decoupled` was checked), `model/loss` otherwise."""
+    return model if loss == "clipped" else f"{model}/{loss}"
 
 QWEN2_190M = {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
               "num_key_value_heads": 4, "intermediate_size": 4096, "vocab_size": 32768,
@@ -185,15 +206,16 @@ def score(model: torch.nn.Module, batch: dict) -> torch.Tensor:
 
 
 def train_step(model: torch.nn.Module, update: Update, batch: dict, old: torch.Tensor,
-               ref: torch.Tensor) -> dict:
-    """PolicyWorker.train's step on one rank, one mini-batch: forward, logprobs, loss, backward, step."""
+               ref: torch.Tensor, loss_name: str = "clipped", prox: torch.Tensor | None = None) -> dict:
+    """PolicyWorker.train's step on one rank, one mini-batch: forward, logprobs, the registered
+    loss `loss_name`, backward, step. `old` is the sampler's logprobs; with `prox` (the trainer's
+    recomputed scores, asynchronous training) `old` is mu and `prox` is old_logp."""
     model.train()
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     logp = token_logprobs(logits, batch["input_ids"])
-    loss, info = policy_loss_with_kl(logp, old, ref, batch["advantages"], batch["loss_mask"],
-                                     kl_coef=SETTINGS["kl_coef"], kl_kind=SETTINGS["kl_kind"],
-                                     clip_low=SETTINGS["clip_low"], clip_high=SETTINGS["clip_high"],
-                                     agg=SETTINGS["agg"])
+    mb = {**batch, "logp": logp, "old_logp": old if prox is None else prox, "ref_logp": ref,
+          "mask": batch["loss_mask"], "engine_logprobs": old}
+    loss, info = compute_policy_loss(resolve_loss(loss_name), mb, algorithm(loss_name))
     ent = masked_mean(entropy(logits.detach()), batch["loss_mask"])
     loss.backward()
     grad_norm = update.step()
@@ -219,9 +241,10 @@ def timed(fn, device: str, repeats: int) -> list[float]:
 
 
 # --------------------------------------------------------------------------- one model
-def run_model(name: str, device: str, dtype: str, ref: dict | None, repeats: int) -> tuple[dict, dict]:
-    """Score, one update, score again (each timed), then `repeats` more timed updates and
-    scorings. Returns (numbers, tensors)."""
+def run_model(name: str, device: str, dtype: str, ref: dict | None, repeats: int,
+              loss: str = "clipped") -> tuple[dict, dict]:
+    """Score, one update with the policy loss `loss`, score again (each timed), then `repeats`
+    more timed updates and scorings. Returns (numbers, tensors)."""
     spec = MODELS[name]
     model = build_model(name)
     prints = fingerprint(model)
@@ -235,16 +258,18 @@ def run_model(name: str, device: str, dtype: str, ref: dict | None, repeats: int
     logp = held["logp"]
     old, refl = (ref["old"], ref["ref"]) if ref else rollout_logprobs(logp.cpu(), spec["seed"])
     old, refl = old.to(device), refl.to(device)
+    # decoupled: pi_prox is this run's own score before the update (as the trainer recomputes it)
+    prox = logp if loss == "decoupled" else None
     update = Update(model)
-    step_ms = timed(lambda: held.update(first=train_step(model, update, batch, old, refl)), device, 1)
+    step_ms = timed(lambda: held.update(first=train_step(model, update, batch, old, refl, loss, prox)), device, 1)
     after = score(model, batch)
-    step_ms += timed(lambda: train_step(model, update, batch, old, refl), device, repeats)
+    step_ms += timed(lambda: train_step(model, update, batch, old, refl, loss, prox), device, repeats)
     score_ms += timed(lambda: score(model, batch), device, repeats)
     tokens = int(batch["attention_mask"].sum())
     # The first call of each pays one-off costs (allocator, kernel choice): with repeats, leave it out.
     step_ms, score_ms = (step_ms[1:], score_ms[1:]) if repeats else (step_ms, score_ms)
     numbers = {
-        "model": name, "device": device, "dtype": dtype, "weights": prints,
+        "model": name, "loss": loss, "device": device, "dtype": dtype, "weights": prints,
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
         "batch": {"rows": spec["rows"], "length": spec["length"], "tokens": tokens,
                   "policy_tokens": int(batch["loss_mask"].sum())},
@@ -254,7 +279,7 @@ def run_model(name: str, device: str, dtype: str, ref: dict | None, repeats: int
         "step_tokens_per_s": tokens / (statistics.median(step_ms) / 1000),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
     }
-    if device == "cuda" and "throughput" in spec:
+    if device == "cuda" and "throughput" in spec and loss == "clipped":
         numbers["throughput"] = throughput(model, update, spec, repeats)
     tensors = {"batch": {k: v.cpu() for k, v in batch.items()}, "old": old.cpu(), "ref": refl.cpu(),
                "logp": logp.cpu(), "logp_after_step": after.cpu()}
@@ -297,7 +322,8 @@ def compare(numbers: dict, tensors: dict, ref_numbers: dict, ref_tensors: dict) 
     w, rw = numbers["weights"], ref_numbers["weights"]
     same = w["parameters"] == rw["parameters"] and all(
         abs(w[k] - rw[k]) <= 1e-9 * max(1.0, abs(rw[k])) for k in ("sum", "sum_sq"))
-    return {"weights_match_reference": same, "logp_abs_diff": gap("logp"),
+    extra = {f"{k}_rel_diff": rel(k) for k in ("is_weight_mean", "clip_fraction") if k in ref_numbers["first_step"]}
+    return {"weights_match_reference": same, "logp_abs_diff": gap("logp"), **extra,
             "logp_after_step_abs_diff": gap("logp_after_step"),
             "loss_rel_diff": rel("loss"), "grad_norm_rel_diff": rel("grad_norm"),
             "entropy_rel_diff": rel("entropy"),
@@ -320,38 +346,45 @@ def card_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-def reference_run(models: list[str], repeats: int) -> dict:
-    """CPU float32 runs of `models`, merged into the reference files (other models' entries stay)."""
+def reference_run(models: list[str], losses: list[str], repeats: int) -> dict:
+    """CPU float32 runs of `models` x `losses`, merged into the reference files (other entries stay)."""
     old = json.loads(REFERENCE_JSON.read_text())["runs"] if REFERENCE_JSON.exists() else []
     tensors = torch.load(REFERENCE_PT, weights_only=False) if REFERENCE_PT.exists() else {}
-    runs = {r["model"]: r for r in old}
+    runs = {run_key(r["model"], r.get("loss", "clipped")): r for r in old}
     for name in models:
-        runs[name], tensors[name] = run_model(name, "cpu", "float32", None, repeats)
-        print(json.dumps({"done": name, "step_ms": runs[name]["step_ms"]["median"]}), file=sys.stderr)
+        for loss in losses:
+            key = run_key(name, loss)
+            # a later loss reuses the first's batch and noisy logprobs: both see identical inputs
+            base = tensors.get(name) if loss != "clipped" else None
+            runs[key], tensors[key] = run_model(name, "cpu", "float32", base, repeats, loss)
+            print(json.dumps({"done": key, "step_ms": runs[key]["step_ms"]["median"]}), file=sys.stderr)
     RESULTS.mkdir(parents=True, exist_ok=True)
     torch.save(tensors, REFERENCE_PT)
+    order = [run_key(m, loss) for m in MODELS for loss in LOSSES]
     result = {"what": "cpu float32 reference", "settings": SETTINGS, "environment": environment("cpu"),
-              "date": datetime.date.today().isoformat(), "runs": [runs[m] for m in MODELS if m in runs]}
+              "date": datetime.date.today().isoformat(), "runs": [runs[k] for k in order if k in runs]}
     REFERENCE_JSON.write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 
-def device_run(models: list[str], dtypes: list[str], repeats: int, out: Path | None) -> dict:
+def device_run(models: list[str], dtypes: list[str], losses: list[str], repeats: int, out: Path | None) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device; run on a GPU machine or use --device cpu")
     if not (REFERENCE_JSON.exists() and REFERENCE_PT.exists()):
         raise SystemExit(f"{REFERENCE_JSON}: no CPU reference; run `--device cpu --dtype float32` first")
-    ref_json = {r["model"]: r for r in json.loads(REFERENCE_JSON.read_text())["runs"]}
+    ref_json = {run_key(r["model"], r.get("loss", "clipped")): r for r in json.loads(REFERENCE_JSON.read_text())["runs"]}
     ref_pt = torch.load(REFERENCE_PT, weights_only=False)
     runs = []
     for name in models:
-        if name not in ref_json:
-            raise SystemExit(f"{REFERENCE_JSON}: no reference for model {name!r}; rerun the CPU reference with it")
-        for dtype in dtypes:
-            numbers, tensors = run_model(name, "cuda", dtype, ref_pt[name], repeats)
-            numbers["vs_cpu_float32"] = compare(numbers, tensors, ref_json[name], ref_pt[name])
-            runs.append(numbers)
-            print(json.dumps({"done": f"{name}/{dtype}", **numbers["vs_cpu_float32"]}), file=sys.stderr)
+        for loss in losses:
+            key = run_key(name, loss)
+            if key not in ref_json:
+                raise SystemExit(f"{REFERENCE_JSON}: no reference for {key!r}; rerun the CPU reference with it")
+            for dtype in dtypes:
+                numbers, tensors = run_model(name, "cuda", dtype, ref_pt[key], repeats, loss)
+                numbers["vs_cpu_float32"] = compare(numbers, tensors, ref_json[key], ref_pt[key])
+                runs.append(numbers)
+                print(json.dumps({"done": f"{key}/{dtype}", **numbers["vs_cpu_float32"]}), file=sys.stderr)
     env = environment("cuda")
     date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
     result = {"what": "gpu vs cpu float32 reference", "settings": SETTINGS, "environment": env,
@@ -370,13 +403,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--dtype", default="float32", help="comma-separated: float32, bfloat16 (cpu: float32 only)")
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {list(MODELS)}")
+    ap.add_argument("--losses", default=",".join(LOSSES), help=f"comma-separated policy losses, of {list(LOSSES)}")
     ap.add_argument("--repeats", type=int, default=None, help="timed steps after the first (cpu 0, cuda 10)")
     ap.add_argument("--out", type=Path, default=None, help="folder for the GPU run's JSON (default benchmarks/results)")
     args = ap.parse_args(argv)
     if args.build_tiny is not None:
         print(json.dumps(build_tiny(args.build_tiny or TINY_OVERRIDES)))
         return
-    models, dtypes = args.models.split(","), args.dtype.split(",")
+    models, dtypes, losses = args.models.split(","), args.dtype.split(","), args.losses.split(",")
+    for loss in losses:
+        if loss not in LOSSES:
+            raise SystemExit(f"--losses: unknown loss {loss!r}; choose from {list(LOSSES)}")
     for m in models:
         if m not in MODELS:
             raise SystemExit(f"--models: unknown model {m!r}; choose from {list(MODELS)}")
@@ -386,9 +423,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == "cpu":
         if dtypes != ["float32"]:
             raise SystemExit("--device cpu: the reference is float32 only; pass --dtype float32")
-        result = reference_run(models, args.repeats or 0)
+        result = reference_run(models, losses, args.repeats or 0)
     else:
-        result = device_run(models, dtypes, args.repeats or 10, args.out)
+        result = device_run(models, dtypes, losses, args.repeats or 10, args.out)
     print(json.dumps(result))
 
 

@@ -88,3 +88,26 @@ def test_bad_arguments_name_the_flag():
         G.main(["--models", "gpt"])
     with pytest.raises(SystemExit, match="--device cpu: the reference is float32 only"):
         G.main(["--dtype", "bfloat16"])
+
+
+def test_decoupled_step_is_clipped_when_the_sampler_was_the_proximal_policy():
+    """The async loss as the check runs it: with mu == pi_prox every importance weight is 1 and
+    the update is `clipped`'s; with mu != pi_prox the weights leave 1, and where `clipped` would
+    clip (ratio e^0.5 > 1 + 0.28 on positive advantages) the decoupled step does not."""
+    batch = G.make_batch(97, 2, 64, seed=2)
+    logp = G.score(small_model(), batch)
+    old, ref = logp - 0.5, logp - 0.1
+
+    def first_step(loss, prox):
+        model = small_model()
+        return G.train_step(model, G.Update(model), batch, old, ref, loss, prox)
+
+    clipped, same = first_step("clipped", None), first_step("decoupled", old)
+    assert same["loss"] == pytest.approx(clipped["loss"], rel=1e-6)
+    assert same["grad_norm"] == pytest.approx(clipped["grad_norm"], rel=1e-5)
+    assert same["is_weight_mean"] == pytest.approx(1.0)
+    assert clipped["clip_fraction"] > 0
+    off = first_step("decoupled", logp)          # pi_prox = the score; mu = logp - 0.5
+    assert off["is_weight_mean"] == pytest.approx(float(torch.exp(torch.tensor(0.5))), rel=1e-5)
+    assert off["clip_fraction"] == 0
+    assert off["loss"] != pytest.approx(clipped["loss"], rel=1e-3)
