@@ -28,7 +28,7 @@ def _library(actions: list[str], seed: int) -> tuple[list[tuple[bool, str]], dic
 
 def test_replayed_game_has_the_librarys_rewards_and_termination():
     steps, rewards = _library(RECORDED, 3)
-    env = envs.make("gym_text", make="textarena:GuessTheNumber-v0")
+    env = envs.make("gym_text", envs.EnvContext(max_turns=10), make="textarena:GuessTheNumber-v0")
     row = {"prompt": "episode", "game_seed": 3}
     first = env.reset(row)
     assert "Guess The Number" in first
@@ -78,7 +78,8 @@ class Countdown:
 
 
 def test_gymnasium_style_factory_keeps_rewards_and_truncation():
-    env = envs.make("gym_text", make="test_ecosystem_gym_text:Countdown", kwargs={"limit": 3})
+    env = envs.make("gym_text", envs.EnvContext(max_turns=10), make="test_ecosystem_gym_text:Countdown",
+                    kwargs={"limit": 3})
     traj = Trajectory(example={"game_seed": 5}, prompt_ids=[1])
     assert env.reset(traj.example) == "start at 5"
     results = [env.step(a) for a in ("4", "x", "3")]
@@ -87,3 +88,20 @@ def test_gymnasium_style_factory_keeps_rewards_and_truncation():
     for r in results:
         traj.record(r)
     assert traj.finish == "truncated" and traj.outcome == pytest.approx(0.75)
+
+
+def test_rollout_max_turns_ends_a_running_game_with_its_return_so_far():
+    """The game would run 5 steps; rollout.max_turns 2 ends it after the second, its outcome the
+    return so far (0.5 - 0.25), not 0."""
+    env = envs.make("gym_text", envs.EnvContext(max_turns=2), make="test_ecosystem_gym_text:Countdown",
+                    kwargs={"limit": 5})
+    traj = Trajectory(example={"game_seed": 5}, prompt_ids=[1])
+    env.reset(traj.example)
+    results = [env.step(a) for a in ("4", "x")]
+    assert [r.done for r in results] == [False, True] and results[1].observation is None
+    assert results[1].reward == -0.25 and results[1].info["right"] == 0.0
+    for r in results:
+        traj.record(r)
+    assert traj.finish == "max_turns" and traj.outcome == pytest.approx(0.25)
+    env.reset(traj.example)                   # a new episode counts its turns afresh
+    assert not env.step("4").done

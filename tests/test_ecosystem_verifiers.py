@@ -58,9 +58,12 @@ def library_scores(environment: str, index: int, conversations: list[list[tuple[
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def play(environment: str, index: int, replies: list[str], **options) -> tuple[list, list[tuple[str, str]], object]:
-    """Replies stepped until done: (the step results, the conversation, the env)."""
-    env = envs.make("verifiers", environment=environment, path=[EXAMPLES], **options)
+def play(environment: str, index: int, replies: list[str], max_turns: int = 8,
+         **options) -> tuple[list, list[tuple[str, str]], object]:
+    """Replies stepped until done, under rollout.max_turns = `max_turns`: (the step results,
+    the conversation, the env)."""
+    env = envs.make("verifiers", envs.EnvContext(max_turns=max_turns), environment=environment, path=[EXAMPLES],
+                    **options)
     conversation = [("user", env.reset({"verifiers_index": index}))]
     results = []
     for reply in replies:
@@ -116,6 +119,18 @@ def test_multi_turn_stop_conditions_and_rewards():
         assert_parity(results[-1], reference)
     assert results[-1].info["solved"] == 0.0 and results[-1].info["few_turns"] == pytest.approx(0.5)
     assert played[0][0][-1].info["solved"] == 1.0
+
+
+def test_rollout_max_turns_below_the_agents_stops_and_scores_the_trace_as_the_library_does():
+    """rollout.max_turns 2 under guess_vf's own 4: the third turn is refused, the trace stops with
+    "max_turns" and its score is the library's for the two-turn conversation (not turnrl's 0)."""
+    results, conversation, _ = play("guess_vf", 0, ["10", "20", "30"], max_turns=2)
+    assert [r.done for r in results] == [False, True]
+    assert results[-1].info["reason"] == "max_turns"
+    (reference,) = library_scores("guess_vf", 0, [conversation])
+    assert_parity(results[-1], reference)
+    assert reference["reward"] > 0          # its few_turns reward: a cut trace is not worth 0 there
+    assert results[-1].info["few_turns"] > 0
 
 
 def test_rows_index_the_taskset_and_the_splits_are_disjoint():

@@ -17,7 +17,8 @@
 
 The library's semantics are kept: each step's reward is the turn's reward, `terminated or
 truncated` ends the episode (`reason`: terminated | truncated), and the outcome is the episode's
-return (the sum of its rewards; accuracy counts a positive return). The episode's seed is the
+return (the sum of its rewards; accuracy counts a positive return). An episode still running at
+rollout.max_turns ends there with its return so far (`reason: max_turns`). The episode's seed is the
 row's `game_seed`. The library is imported on first use; without it the error names the extra.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from turnrl.data.synthetic import SyntheticTask, split_numbers
-from turnrl.envs.base import EnvSpec, StepResult
+from turnrl.envs.base import EnvContext, EnvSpec, StepResult
 from turnrl.plugins import PluginError, is_import_path, load_object
 
 SYSTEM_PROMPT = "You are playing a text game. Read the game's messages and reply with your move."
@@ -69,16 +70,19 @@ class GymTextEnv:
     observation_role = "user"
     stop: tuple[str, ...] = ()
 
-    def __init__(self, make: str, kwargs: dict[str, Any] | None = None, system_prompt: str = SYSTEM_PROMPT):
+    def __init__(self, make: str, kwargs: dict[str, Any] | None = None, system_prompt: str = SYSTEM_PROMPT,
+                 context: EnvContext | None = None):
         self.make, self.kwargs, self.system_prompt = make, dict(kwargs or {}), system_prompt
+        self.max_turns = (context or EnvContext()).max_turns   # rollout.max_turns
         self.protocol, self.game = "", None
         self.seen = ""        # textarena: the game log already shown to the policy
         self.total = 0.0      # the episode's return so far
+        self.turns = 0
 
     def reset(self, example: dict) -> str:
         self.protocol, self.game = make_game(self.make, self.kwargs)
         seed = int(example["game_seed"])
-        self.total = 0.0
+        self.total, self.turns = 0.0, 0
         if self.protocol == "textarena":
             self.game.reset(num_players=1, seed=seed)
             self.seen = self.game.get_observation()[1]
@@ -87,8 +91,14 @@ class GymTextEnv:
         return str(observation)
 
     def step(self, text: str) -> StepResult:
-        if self.protocol == "textarena":
-            return self._textarena_step(text)
+        result = self._textarena_step(text) if self.protocol == "textarena" else self._gym_step(text)
+        self.turns += 1
+        if not result.done and self.turns >= self.max_turns:
+            # rollout.max_turns ends the episode before the game does: its return so far is the outcome
+            return StepResult(None, result.reward, True, {**result.info, "outcome": self.total, "reason": "max_turns"})
+        return result
+
+    def _gym_step(self, text: str) -> StepResult:
         observation, reward, terminated, truncated, info = self.game.step(text)
         self.total += float(reward)
         done = bool(terminated or truncated)

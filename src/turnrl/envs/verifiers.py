@@ -20,7 +20,8 @@ Mapping: a row of `data.train_set: synthetic` is an index into the environment's
 starts the library's episode on that task and returns its prompt; the task's system prompt is
 the system message. Each `step` hands the policy's text to the env's `run()`; the user messages
 it answers with are the observation, and the episode ends where the library's would (run()
-returns, the agent's max_turns, a `@vf.stop`). The last step's reward and `info["outcome"]` are
+returns, the agent's max_turns or rollout.max_turns if it is lower, a `@vf.stop`): a trace cut by
+a limit is scored as it stands, as the library scores it. The last step's reward and `info["outcome"]` are
 the trace's reward (the task's `@vf.reward` scores times their weights, summed); each reward's
 own score is in `info` by name (logged as `env_<name>_mean`), `info["reason"]` is the library's
 stop condition.
@@ -41,7 +42,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from turnrl.data.synthetic import SyntheticTask, split_numbers
-from turnrl.envs.base import RESERVED_INFO_KEYS, EnvSpec, StepResult
+from turnrl.envs.base import RESERVED_INFO_KEYS, EnvContext, EnvSpec, StepResult
 from turnrl.envs.helpers import Helpers
 from turnrl.plugins import PluginError
 
@@ -224,8 +225,11 @@ class VerifiersEnv:
     observation_role = "user"
     stop: tuple[str, ...] = ()
 
-    def __init__(self, **options: Any):
+    def __init__(self, context: EnvContext | None = None, **options: Any):
         self.options = VerifiersOptions.model_validate(options)
+        # rollout.max_turns caps the agent's own max_turns, as a trainer's limit does in the library:
+        # the turn past it is refused, the trace stops with "max_turns" and is scored as it stands
+        self.max_turns = (context or EnvContext()).max_turns
         self.system_prompt = ""
         self.bridge: Bridge | None = None
         self.episode: str | None = None
@@ -236,9 +240,11 @@ class VerifiersEnv:
                               "data.heldout_set to synthetic (rows carry verifiers_index)")
         self.bridge = bridge(self.options)
         self.episode = uuid.uuid4().hex
-        # the bridge forgets an episode turnrl abandons (cut by rollout.max_turns) once this env is collected
+        # the bridge forgets an episode turnrl abandons (a turn cut by its token limit, the token
+        # budget spent) once this env is collected
         weakref.finalize(self, _forget, self.bridge, self.episode)
-        answer = self.bridge.request("start", episode=self.episode, index=int(example["verifiers_index"]))
+        answer = self.bridge.request("start", episode=self.episode, index=int(example["verifiers_index"]),
+                                     max_turns=self.max_turns)
         self.system_prompt = answer.get("system_prompt") or ""
         return "\n\n".join(answer["messages"])
 

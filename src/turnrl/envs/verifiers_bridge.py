@@ -22,7 +22,8 @@ task's `score(trace)` records its weighted `@vf.reward`s and the env's `finalize
 Requests, one JSON object a line, each with an `id` echoed in its answer:
     {"op": "info"}                                   -> {size, env, agents}
     {"op": "rows", "indices": [...]}                 -> {rows: [{index, id, prompt, answer}]}
-    {"op": "start", "episode": k, "index": i}        -> {system_prompt, messages, done, ...}
+    {"op": "start", "episode": k, "index": i,        -> {system_prompt, messages, done, ...}
+     "max_turns": m}                                  (optional: caps the agent's max_turns)
     {"op": "step", "episode": k, "text": "..."}      -> {messages, done, ...}
     {"op": "close", "episode": k}                    -> {}
 A final answer (done) carries reward (the trace's weighted total), rewards ({name: {score,
@@ -93,7 +94,7 @@ class Bridge:
             return {"rows": rows}
         if op == "start":
             task = self.task(int(request["index"]))
-            episode = Episode(self, task)
+            episode = Episode(self, task, request.get("max_turns"))
             self.episodes[request["episode"]] = episode
             return {**await episode.next_event(), "system_prompt": task.data.system_prompt or ""}
         if op == "step":
@@ -120,8 +121,8 @@ class Bridge:
 class Episode:
     """One episode: the env's `run` as a task of the bridge's loop, paused at each policy turn."""
 
-    def __init__(self, bridge: Bridge, task):
-        self.bridge, self.task = bridge, task
+    def __init__(self, bridge: Bridge, task, max_turns: int | None = None):
+        self.bridge, self.task, self.max_turns = bridge, task, max_turns
         self.events: asyncio.Queue = asyncio.Queue()
         self.replies: asyncio.Queue = asyncio.Queue()
         self.trace = None
@@ -208,7 +209,9 @@ class Interaction:
         episode.scored_task = task
         self.trace = episode.trace = Trace(task=TraceTask(type=type(task).__name__, data=task.data, key=task.key,
                                                           hash=task.hash), agent=AgentInfo(config=config))
-        self.limits = RolloutLimits(max_turns=config.max_turns)
+        # the trainer's turn limit caps the agent's, as a harness's limits do (the lower one wins)
+        caps = [m for m in (config.max_turns, episode.max_turns) if m is not None]
+        self.limits = RolloutLimits(max_turns=min(caps) if caps else None)
         stops = [(hook_boundary(fn, allow_trace=True), fn) for fn in task.hooks("stop")]
         self.stops = [fn for kind, fn in stops if kind is Trace]
         others = [fn.__name__ for kind, fn in stops if kind is not Trace]
