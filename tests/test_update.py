@@ -135,3 +135,19 @@ def test_overlapped_rollouts_train_on_batches_one_update_old(tiny_model_dir, tmp
     assert history[1]["logp_gap_max"] > 1e-2
     assert all(h["trained_tokens"] > 0 for h in history)
     assert (tmp_path / "final" / "model.safetensors").exists()
+
+
+def test_engine_gap_is_not_measured_without_fresh_tokens():
+    """An asynchronous batch whose tokens all came from older weights has no token to compare
+    engine and trainer on: the gap is NaN (not measured), not 0 (a perfect match); kl_ref stays."""
+    from types import SimpleNamespace
+
+    from turnrl.training.workers import PolicyWorker
+    me = SimpleNamespace(params=Config.model_validate({}))
+    logp, engine = torch.tensor([[-1.0, -2.0, -3.0]]), torch.tensor([[-1.5, -2.0, -3.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    fresh = PolicyWorker._sampling_stats(me, logp, logp, engine, mask)
+    assert fresh["logp_gap_max"] == pytest.approx(0.5) and fresh["logp_gap_mean"] == pytest.approx(0.25)
+    none = PolicyWorker._sampling_stats(me, logp, logp, engine, mask, gap_mask=torch.zeros_like(mask))
+    assert all(none[k] != none[k] for k in ("logp_gap_max", "logp_gap_mean", "logp_gap_p99"))   # NaN
+    assert none["kl_ref"] == fresh["kl_ref"] == 0.0

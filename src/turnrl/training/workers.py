@@ -382,14 +382,16 @@ class PolicyWorker(_TrainerRank):
                         mask: torch.Tensor, gap_mask: torch.Tensor | None = None) -> dict[str, float]:
         """logp_gap_max, _mean, _p99: the largest, mean and 99th percentile |trainer - engine|
         logprob over policy tokens (`gap_mask`, default `mask`: the tokens the engines sampled
-        with the weights the trainer holds); kl_ref: the policy's mean KL to its start."""
+        with the weights the trainer holds; none, as when an asynchronous batch is all older
+        samples: NaN, not measured); kl_ref: the policy's mean KL to its start."""
         kind = self.params.algorithm.kl_estimator
+        kl_ref = masked_mean(kl_estimate(logp, ref_logp, kind=kind), mask).item()
         gaps = (logp - engine_logp).abs()[(mask if gap_mask is None else gap_mask).bool()].float()
         if gaps.numel() == 0:
-            gaps = torch.zeros(1)
+            return {"logp_gap_max": math.nan, "logp_gap_mean": math.nan, "logp_gap_p99": math.nan, "kl_ref": kl_ref}
         return {"logp_gap_max": gaps.max().item(), "logp_gap_mean": gaps.mean().item(),
                 "logp_gap_p99": gaps.kthvalue(max(1, math.ceil(0.99 * gaps.numel()))).values.item(),
-                "kl_ref": masked_mean(kl_estimate(logp, ref_logp, kind=kind), mask).item()}
+                "kl_ref": kl_ref}
 
     # ----------------------------------------------------------------------- weights out
     def exports(self, remove_duplicate: bool = False) -> list["Export"]:
