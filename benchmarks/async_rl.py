@@ -4,6 +4,8 @@
     python benchmarks/async_rl.py                  # seeds 0-2: sync, overlap_rollout, async at staleness 1, 2, 4
     python benchmarks/async_rl.py --task fast      # the default code_tool with its in-process sandbox
     python benchmarks/async_rl.py --task tail --quick --steps 20   # a longer tail: waits dominate the step
+    python benchmarks/async_rl.py --task tail --steps 20 --modes sync async_s2_half_lr --report
+        # rewrite the task's table from the runs already in its results file, running none
 
 The same work for every mode: the embedded default's warm start (code_tool's, built once per
 seed), then `train.steps` GRPO steps of train.prompts_per_step x rollout.n trajectories on
@@ -17,7 +19,8 @@ scored every `train.eval_every` steps (64 problems, one sample each) against the
 Per mode: `time_to_target_s` (wall seconds until its held-out accuracy first reaches the sync
 run's final held-out accuracy; null if never), `final_accuracy`, `wall_s`, steps/s,
 trajectories/s, the engines' and the trainer's busy fractions, staleness, and the health flags
-raised. Async runs use the decoupled-PPO correction (algorithm.policy_loss: decoupled).
+raised, and a per-step `trace` (reward, kl_ref, importance weights, staleness, ...). Async runs
+use the decoupled-PPO correction (algorithm.policy_loss: decoupled) unless the mode names another.
 Results go to benchmarks/results/async-<task>.json after every run (a rerun skips the runs it
 has) and the task's table in benchmarks/ASYNC.md; the last line printed is one JSON object {"modes": {...}}
 (quick: the one seed's numbers; full: the mean over seeds).
@@ -47,8 +50,19 @@ ASYNC = {"train": {"mode": "async"}, "algorithm": {"policy_loss": "decoupled"}}
 MODES: dict[str, dict] = {
     "sync": {},
     "overlap": {"train": {"overlap_rollout": True}},
-    **{f"async_s{k}": _merge(ASYNC, {"train": {"max_staleness": k}}) for k in (1, 2, 4)},
+    **{f"async_s{k}": _merge(ASYNC, {"train": {"max_staleness": k}}) for k in (0, 1, 2, 4)},
+    # the same staleness with the other corrections (their default thresholds)
+    "async_s2_tis": _merge(ASYNC, {"train": {"max_staleness": 2}, "algorithm": {"policy_loss": "tis"}}),
+    "async_s2_mis": _merge(ASYNC, {"train": {"max_staleness": 2}, "algorithm": {"policy_loss": "mis"}}),
+    # half params.yaml's train.lr (5e-4): smaller steps on off-policy samples; sync_half_lr is its control
+    "async_s2_half_lr": _merge(ASYNC, {"train": {"max_staleness": 2, "lr": 2.5e-4}}),
+    "sync_half_lr": {"train": {"lr": 2.5e-4}},
 }
+DEFAULT_MODES = ["sync", "overlap", "async_s1", "async_s2", "async_s4"]
+# kept for every step, to see what happened before a collapse
+TRACE = ("reward_mean", "kl_ref", "entropy", "grad_norm", "clip_fraction", "is_weight_mean", "is_weight_max",
+         "is_truncated_frac", "is_masked_frac", "is_ess", "staleness_mean", "staleness_max", "tool_calls_mean",
+         "finish_truncated_frac", "finish_answer_frac", "finish_max_turns_frac", "response_tokens_mean")
 TASKS = {"slow": {"name": "examples.slow_tools.env:ENV"},
          "tail": {"name": "examples.slow_tools.env:ENV", "options": {"latency_sigma": 1.75}},
          "fast": {"name": "code_tool"}}
@@ -92,7 +106,8 @@ def run(seed: int, task: str, mode: str, steps: int, work: Path) -> dict[str, An
     return {"seed": seed, "task": task, "mode": mode, "steps": steps, "total_s": time.perf_counter() - start,
             "curve": [{"step": h["step"], "wall_s": h["wall_s"], "heldout_accuracy": h["heldout_accuracy"]}
                       for h in history if "heldout_accuracy" in h],
-            "summary": summarize(history, cfg.train.prompts_per_step * cfg.rollout.n)}
+            "summary": summarize(history, cfg.train.prompts_per_step * cfg.rollout.n),
+            "trace": [{"step": h["step"], **{k: h[k] for k in TRACE if k in h}} for h in history]}
 
 
 def summarize(history: list[dict], trajectories_per_step: int) -> dict[str, float]:
@@ -150,19 +165,34 @@ def write_report(path: Path, task: str, table: dict[str, dict], command: str) ->
     path.write_text(text)
 
 
+def speedup(sync_row: dict | None, row: dict) -> float | None:
+    """Sync's time to its own final accuracy over the time this mode took to reach it, summed
+    over this mode's seeds (the same seeds on both sides); None unless every seed got there."""
+    if not sync_row:
+        return None
+    sync_each = dict(zip(sync_row["seeds"], sync_row["time_to_target_s_each"]))
+    pairs = [(sync_each.get(seed), ttt) for seed, ttt in zip(row["seeds"], row["time_to_target_s_each"])]
+    if not pairs or any(a is None or b is None for a, b in pairs):
+        return None
+    return sum(a for a, _ in pairs) / sum(b for _, b in pairs)
+
+
 def report_lines(task: str, table: dict[str, dict], command: str) -> list[str]:
-    sync = table.get("sync", {}).get("time_to_target_s")
     lines = [f"## Task `{task}`", "",
              f"Rerun with `{command}` (benchmarks/async_rl.py; numbers from benchmarks/results/async-{task}.json).", "",
+             "The speed-up compares the times to sync's final accuracy on the same seeds; the time column is "
+             "the mean over the seeds, or how many of them got there.", "",
              "| mode | seeds | time to sync's final accuracy (s) | speed-up | final held-out acc. | wall (s) | "
              "steps/s | traj/s | engine busy | trainer busy | staleness | stale groups | health flags |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for mode, r in table.items():
-        ttt = r["time_to_target_s"]
-        speedup = f"{sync / ttt:.2f}x" if sync and ttt else "-"
+        ttt, each = r["time_to_target_s"], r["time_to_target_s_each"]
+        reached = f"- ({sum(t is not None for t in each)}/{len(each)} seeds)"
+        ratio = speedup(table.get("sync"), r)
         acc = f"{r['final_accuracy']:.3f}" + (f" ± {r['final_accuracy_sd']:.3f}" if "final_accuracy_sd" in r else "")
         fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-        lines.append(f"| {mode} | {r['seeds']} | {fmt(ttt, '.0f')} | {speedup} | {acc} | {fmt(r['wall_s'], '.0f')} | "
+        lines.append(f"| {mode} | {r['seeds']} | {reached if ttt is None else format(ttt, '.0f')} | "
+                     f"{'-' if ratio is None else format(ratio, '.2f') + 'x'} | {acc} | {fmt(r['wall_s'], '.0f')} | "
                      f"{fmt(r['steps_per_s'], '.3f')} | {fmt(r['trajectories_per_s'], '.1f')} | "
                      f"{fmt(r['engine_busy_frac'], '.2f')} | {fmt(r['trainer_busy_frac'], '.2f')} | "
                      f"{fmt(r['staleness_mean'], '.2f')} | {fmt(r['stale_groups_total'], '.0f')} | "
@@ -179,18 +209,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="seed 0, sync against async at staleness 2")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=DEFAULT_MODES)
     p.add_argument("--task", choices=list(TASKS), default="slow")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--work-dir", type=Path, default=ROOT / ".cache" / "async_rl")
     p.add_argument("--results", type=Path, default=None)
+    p.add_argument("--report", action="store_true",
+                   help="run nothing: write the table of the runs already in the results file")
     args = p.parse_args(argv)
     seeds, modes = ([0], ["sync", "async_s2"]) if args.quick else (args.seeds, args.modes)
     results_path = args.results or ROOT / "benchmarks" / "results" / f"async-{args.task}.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else []
     for seed in seeds:
         for mode in modes:   # sync first: the others are measured against its accuracy
-            if any(r["seed"] == seed and r["mode"] == mode and r["steps"] == args.steps for r in results):
+            if args.report or any(r["seed"] == seed and r["mode"] == mode and r["steps"] == args.steps
+                                  for r in results):
                 continue
             print(f"async_rl: seed {seed}, {mode}, task {args.task}", flush=True)
             results.append(run(seed, args.task, mode, args.steps, args.work_dir))
@@ -200,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     table = modes_table(chosen, modes)
     command = "python benchmarks/async_rl.py" + (" --quick" if args.quick else "") + \
         ("" if args.quick or seeds == [0, 1, 2] else " --seeds " + " ".join(map(str, seeds))) + \
-        ("" if args.quick or modes == list(MODES) else " --modes " + " ".join(modes)) + \
+        ("" if args.quick or modes == DEFAULT_MODES else " --modes " + " ".join(modes)) + \
         ("" if args.task == "slow" else f" --task {args.task}") + ("" if args.steps == 40 else f" --steps {args.steps}")
     write_report(ROOT / "benchmarks" / "ASYNC.md", args.task, table, command)
     print(json.dumps({"modes": {m: {"time_to_target_s": r["time_to_target_s"], "final_accuracy": r["final_accuracy"],

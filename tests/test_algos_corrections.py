@@ -160,3 +160,24 @@ def test_decoupled_loss_weights_by_the_untruncated_ratio_and_can_interpolate():
     _, grad, metrics = _loss_and_grad("decoupled", batch, proximal="interpolate")
     assert torch.allclose(grad, _t([0.0, -0.5 / 3, 1 / 3]), atol=1e-6)
     assert metrics["is_weight_max"].item() == pytest.approx(1.0)
+
+
+def test_tis_and_decoupled_are_one_loss_at_their_defaults():
+    """With pi_prox recomputed (async training), decoupled's defaults (token level, cap 2) and
+    tis's (token level, cap 2) weight the same surrogate by the same min(rho, 2): loss, gradient
+    and metrics agree, clipping included. (benchmarks/ASYNC.md compares runs of both: their
+    differences are run-to-run variance.)"""
+    gen = torch.Generator().manual_seed(0)
+    shape = (4, 16)
+    base = {"old_logp": -torch.rand(shape, generator=gen) * 3, "ref_logp": -torch.rand(shape, generator=gen) * 3,
+            "advantages": torch.randn(shape, generator=gen), "mask": (torch.rand(shape, generator=gen) > 0.2).float()}
+    base["engine_logprobs"] = base["old_logp"] + 0.5 * torch.randn(shape, generator=gen)
+    start = base["old_logp"] + 0.3 * torch.randn(shape, generator=gen)     # ratios outside the clip range too
+    out = {}
+    for name in ("tis", "decoupled"):
+        batch = {**base, "logp": start.clone().requires_grad_(True)}
+        out[name] = _loss_and_grad(name, batch)
+    (tis_loss, tis_grad, tis_m), (dec_loss, dec_grad, dec_m) = out["tis"], out["decoupled"]
+    assert tis_m["clip_fraction"].item() > 0 and tis_m["is_truncated_frac"].item() > 0
+    assert dec_loss == pytest.approx(tis_loss, abs=1e-7) and torch.allclose(dec_grad, tis_grad, atol=1e-7)
+    assert set(tis_m) == set(dec_m) and all(torch.allclose(tis_m[k], dec_m[k]) for k in tis_m)

@@ -69,7 +69,12 @@ def test_time_to_target_is_the_first_eval_at_the_sync_final_accuracy(tmp_path):
     async_rl.write_report(tmp_path / "ASYNC.md", "slow", async_rl.modes_table(results[2:], ["sync", "async_s2"]),
                           "python benchmarks/async_rl.py")
     text = (tmp_path / "ASYNC.md").read_text()
-    assert text.count("## Task `slow`") == 1 and "| async_s2 | [1] | - | - |" in text and "| [0] | 100 |" not in text
+    assert text.count("## Task `slow`") == 1 and "| async_s2 | [1] | - (0/1 seeds) | - |" in text
+    assert "| [0] | 100 |" not in text
+    # the speed-up takes sync's times on the mode's own seeds: seed 0 only here (300 s, not the mean 250 s)
+    only_seed_0 = async_rl.modes_table(results + [_run(0, "async_s1", [0.8], [150])], ["sync", "async_s1"])
+    assert async_rl.speedup(only_seed_0["sync"], only_seed_0["async_s1"]) == pytest.approx(2.0)
+    assert async_rl.speedup(table["sync"], table["async_s2"]) is None        # seed 1 never got there
     assert "## Task `tail`" in text and "tail command" in text and "hand-written" in text
 
 
