@@ -354,6 +354,8 @@ class PolicyWorker(_TrainerRank):
             logp = token_logprobs(logits, mb["input_ids"])
             if not same:   # the stats from this forward, on this rank's share
                 share = self._sampling_stats(logp.detach(), ref_logp[mine], mb["engine_logprobs"], mb["loss_mask"])
+                # a share without policy tokens adds nothing: weight 0, and 0 never wins a max of |gaps|
+                share = {k: 0.0 if math.isnan(v) else v for k, v in share.items()}
                 for key in ("kl_ref", "logp_gap_mean"):
                     sums.setdefault(key, []).append(token_weight * share[key])
                 for key in ("logp_gap_max", "logp_gap_p99"):   # p99: of the rank whose share has the largest
