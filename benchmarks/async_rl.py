@@ -140,6 +140,7 @@ def modes_table(results: list[dict], modes: list[str]) -> dict[str, dict]:
         ttt = [time_to_target(r["curve"], sync_final.get(r["seed"])) for r in runs]
         row: dict[str, Any] = {"seeds": [r["seed"] for r in runs], "time_to_target_s_each": ttt,
                                "curves": {r["seed"]: r["curve"] for r in runs},
+                               "traces": {r["seed"]: r["trace"] for r in runs if r.get("trace")},
                                "time_to_target_s": statistics.fmean(ttt) if ttt and None not in ttt else None}
         for key in ("final_accuracy", "wall_s", "steps_per_s", "trajectories_per_s", "engine_busy_frac",
                     "trainer_busy_frac", "staleness_mean", "stale_groups_total"):
@@ -177,6 +178,17 @@ def speedup(sync_row: dict | None, row: dict) -> float | None:
     return sum(a for a, _ in pairs) / sum(b for _, b in pairs)
 
 
+def trace_summary(trace: list[dict]) -> dict[str, Any]:
+    """What a run's per-step trace says about its stability: the best batch reward, the first
+    step whose kl_ref (mean per-token KL to the starting model) exceeds 1, the largest kl_ref,
+    and the smallest mean importance weight (None without async's weights)."""
+    kl = [(h["step"], h["kl_ref"]) for h in trace if "kl_ref" in h]
+    weights = [h["is_weight_mean"] for h in trace if "is_weight_mean" in h]
+    return {"best_reward": max(h["reward_mean"] for h in trace),
+            "first_kl_over_1": next((step for step, k in kl if k > 1), None),
+            "max_kl_ref": max((k for _, k in kl), default=None), "min_is_weight_mean": min(weights, default=None)}
+
+
 def report_lines(task: str, table: dict[str, dict], command: str) -> list[str]:
     lines = [f"## Task `{task}`", "",
              f"Rerun with `{command}` (benchmarks/async_rl.py; numbers from benchmarks/results/async-{task}.json).", "",
@@ -202,6 +214,14 @@ def report_lines(task: str, table: dict[str, dict], command: str) -> list[str]:
         for seed, curve in r["curves"].items():
             points = ", ".join(f"{p['step']}: {p['heldout_accuracy']:.3f} at {p['wall_s']:.0f} s" for p in curve)
             lines.append(f"- {mode}, seed {seed}: {points}")
+    traced = [(mode, seed, trace_summary(trace)) for mode, r in table.items() for seed, trace in r["traces"].items()]
+    if traced:
+        fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+        lines += ["", "Per-step traces, the runs that kept one (`trace` in the results JSON):", "",
+                  "| mode | seed | best train reward | first step kl_ref > 1 | max kl_ref | min is_weight_mean |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {mode} | {seed} | {t['best_reward']:.2f} | {fmt(t['first_kl_over_1'], 'd')} | "
+                  f"{fmt(t['max_kl_ref'], '.2f')} | {fmt(t['min_is_weight_mean'], '.3f')} |" for mode, seed, t in traced]
     return lines
 
 

@@ -87,3 +87,14 @@ def test_every_mode_makes_a_valid_config():
     assert tail.env.options == {"latency_sigma": 1.75} and tail.train.steps == 20
     median, sigma = SlowCodeToolEnv().median, tail.env.options["latency_sigma"]
     assert median * math.exp(2.326 * sigma) == pytest.approx(17.6, abs=0.1)   # its p99, seconds
+
+
+def test_trace_summary_finds_the_kl_jump_and_the_smallest_weight():
+    trace = [{"step": 1, "reward_mean": 0.2, "kl_ref": 0.0, "is_weight_mean": 1.0},
+             {"step": 2, "reward_mean": 0.9, "kl_ref": 0.5, "is_weight_mean": 0.94},
+             {"step": 3, "reward_mean": 0.0, "kl_ref": 2009.0, "is_weight_mean": 0.97},
+             {"step": 4, "reward_mean": 0.0, "kl_ref": 3.0}]
+    assert async_rl.trace_summary(trace) == {"best_reward": 0.9, "first_kl_over_1": 3, "max_kl_ref": 2009.0,
+                                             "min_is_weight_mean": 0.94}
+    sync = async_rl.trace_summary([{"step": 1, "reward_mean": 0.5, "kl_ref": 0.2}])
+    assert sync["first_kl_over_1"] is None and sync["min_is_weight_mean"] is None

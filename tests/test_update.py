@@ -2,6 +2,7 @@
 one epoch of one mini-batch it does not score the batch a second time for the old logprobs,
 and logprobs handed in (MLMT computes them first) replace its own; either way the update and
 its stats are the ones of the plain path."""
+import math
 import socket
 
 import pytest
@@ -151,3 +152,9 @@ def test_engine_gap_is_not_measured_without_fresh_tokens():
     none = PolicyWorker._sampling_stats(me, logp, logp, engine, mask, gap_mask=torch.zeros_like(mask))
     assert all(none[k] != none[k] for k in ("logp_gap_max", "logp_gap_mean", "logp_gap_p99"))   # NaN
     assert none["kl_ref"] == fresh["kl_ref"] == 0.0
+    # a mini-batch share without policy tokens adds 0 to the sums and maxes; a real NaN (kl_ref of a
+    # diverged policy) is not turned into 0 on the way
+    share = PolicyWorker._sampling_stats(me, logp, logp, engine, torch.zeros_like(mask), no_tokens=0.0)
+    assert share["logp_gap_max"] == share["logp_gap_mean"] == share["logp_gap_p99"] == 0.0
+    bad = PolicyWorker._sampling_stats(me, logp, torch.full_like(logp, math.nan), engine, mask, no_tokens=0.0)
+    assert bad["kl_ref"] != bad["kl_ref"]

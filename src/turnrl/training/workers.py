@@ -353,9 +353,9 @@ class PolicyWorker(_TrainerRank):
             logits = self._forward(mb)
             logp = token_logprobs(logits, mb["input_ids"])
             if not same:   # the stats from this forward, on this rank's share
-                share = self._sampling_stats(logp.detach(), ref_logp[mine], mb["engine_logprobs"], mb["loss_mask"])
                 # a share without policy tokens adds nothing: weight 0, and 0 never wins a max of |gaps|
-                share = {k: 0.0 if math.isnan(v) else v for k, v in share.items()}
+                share = self._sampling_stats(logp.detach(), ref_logp[mine], mb["engine_logprobs"], mb["loss_mask"],
+                                             no_tokens=0.0)
                 for key in ("kl_ref", "logp_gap_mean"):
                     sums.setdefault(key, []).append(token_weight * share[key])
                 for key in ("logp_gap_max", "logp_gap_p99"):   # p99: of the rank whose share has the largest
@@ -381,16 +381,17 @@ class PolicyWorker(_TrainerRank):
         return {"sum": sums, "max": maxes, "same": same}
 
     def _sampling_stats(self, logp: torch.Tensor, ref_logp: torch.Tensor, engine_logp: torch.Tensor,
-                        mask: torch.Tensor, gap_mask: torch.Tensor | None = None) -> dict[str, float]:
+                        mask: torch.Tensor, gap_mask: torch.Tensor | None = None,
+                        no_tokens: float = math.nan) -> dict[str, float]:
         """logp_gap_max, _mean, _p99: the largest, mean and 99th percentile |trainer - engine|
         logprob over policy tokens (`gap_mask`, default `mask`: the tokens the engines sampled
-        with the weights the trainer holds; none, as when an asynchronous batch is all older
-        samples: NaN, not measured); kl_ref: the policy's mean KL to its start."""
+        with the weights the trainer holds; with none, as when an asynchronous batch is all older
+        samples, `no_tokens`: NaN, not measured); kl_ref: the policy's mean KL to its start."""
         kind = self.params.algorithm.kl_estimator
         kl_ref = masked_mean(kl_estimate(logp, ref_logp, kind=kind), mask).item()
         gaps = (logp - engine_logp).abs()[(mask if gap_mask is None else gap_mask).bool()].float()
         if gaps.numel() == 0:
-            return {"logp_gap_max": math.nan, "logp_gap_mean": math.nan, "logp_gap_p99": math.nan, "kl_ref": kl_ref}
+            return {"logp_gap_max": no_tokens, "logp_gap_mean": no_tokens, "logp_gap_p99": no_tokens, "kl_ref": kl_ref}
         return {"logp_gap_max": gaps.max().item(), "logp_gap_mean": gaps.mean().item(),
                 "logp_gap_p99": gaps.kthvalue(max(1, math.ceil(0.99 * gaps.numel()))).values.item(),
                 "kl_ref": kl_ref}
