@@ -47,17 +47,16 @@ def _merge(base: dict, over: dict) -> dict:
 
 
 ASYNC = {"train": {"mode": "async"}, "algorithm": {"policy_loss": "decoupled"}}
-MODES: dict[str, dict] = {
+BASE_MODES: dict[str, dict] = {
     "sync": {},
     "overlap": {"train": {"overlap_rollout": True}},
     **{f"async_s{k}": _merge(ASYNC, {"train": {"max_staleness": k}}) for k in (0, 1, 2, 4)},
     # the same staleness with the other corrections (their default thresholds)
     "async_s2_tis": _merge(ASYNC, {"train": {"max_staleness": 2}, "algorithm": {"policy_loss": "tis"}}),
     "async_s2_mis": _merge(ASYNC, {"train": {"max_staleness": 2}, "algorithm": {"policy_loss": "mis"}}),
-    # half params.yaml's train.lr (5e-4): smaller steps on off-policy samples; sync_half_lr is its control
-    "async_s2_half_lr": _merge(ASYNC, {"train": {"max_staleness": 2, "lr": 2.5e-4}}),
-    "sync_half_lr": {"train": {"lr": 2.5e-4}},
 }
+# each at half params.yaml's train.lr (5e-4): smaller steps on off-policy samples (sync_half_lr: the control)
+MODES = {**BASE_MODES, **{f"{mode}_half_lr": _merge(over, {"train": {"lr": 2.5e-4}}) for mode, over in BASE_MODES.items()}}
 DEFAULT_MODES = ["sync", "overlap", "async_s1", "async_s2", "async_s4"]
 # kept for every step, to see what happened before a collapse
 TRACE = ("reward_mean", "kl_ref", "entropy", "grad_norm", "clip_fraction", "is_weight_mean", "is_weight_max",

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from turnrl.algos import kl_estimate, kl_loss, kl_penalized_rewards
+from turnrl.algos import kl_estimate, kl_loss, kl_penalized_rewards, masked_mean, off_policy_kl_mean
 
 LN2 = math.log(2)
 
@@ -81,3 +81,31 @@ def test_kl_loss_value_and_gradient():
     close(loss, 0.25)
     loss.backward()
     close(logp.grad, [[0.25, -0.5, 0.0]])
+
+
+def test_off_policy_kl_mean_known_points():
+    # two tokens sampled by mu; policy/mu = [2, 1/2] (log-weights ±ln 2), k1 = Δ = [1, -1]:
+    # (2 * 1 + 0.5 * -1) / 2.5 = 0.6; the third token is masked out
+    logp = t([[-1.0, -2.0, -3.0]])
+    ref = logp - t([[1.0, -1.0, 5.0]])
+    mu = logp - t([[LN2, -LN2, 0.0]])
+    mask = t([[1.0, 1.0, 0.0]])
+    close(off_policy_kl_mean(logp, ref, mu, mask, kind="k1"), 0.6)
+    # mu = the policy: the plain masked mean, for every estimator
+    for kind in ("k1", "k2", "k3"):
+        close(off_policy_kl_mean(logp, ref, logp, mask, kind=kind), masked_mean(kl_estimate(logp, ref, kind), mask))
+    close(off_policy_kl_mean(logp, ref, mu, torch.zeros_like(mask)), 0.0)
+
+
+def test_off_policy_kl_mean_estimates_the_policys_kl_from_another_policys_samples():
+    # a 3-token vocabulary: the reference, an old policy mu that liked token 2, and a policy that
+    # has since made token 2 near-impossible; 20000 tokens sampled from mu
+    torch.manual_seed(0)
+    ref, mu, pi = (torch.log(t(p)) for p in ([0.3, 0.3, 0.4], [0.1, 0.1, 0.8], [0.5, 0.5 - 1e-6, 1e-6]))
+    exact = float((pi.exp() * (pi - ref)).sum())
+    tokens = torch.multinomial(mu.exp(), 20000, replacement=True)[None]
+    mask = torch.ones_like(tokens, dtype=torch.float32)
+    weighted = off_policy_kl_mean(pi[tokens], ref[tokens], mu[tokens], mask, kind="k3")
+    assert abs(float(weighted) - exact) < 0.05 * exact
+    # the plain mean of k3 over mu's tokens: token 2's exp(-Δ) = 0.4 / 1e-6 swamps it
+    assert float(masked_mean(kl_estimate(pi[tokens], ref[tokens], "k3"), mask)) > 1000 * exact

@@ -450,3 +450,48 @@ def test_the_vllm_stepper_stops_where_vllm_itself_stops(tiny_model_dir):
                                                     abs=1e-5)
         if stop:
             assert {s.finish for s in ours} == {"stop", "length"}, stop     # both kinds of ending seen
+
+
+@pytest.mark.slow
+def test_a_weight_push_mid_turn_samples_the_rest_from_the_new_weights_only(tiny_model_dir):
+    """Asynchronous training pushes weights while turns decode (partial rollout). The tokens
+    sampled after the push, by requests that were running and by a new request whose prompt the
+    engine has cached, have exactly the logprobs the new weights give the same sequences: no
+    keys or values of the older weights are left (vLLM's plain reset leaves them while requests
+    run: up to 0.9 nats off here). The tokens from before the push keep their logprobs, and every
+    request still gets all its tokens (or ends at an end of sequence)."""
+    if ran_in_a_fresh_interpreter("test_a_weight_push_mid_turn_samples_the_rest_from_the_new_weights_only"):
+        return
+    import torch
+    from transformers import AutoModelForCausalLM
+    from turnrl.rollout.engines import VLLMEngine
+    engine = VLLMEngine(str(tiny_model_dir), max_model_len=512, seed=0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    torch.manual_seed(1)
+    pushed = {name: p.detach() + 0.05 * torch.randn_like(p) for name, p in model.named_parameters()}
+    prompts = [[1] + [5 + k, 9, 12, 30 + k] * 20 for k in range(4)]
+    stepper = engine.stepper(stop=[], temperature=1.0, top_p=1.0)
+    for key, prompt in enumerate(prompts):
+        stepper.add(key, prompt, 60, None)
+    done = {}
+    for _ in range(20):
+        done.update(stepper.step())
+    assert not done
+    at_push = {key: len(ids) for key, ids, _ in stepper.running.values()}
+    before = {key: list(logprobs) for key, _, logprobs in stepper.running.values()}
+    engine.load_weights(pushed.items())
+    stepper.add(4, prompts[0], 30, None)   # cached by request 0 under the older weights
+    while stepper.busy():
+        done.update(stepper.step())
+    for k, limit in enumerate([60] * 4 + [30]):   # all their tokens (or up to an end of sequence)
+        assert len(done[k].token_ids) == len(done[k].logprobs) and (done[k].finish == "stop") != \
+            (len(done[k].token_ids) == limit)
+    scored = engine.prompt_logprobs([prompts[k % 4] + done[k].token_ids for k in range(5)])
+    for k in range(5):
+        start = at_push.get(k, 0)
+        sampled, new_weights = done[k].logprobs[start:], scored[k][len(prompts[k % 4]) + start:]
+        assert sampled == pytest.approx(new_weights, abs=1e-4), k
+        if k < 4:
+            assert done[k].logprobs[:start] == before[k]   # kept as the older weights gave them
+            # and they were the older weights': the new ones give them otherwise
+            assert max(abs(a - b) for a, b in zip(before[k], scored[k][len(prompts[k]):])) > 0.05

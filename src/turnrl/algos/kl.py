@@ -7,6 +7,9 @@ KL(policy || ref)):
     k1 = Δ                    unbiased, can be negative per token
     k2 = ½ Δ²                 biased, low variance, ≥ 0
     k3 = exp(-Δ) + Δ - 1      unbiased, ≥ 0
+On tokens another policy mu sampled (asynchronous or overlapped training), their plain mean
+is not an estimate of KL(policy || ref): a token mu liked and the policy has since made
+near-impossible gets exp(-Δ) ~ e^20. `off_policy_kl_mean` reweights them by policy / mu.
 """
 
 from __future__ import annotations
@@ -36,6 +39,27 @@ def kl_estimate(
     if kind == "k3":
         return torch.exp(-delta) + delta - 1.0
     raise ValueError(f"unknown KL estimator {kind!r}; choose one of {KL_KINDS}")
+
+
+def off_policy_kl_mean(
+    logp: torch.Tensor, logp_ref: torch.Tensor, logp_behaviour: torch.Tensor, mask: torch.Tensor,
+    kind: str = "k3", clamp: float | None = 20.0,
+) -> torch.Tensor:
+    """KL(policy || ref) from tokens that the behaviour policy mu sampled: the self-normalized
+    importance-weighted mean sum(w kl) / sum(w) over masked tokens, w = exp(logp - logp_behaviour)
+    (log-weights clamped like Δ). All inputs [B, T], detached; returns a 0-dim tensor (0 for an
+    empty mask). Equals the plain masked mean when the policy is the behaviour policy."""
+    log_w = logp - logp_behaviour
+    if clamp is not None:
+        log_w = torch.clamp(log_w, -clamp, clamp)
+    # the largest weight as 1 (the ratio is unchanged; exp cannot overflow)
+    log_w = torch.where(mask.bool(), log_w, torch.full_like(log_w, -torch.inf))
+    top = log_w.max()
+    w = torch.where(mask.bool(), torch.exp(log_w - top), torch.zeros_like(log_w)) if torch.isfinite(top) \
+        else torch.zeros_like(log_w)
+    total = w.sum()
+    kl = torch.where(mask.bool(), kl_estimate(logp, logp_ref, kind, clamp), torch.zeros_like(logp))
+    return torch.where(total > 0, (w * kl).sum() / total.clamp(min=1e-30), torch.zeros(()))
 
 
 def kl_penalized_rewards(

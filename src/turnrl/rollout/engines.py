@@ -90,12 +90,28 @@ class VLLMEngine:
         the checkpoint's names and layouts, which vLLM's loader reads). A tied lm_head comes under
         both names: vLLM's reload re-creates each layer's weights, which unties them where vLLM has
         an lm_head layer (Qwen2, Gemma 3), so it is sent too, but not to a model without one
-        (Gemma 2 computes logits with its embedding: "no module or parameter named 'lm_head'")."""
+        (Gemma 2 computes logits with its embedding: "no module or parameter named 'lm_head'").
+        Requests still running (a stream's turns in flight) go on under the new weights, their
+        keys and values recomputed (`forget_older_kv`)."""
         if not self.has_lm_head:
             named_tensors = ((n, t) for n, t in named_tensors if not n.startswith("lm_head."))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self.checkpoint_names(named_tensors)})
         self.llm.collective_rpc(_prepack_cpu_experts_again)
-        self.llm.reset_prefix_cache()
+        forget_older_kv(self.llm)
+
+
+def forget_older_kv(llm) -> None:
+    """After new weights: no token is sampled from keys and values the older weights computed.
+    vLLM's plain `reset_prefix_cache()` does nothing while a request runs ("Failed to reset
+    prefix cache because some blocks are not freed yet"), which in asynchronous training is at
+    almost every push (31 of 40 in one run): the running turns then went on attending to the
+    older weights' KV (their tokens' logprobs up to 0.9 nats from the new weights' on the tiny
+    model), and new turns reused cached prefixes from weights any number of versions old. So the
+    running requests are preempted (vLLM prefills their prompt and tokens so far again under the
+    new weights when it resumes them, AReaL's recompute; the tokens and logprobs already
+    returned stay as they are) and every cached prefix is dropped. Idle, it is the plain reset."""
+    if not llm.reset_prefix_cache(reset_running_requests=True):
+        raise RuntimeError("vLLM did not drop its prefix cache after a weight update")
 
 
 def _has_lm_head(worker) -> bool:

@@ -2,7 +2,8 @@
 
     driver  --feed(examples)-->  inbox  --admit-->  groups in flight (n trajectories each)
     each engine step: pending weights are loaded first (partial rollout: a turn in flight goes
-        on under the new weights), answers that are back rejoin, the engine decodes
+        on under the new weights, its KV recomputed by them), answers that are back rejoin, the
+        engine decodes
     a group whose n trajectories all ended  -->  finished  --take_groups()-->  driver
 
 It is the multi-turn loop of `turnrl.rollout.multi_turn` (`_Rollout`: its turns, budgets,

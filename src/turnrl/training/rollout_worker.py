@@ -143,8 +143,9 @@ class RolloutWorker:
         self.engine.llm.update_weights(request)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
+        from turnrl.rollout.engines import forget_older_kv
         self.engine.llm.finish_weight_update(weight_version)
-        self.engine.llm.reset_prefix_cache()
+        forget_older_kv(self.engine.llm)
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.engine.llm.shutdown_weight_transfer_engine()

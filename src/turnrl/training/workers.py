@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from turnrl.algos import (entropy_from_logits, explained_variance, kl_estimate, logprobs_from_logits,
-                          masked_mean, value_loss)
+                          masked_mean, off_policy_kl_mean, value_loss)
 from turnrl.algos.registry import compute_policy_loss, resolve_loss
 from turnrl.config import AlgorithmCfg, Config, EnvCfg, LoraCfg, ModelCfg, RewardCfg, RolloutCfg, TrainCfg
 from turnrl.training.checkpoint import step_seed
@@ -343,7 +343,8 @@ class PolicyWorker(_TrainerRank):
             # asynchronous: the engine-trainer gap over the tokens these very weights sampled (the
             # older ones differ by their staleness, which the correction's stats measure)
             fresh = mask * (batch["versions"] == batch["trainer_version"]) if off_policy else mask
-            same = self._sampling_stats(old_logp, ref_logp, batch["engine_logprobs"], mask, fresh)
+            same = self._sampling_stats(old_logp, ref_logp, batch["engine_logprobs"], mask, fresh,
+                                        off_policy=off_policy)
 
         self.engine.train()
         for chunk, mine in self._minibatches(mask.shape[0], step, "policy"):
@@ -355,7 +356,7 @@ class PolicyWorker(_TrainerRank):
             if not same:   # the stats from this forward, on this rank's share
                 # a share without policy tokens adds nothing: weight 0, and 0 never wins a max of |gaps|
                 share = self._sampling_stats(logp.detach(), ref_logp[mine], mb["engine_logprobs"], mb["loss_mask"],
-                                             no_tokens=0.0)
+                                             no_tokens=0.0, off_policy=stale)
                 for key in ("kl_ref", "logp_gap_mean"):
                     sums.setdefault(key, []).append(token_weight * share[key])
                 for key in ("logp_gap_max", "logp_gap_p99"):   # p99: of the rank whose share has the largest
@@ -382,13 +383,15 @@ class PolicyWorker(_TrainerRank):
 
     def _sampling_stats(self, logp: torch.Tensor, ref_logp: torch.Tensor, engine_logp: torch.Tensor,
                         mask: torch.Tensor, gap_mask: torch.Tensor | None = None,
-                        no_tokens: float = math.nan) -> dict[str, float]:
+                        no_tokens: float = math.nan, off_policy: bool = False) -> dict[str, float]:
         """logp_gap_max, _mean, _p99: the largest, mean and 99th percentile |trainer - engine|
         logprob over policy tokens (`gap_mask`, default `mask`: the tokens the engines sampled
         with the weights the trainer holds; with none, as when an asynchronous batch is all older
-        samples, `no_tokens`: NaN, not measured); kl_ref: the policy's mean KL to its start."""
+        samples, `no_tokens`: NaN, not measured); kl_ref: the policy's mean KL to its start, on
+        `off_policy` samples (older weights sampled them) importance-weighted by policy / engine."""
         kind = self.params.algorithm.kl_estimator
-        kl_ref = masked_mean(kl_estimate(logp, ref_logp, kind=kind), mask).item()
+        kl_ref = (off_policy_kl_mean(logp, ref_logp, engine_logp, mask, kind=kind) if off_policy
+                  else masked_mean(kl_estimate(logp, ref_logp, kind=kind), mask)).item()
         gaps = (logp - engine_logp).abs()[(mask if gap_mask is None else gap_mask).bool()].float()
         if gaps.numel() == 0:
             return {"logp_gap_max": no_tokens, "logp_gap_mean": no_tokens, "logp_gap_p99": no_tokens, "kl_ref": kl_ref}
