@@ -56,7 +56,8 @@ BASE_MODES: dict[str, dict] = {
     "async_s2_mis": _merge(ASYNC, {"train": {"max_staleness": 2}, "algorithm": {"policy_loss": "mis"}}),
 }
 # each at half params.yaml's train.lr (5e-4): smaller steps on off-policy samples (sync_half_lr: the control)
-MODES = {**BASE_MODES, **{f"{mode}_half_lr": _merge(over, {"train": {"lr": 2.5e-4}}) for mode, over in BASE_MODES.items()}}
+MODES = {**BASE_MODES,
+         **{f"{mode}_half_lr": _merge(over, {"train": {"lr": 2.5e-4}}) for mode, over in BASE_MODES.items()}}
 DEFAULT_MODES = ["sync", "overlap", "async_s1", "async_s2", "async_s4"]
 # kept for every step, to see what happened before a collapse
 TRACE = ("reward_mean", "kl_ref", "entropy", "grad_norm", "clip_fraction", "is_weight_mean", "is_weight_max",

@@ -19,6 +19,7 @@ __all__ = [
     "contiguous_group_ids", "dr_grpo", "entropy_from_logits", "explained_variance", "first_obs_position", "gae",
     "group_normalize", "grpo", "kl_estimate", "kl_loss", "kl_penalized_rewards", "logprobs_from_logits",
     "masked_mean", "masked_sum", "masked_var", "masked_whiten", "mlmt", "mlmt_stage1_rewards", "mlmt_stage2_rewards",
-    "ms_grpo", "ms_po", "mt_grpo", "off_policy_kl_mean", "outcome_token_rewards", "per_turn_grpo", "per_turn_mean_std", "per_turn_sum",
-    "policy_loss", "policy_loss_with_kl", "rloo", "turn_rewards_to_tokens", "value_loss",
+    "ms_grpo", "ms_po", "mt_grpo", "off_policy_kl_mean", "outcome_token_rewards", "per_turn_grpo",
+    "per_turn_mean_std", "per_turn_sum", "policy_loss", "policy_loss_with_kl", "rloo", "turn_rewards_to_tokens",
+    "value_loss",
 ]
