@@ -1,10 +1,11 @@
-import json
 """Asynchronous training (`train.mode: async`) on the real stack (Ray actors, DeepSpeed, vLLM):
 the engines roll out continuously, every batch's staleness stays within train.max_staleness,
 the off-policy correction's stats are measured every step, held-out accuracy is scored beside
 the stream, and a run resumes from its checkpoint (queued groups are rolled out again): in
 process, and (the long tier) the train stage killed with SIGKILL.
 Bad settings fail before any work."""
+import json
+
 import pytest
 
 from turnrl.config import ConfigError, parse_config

@@ -458,7 +458,7 @@ def test_a_weight_push_mid_turn_samples_the_rest_from_the_new_weights_only(tiny_
     sampled after the push, by requests that were running and by a new request whose prompt the
     engine has cached, have exactly the logprobs the new weights give the same sequences: no
     keys or values of the older weights are left (vLLM's plain reset leaves them while requests
-    run: up to 0.9 nats off here). The tokens from before the push keep their logprobs, and every
+    run: up to 0.79 nats off here). The tokens from before the push keep their logprobs, and every
     request still gets all its tokens (or ends at an end of sequence)."""
     if ran_in_a_fresh_interpreter("test_a_weight_push_mid_turn_samples_the_rest_from_the_new_weights_only"):
         return

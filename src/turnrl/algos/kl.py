@@ -52,14 +52,12 @@ def off_policy_kl_mean(
     log_w = logp - logp_behaviour
     if clamp is not None:
         log_w = torch.clamp(log_w, -clamp, clamp)
-    # the largest weight as 1 (the ratio is unchanged; exp cannot overflow)
-    log_w = torch.where(mask.bool(), log_w, torch.full_like(log_w, -torch.inf))
-    top = log_w.max()
-    w = torch.where(mask.bool(), torch.exp(log_w - top), torch.zeros_like(log_w)) if torch.isfinite(top) \
-        else torch.zeros_like(log_w)
-    total = w.sum()
+    if not mask.bool().any():
+        return torch.zeros(())
+    # self-normalized weights w / sum(w) over the masked tokens: a softmax of the log-weights
+    weights = torch.softmax(log_w.masked_fill(~mask.bool(), -torch.inf).flatten(), 0).view_as(log_w)
     kl = torch.where(mask.bool(), kl_estimate(logp, logp_ref, kind, clamp), torch.zeros_like(logp))
-    return torch.where(total > 0, (w * kl).sum() / total.clamp(min=1e-30), torch.zeros(()))
+    return (weights * kl).sum()
 
 
 def kl_penalized_rewards(
