@@ -167,3 +167,22 @@ def test_an_unknown_gem_id_is_one_line_not_a_hang(monkeypatch):
     assert "\n" not in message and seconds < 60
     assert message.startswith("env.options.command exited with code 2"), message
     assert "game:NoSuchGame-v0" in message and "not found in registry" in message, message
+
+
+@pytest.mark.slow
+def test_two_training_steps_on_a_gem_game(tiny_model_dir, tmp_path):
+    """GRPO through Ray and DeepSpeed on a GEM game: the rollout worker starts the GEM server from
+    .venv-gem (an absolute command: Ray's workers need not share the test's directory). On the HF
+    engine, as the other adapters' two steps."""
+    from conftest import train_two_steps
+    command = f"{GEM_PYTHON} {REPO / 'src' / 'turnrl' / 'envs' / 'gem_server.py'} --env {ENV_ID} --port {{port}}"
+    start = time.monotonic()
+    history = train_two_steps(tiny_model_dir, tmp_path, {"name": "openenv", "options": {"command": command}},
+                              {"name": "grpo"}, data={"train_examples": 16, "heldout_examples": 4},
+                              rollout={"n": 2, "max_tokens_per_turn": 8, "max_turns": 2, "engine": "hf"})
+    measured("gem: two training steps", seconds=time.monotonic() - start)
+    assert [h["step"] for h in history] == [1, 2]
+    assert all(h["finish_env_error_frac"] == 0.0 for h in history)
+    # GEM's own per-turn rewards: -0.1 for a reply it cannot parse, up to 1 for a win
+    assert all(-0.2 <= h["reward_mean"] <= 1.0 for h in history)
+    assert all(1.0 <= h["turns_mean"] <= 2.0 for h in history)
