@@ -14,7 +14,8 @@ seeded lognormal delay, median 0.3 s, p99 5.5 s; task `tail`: sigma 1.75, p99 17
 slowest of a step's ~200 calls, not the compute, sets a synchronous step's length) or on
 code_tool itself (task `fast`), through
 the training loop on the real stack (Ray actors, DeepSpeed, vLLM), with held-out accuracy
-scored every `train.eval_every` steps (64 problems, one sample each) against the wall time.
+scored every `train.eval_every` steps (64 problems, one sample each; `--eval-examples`) against the
+wall time, which includes the scoring.
 
 Per mode: `time_to_target_s` (wall seconds until its held-out accuracy first reaches the sync
 run's final held-out accuracy; null if never), `final_accuracy`, `wall_s`, steps/s,
@@ -54,6 +55,11 @@ BASE_MODES: dict[str, dict] = {
     # the same staleness with the other corrections (their default thresholds)
     "async_s2_tis": _merge(ASYNC, {"train": {"max_staleness": 2}, "algorithm": {"policy_loss": "tis"}}),
     "async_s2_mis": _merge(ASYNC, {"train": {"max_staleness": 2}, "algorithm": {"policy_loss": "mis"}}),
+    # decoupled PPO with pi_prox interpolated by version: a token one version old is clipped against mu itself,
+    # where the recomputed pi_prox is the policy being updated (one update per batch: the clip never binds)
+    **{f"async_s{k}_interp": _merge(ASYNC, {"train": {"max_staleness": k},
+                                            "algorithm": {"policy_loss_options": {"proximal": "interpolate"}}})
+       for k in (1, 2)},
 }
 # each at half params.yaml's train.lr (5e-4): smaller steps on off-policy samples (sync_half_lr: the control)
 MODES = {**BASE_MODES,
@@ -66,13 +72,14 @@ TRACE = ("reward_mean", "kl_ref", "entropy", "grad_norm", "clip_fraction", "is_w
 TASKS = {"slow": {"name": "examples.slow_tools.env:ENV"},
          "tail": {"name": "examples.slow_tools.env:ENV", "options": {"latency_sigma": 1.75}},
          "fast": {"name": "code_tool"}}
-EVAL = {"eval_every": 5, "eval_examples": 64}
+EVAL_EVERY, EVAL_EXAMPLES = 5, 64   # --eval-examples: more held-out problems, a finer and steadier target
 
 
-def config(seed: int, task: str, mode: str, steps: int):
+def config(seed: int, task: str, mode: str, steps: int, eval_examples: int = EVAL_EXAMPLES):
     from turnrl.config import Config
     data = {"seed": seed, "env": TASKS[task], "eval": {"benchmarks": []},
-            "rollout": {"rejoin": "ready"}, "train": {"steps": steps, **EVAL, "checkpoint_every": 0}}
+            "rollout": {"rejoin": "ready"},
+            "train": {"steps": steps, "eval_every": EVAL_EVERY, "eval_examples": eval_examples, "checkpoint_every": 0}}
     return Config.model_validate(_merge(data, MODES[mode]))
 
 
@@ -90,21 +97,23 @@ def prepare(seed: int, work: Path) -> tuple[Path, Path]:
     return data, model
 
 
-def run(seed: int, task: str, mode: str, steps: int, work: Path) -> dict[str, Any]:
+def run(seed: int, task: str, mode: str, steps: int, work: Path, eval_examples: int = EVAL_EXAMPLES) -> dict[str, Any]:
     import ray
 
     from turnrl.pipeline.preprocess import load_split
     from turnrl.training.loop import train
     data, model = prepare(seed, work)
-    cfg = config(seed, task, mode, steps)
+    cfg = config(seed, task, mode, steps, eval_examples)
     start = time.perf_counter()
     try:
         history = train(cfg, str(model), str(data), load_split(data, "train"), str(work / f"seed{seed}" / mode),
                         heldout_rows=load_split(data, "heldout"))
     finally:
         ray.shutdown()
-    return {"seed": seed, "task": task, "mode": mode, "steps": steps, "total_s": time.perf_counter() - start,
-            "curve": [{"step": h["step"], "wall_s": h["wall_s"], "heldout_accuracy": h["heldout_accuracy"]}
+    return {"seed": seed, "task": task, "mode": mode, "steps": steps, "eval_examples": eval_examples,
+            "total_s": time.perf_counter() - start,
+            "curve": [{"step": h["step"], "wall_s": h["wall_s"], "heldout_accuracy": h["heldout_accuracy"],
+                       "eval_s": h.get("eval_s")}
                       for h in history if "heldout_accuracy" in h],
             "summary": summarize(history, cfg.train.prompts_per_step * cfg.rollout.n),
             "trace": [{"step": h["step"], **{k: h[k] for k in TRACE if k in h}} for h in history]}
@@ -232,30 +241,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=DEFAULT_MODES)
     p.add_argument("--task", choices=list(TASKS), default="slow")
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--eval-examples", type=int, default=EVAL_EXAMPLES,
+                   help="held-out problems scored every 5 steps; other than 64, the runs go to their own results file "
+                        "and table (async-<task>-eval<N>)")
     p.add_argument("--work-dir", type=Path, default=ROOT / ".cache" / "async_rl")
     p.add_argument("--results", type=Path, default=None)
     p.add_argument("--report", action="store_true",
                    help="run nothing: write the table of the runs already in the results file")
     args = p.parse_args(argv)
     seeds, modes = ([0], ["sync", "async_s2"]) if args.quick else (args.seeds, args.modes)
-    results_path = args.results or ROOT / "benchmarks" / "results" / f"async-{args.task}.json"
+    name = args.task if args.eval_examples == EVAL_EXAMPLES else f"{args.task}-eval{args.eval_examples}"
+    results_path = args.results or ROOT / "benchmarks" / "results" / f"async-{name}.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else []
     for seed in seeds:
         for mode in modes:   # sync first: the others are measured against its accuracy
             if args.report or any(r["seed"] == seed and r["mode"] == mode and r["steps"] == args.steps
-                                  for r in results):
+                                  and r.get("eval_examples", EVAL_EXAMPLES) == args.eval_examples for r in results):
                 continue
             print(f"async_rl: seed {seed}, {mode}, task {args.task}", flush=True)
-            results.append(run(seed, args.task, mode, args.steps, args.work_dir))
+            results.append(run(seed, args.task, mode, args.steps, args.work_dir, args.eval_examples))
             results_path.parent.mkdir(parents=True, exist_ok=True)
             results_path.write_text(json.dumps(results, indent=1) + "\n")
-    chosen = [r for r in results if r["seed"] in seeds and r["steps"] == args.steps]
+    chosen = [r for r in results if r["seed"] in seeds and r["steps"] == args.steps
+              and r.get("eval_examples", EVAL_EXAMPLES) == args.eval_examples]
     table = modes_table(chosen, modes)
     command = "python benchmarks/async_rl.py" + (" --quick" if args.quick else "") + \
         ("" if args.quick or seeds == [0, 1, 2] else " --seeds " + " ".join(map(str, seeds))) + \
         ("" if args.quick or modes == DEFAULT_MODES else " --modes " + " ".join(modes)) + \
-        ("" if args.task == "slow" else f" --task {args.task}") + ("" if args.steps == 40 else f" --steps {args.steps}")
-    write_report(ROOT / "benchmarks" / "ASYNC.md", args.task, table, command)
+        ("" if args.task == "slow" else f" --task {args.task}") + \
+        ("" if args.steps == 40 else f" --steps {args.steps}") + \
+        ("" if args.eval_examples == EVAL_EXAMPLES else f" --eval-examples {args.eval_examples}")
+    write_report(ROOT / "benchmarks" / "ASYNC.md", name, table, command)
     print(json.dumps({"modes": {m: {"time_to_target_s": r["time_to_target_s"], "final_accuracy": r["final_accuracy"],
                                     "wall_s": r["wall_s"]} for m, r in table.items()}}))
     return 0

@@ -85,6 +85,7 @@ def test_every_mode_makes_a_valid_config():
         assert (cfg.train.mode == "async") == mode.startswith("async")
     tail = async_rl.config(0, "tail", "sync", 20)
     assert tail.env.options == {"latency_sigma": 1.75} and tail.train.steps == 20
+    assert tail.train.eval_examples == 64 and async_rl.config(0, "tail", "sync", 20, 256).train.eval_examples == 256
     median, sigma = SlowCodeToolEnv().median, tail.env.options["latency_sigma"]
     assert median * math.exp(2.326 * sigma) == pytest.approx(17.6, abs=0.1)   # its p99, seconds
 
