@@ -253,17 +253,19 @@ def main(argv: list[str] | None = None) -> int:
     name = args.task if args.eval_examples == EVAL_EXAMPLES else f"{args.task}-eval{args.eval_examples}"
     results_path = args.results or ROOT / "benchmarks" / "results" / f"async-{name}.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else []
+
+    def same_work(r: dict) -> bool:   # a run of this length, scored on this many held-out problems
+        return r["steps"] == args.steps and r.get("eval_examples", EVAL_EXAMPLES) == args.eval_examples
+
     for seed in seeds:
         for mode in modes:   # sync first: the others are measured against its accuracy
-            if args.report or any(r["seed"] == seed and r["mode"] == mode and r["steps"] == args.steps
-                                  and r.get("eval_examples", EVAL_EXAMPLES) == args.eval_examples for r in results):
+            if args.report or any(r["seed"] == seed and r["mode"] == mode and same_work(r) for r in results):
                 continue
             print(f"async_rl: seed {seed}, {mode}, task {args.task}", flush=True)
             results.append(run(seed, args.task, mode, args.steps, args.work_dir, args.eval_examples))
             results_path.parent.mkdir(parents=True, exist_ok=True)
             results_path.write_text(json.dumps(results, indent=1) + "\n")
-    chosen = [r for r in results if r["seed"] in seeds and r["steps"] == args.steps
-              and r.get("eval_examples", EVAL_EXAMPLES) == args.eval_examples]
+    chosen = [r for r in results if r["seed"] in seeds and same_work(r)]
     table = modes_table(chosen, modes)
     command = "python benchmarks/async_rl.py" + (" --quick" if args.quick else "") + \
         ("" if args.quick or seeds == [0, 1, 2] else " --seeds " + " ".join(map(str, seeds))) + \
