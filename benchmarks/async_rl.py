@@ -132,10 +132,21 @@ def summarize(history: list[dict], trajectories_per_step: int) -> dict[str, floa
             "stale_groups_total": last.get("stale_groups_total", 0.0), "health_flags": flags}
 
 
-def time_to_target(curve: list[dict], target: float | None) -> float | None:
+def time_to_target(curve: list[dict], target: float | None, scoring_excluded: bool = False) -> float | None:
+    """Wall seconds at the first held-out evaluation whose accuracy reached `target` (None if none
+    did). With `scoring_excluded`, less the seconds the evaluations up to it took (None where a
+    point did not record them): the training's own time, the scoring being the benchmark's."""
     if target is None:
         return None
-    return next((p["wall_s"] for p in curve if p["heldout_accuracy"] >= target), None)
+    scoring = 0.0
+    for point in curve:
+        if scoring_excluded:
+            if point.get("eval_s") is None:
+                return None
+            scoring += point["eval_s"]
+        if point["heldout_accuracy"] >= target:
+            return point["wall_s"] - scoring
+    return None
 
 
 def modes_table(results: list[dict], modes: list[str]) -> dict[str, dict]:
@@ -147,7 +158,9 @@ def modes_table(results: list[dict], modes: list[str]) -> dict[str, dict]:
         if not runs:
             continue
         ttt = [time_to_target(r["curve"], sync_final.get(r["seed"])) for r in runs]
+        unscored = [time_to_target(r["curve"], sync_final.get(r["seed"]), scoring_excluded=True) for r in runs]
         row: dict[str, Any] = {"seeds": [r["seed"] for r in runs], "time_to_target_s_each": ttt,
+                               "unscored_time_to_target_s_each": unscored,
                                "curves": {r["seed"]: r["curve"] for r in runs},
                                "traces": {r["seed"]: r["trace"] for r in runs if r.get("trace")},
                                "time_to_target_s": statistics.fmean(ttt) if ttt and None not in ttt else None}
@@ -175,13 +188,14 @@ def write_report(path: Path, task: str, table: dict[str, dict], command: str) ->
     path.write_text(text)
 
 
-def speedup(sync_row: dict | None, row: dict) -> float | None:
+def speedup(sync_row: dict | None, row: dict, times: str = "time_to_target_s_each") -> float | None:
     """Sync's time to its own final accuracy over the time this mode took to reach it, summed
-    over this mode's seeds (the same seeds on both sides); None unless every seed got there."""
+    over this mode's seeds (the same seeds on both sides); None unless every seed got there.
+    `times`: which times, with the scoring (`time_to_target_s_each`) or without it."""
     if not sync_row:
         return None
-    sync_each = dict(zip(sync_row["seeds"], sync_row["time_to_target_s_each"]))
-    pairs = [(sync_each.get(seed), ttt) for seed, ttt in zip(row["seeds"], row["time_to_target_s_each"])]
+    sync_each = dict(zip(sync_row["seeds"], sync_row[times]))
+    pairs = [(sync_each.get(seed), ttt) for seed, ttt in zip(row["seeds"], row[times])]
     if not pairs or any(a is None or b is None for a, b in pairs):
         return None
     return sum(a for a, _ in pairs) / sum(b for _, b in pairs)
@@ -198,22 +212,42 @@ def trace_summary(trace: list[dict]) -> dict[str, Any]:
             "max_kl_ref": max((k for _, k in kl), default=None), "min_is_weight_mean": min(weights, default=None)}
 
 
+def _scoring_recorded(row: dict) -> bool:
+    """Whether every evaluation of the row's runs recorded how long it took (runs from before
+    `eval_s` existed did not)."""
+    return all(p.get("eval_s") is not None for curve in row["curves"].values() for p in curve)
+
+
+def _time_and_speedup(table: dict[str, dict], row: dict, times: str) -> str:
+    """'mean time | speed-up' cells: the mean over the seeds, or how many seeds got there."""
+    each = row[times]
+    mean = f"{statistics.fmean(each):.0f}" if None not in each else f"- ({sum(t is not None for t in each)}/" \
+        f"{len(each)} seeds)"
+    ratio = speedup(table.get("sync"), row, times)
+    return f"{mean} | {'-' if ratio is None else format(ratio, '.2f') + 'x'}"
+
+
 def report_lines(task: str, table: dict[str, dict], command: str) -> list[str]:
+    # the time to target without the held-out scoring, where the runs recorded the scoring's seconds
+    unscored = any(_scoring_recorded(r) for r in table.values())
     lines = [f"## Task `{task}`", "",
              f"Rerun with `{command}` (benchmarks/async_rl.py; numbers from benchmarks/results/async-{task}.json).", "",
              "The speed-up compares the times to sync's final accuracy on the same seeds; the time column is "
-             "the mean over the seeds, or how many of them got there.", "",
-             "| mode | seeds | time to sync's final accuracy (s) | speed-up | final held-out acc. | wall (s) | "
-             "steps/s | traj/s | engine busy | trainer busy | staleness | stale groups | health flags |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "the mean over the seeds, or how many of them got there."
+             + (" Scoring excluded: the same, less the seconds the held-out evaluations up to that point took "
+                "(- where a run did not record them)." if unscored else ""), "",
+             "| mode | seeds | time to sync's final accuracy (s) | speed-up | "
+             + ("scoring excluded: time (s) | speed-up | " if unscored else "")
+             + "final held-out acc. | wall (s) | steps/s | traj/s | engine busy | trainer busy | staleness | "
+             "stale groups | health flags |",
+             "|---|---|---|---|" + ("---|---|" if unscored else "") + "---|---|---|---|---|---|---|---|---|"]
     for mode, r in table.items():
-        ttt, each = r["time_to_target_s"], r["time_to_target_s_each"]
-        reached = f"- ({sum(t is not None for t in each)}/{len(each)} seeds)"
-        ratio = speedup(table.get("sync"), r)
         acc = f"{r['final_accuracy']:.3f}" + (f" ± {r['final_accuracy_sd']:.3f}" if "final_accuracy_sd" in r else "")
         fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-        lines.append(f"| {mode} | {r['seeds']} | {reached if ttt is None else format(ttt, '.0f')} | "
-                     f"{'-' if ratio is None else format(ratio, '.2f') + 'x'} | {acc} | {fmt(r['wall_s'], '.0f')} | "
+        without = ("" if not unscored else "- | - | " if not _scoring_recorded(r)
+                   else _time_and_speedup(table, r, "unscored_time_to_target_s_each") + " | ")
+        lines.append(f"| {mode} | {r['seeds']} | {_time_and_speedup(table, r, 'time_to_target_s_each')} | "
+                     f"{without}{acc} | {fmt(r['wall_s'], '.0f')} | "
                      f"{fmt(r['steps_per_s'], '.3f')} | {fmt(r['trajectories_per_s'], '.1f')} | "
                      f"{fmt(r['engine_busy_frac'], '.2f')} | {fmt(r['trainer_busy_frac'], '.2f')} | "
                      f"{fmt(r['staleness_mean'], '.2f')} | {fmt(r['stale_groups_total'], '.0f')} | "
@@ -221,7 +255,8 @@ def report_lines(task: str, table: dict[str, dict], command: str) -> list[str]:
     lines += ["", "Held-out accuracy during training (step: accuracy at wall seconds):", ""]
     for mode, r in table.items():
         for seed, curve in r["curves"].items():
-            points = ", ".join(f"{p['step']}: {p['heldout_accuracy']:.3f} at {p['wall_s']:.0f} s" for p in curve)
+            points = ", ".join(f"{p['step']}: {p['heldout_accuracy']:.3f} at {p['wall_s']:.0f} s"
+                               + ("" if p.get("eval_s") is None else f" (scoring {p['eval_s']:.0f} s)") for p in curve)
             lines.append(f"- {mode}, seed {seed}: {points}")
     traced = [(mode, seed, trace_summary(trace)) for mode, r in table.items() for seed, trace in r["traces"].items()]
     if traced:

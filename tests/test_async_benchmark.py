@@ -78,6 +78,36 @@ def test_time_to_target_is_the_first_eval_at_the_sync_final_accuracy(tmp_path):
     assert "## Task `tail`" in text and "tail command" in text and "hand-written" in text
 
 
+def test_time_to_target_without_the_scoring_subtracts_every_evaluation_up_to_it(tmp_path):
+    sync, fast = _run(0, "sync", [0.5, 0.9, 0.8], [100, 200, 300]), _run(0, "async_s1", [0.6, 0.85], [60, 120])
+    for run, scoring in ((sync, [40, 40, 40]), (fast, [30, 30])):
+        for point, seconds in zip(run["curve"], scoring):
+            point["eval_s"] = seconds
+    curve = sync["curve"]
+    assert async_rl.time_to_target(curve, 0.8) == 200                          # the first point at 0.8
+    assert async_rl.time_to_target(curve, 0.8, scoring_excluded=True) == 200 - 80   # less two evaluations
+    assert async_rl.time_to_target(curve, 0.95, scoring_excluded=True) is None
+    table = async_rl.modes_table([sync, fast], ["sync", "async_s1"])
+    assert table["async_s1"]["unscored_time_to_target_s_each"] == [120 - 60]
+    assert async_rl.speedup(table["sync"], table["async_s1"]) == pytest.approx(200 / 120)
+    assert async_rl.speedup(table["sync"], table["async_s1"], "unscored_time_to_target_s_each") == pytest.approx(2.0)
+    async_rl.write_report(tmp_path / "ASYNC.md", "tail", table, "tail command")
+    text = (tmp_path / "ASYNC.md").read_text()
+    assert "| async_s1 | [0] | 120 | 1.67x | 60 | 2.00x | 0.850 |" in text and "at 120 s (scoring 30 s)" in text
+    # a run from before eval_s existed: no scoring-excluded time, and no such columns without any
+    unrecorded = _run(0, "async_s2", [0.9], [90])
+    assert async_rl.time_to_target(unrecorded["curve"], 0.8, scoring_excluded=True) is None
+    async_rl.write_report(tmp_path / "ASYNC.md", "tail", async_rl.modes_table([sync, fast, unrecorded],
+                                                                              ["sync", "async_s2"]), "tail command")
+    assert "| async_s2 | [0] | 90 | 2.22x | - | - | 0.900 |" in (tmp_path / "ASYNC.md").read_text()
+    for point in sync["curve"]:
+        del point["eval_s"]
+    async_rl.write_report(tmp_path / "ASYNC.md", "tail", async_rl.modes_table([sync, unrecorded], ["sync", "async_s2"]),
+                          "tail command")
+    text = (tmp_path / "ASYNC.md").read_text()
+    assert "scoring excluded" not in text and "| async_s2 | [0] | 90 | 2.22x | 0.900 |" in text
+
+
 def test_every_mode_makes_a_valid_config():
     for mode in async_rl.MODES:
         cfg = async_rl.config(0, "slow", mode, 40)
