@@ -18,7 +18,9 @@ scored every `train.eval_every` steps (64 problems, one sample each; `--eval-exa
 wall time, which includes the scoring.
 
 Per mode: `time_to_target_s` (wall seconds until its held-out accuracy first reaches the sync
-run's final held-out accuracy; null if never), `final_accuracy`, `wall_s`, steps/s,
+run's final held-out accuracy; null if never; in the table also less the scoring's seconds, where
+the runs recorded them: in async mode the rollouts go on while it scores, as far as the staleness
+bound lets them, so that time favours async by what they made meanwhile), `final_accuracy`, `wall_s`, steps/s,
 trajectories/s, the engines' and the trainer's busy fractions, staleness, and the health flags
 raised, and a per-step `trace` (reward, kl_ref, importance weights, staleness, ...). Async runs
 use the decoupled-PPO correction (algorithm.policy_loss: decoupled) unless the mode names another.
