@@ -26,7 +26,7 @@ raised, and a per-step `trace` (reward, kl_ref, importance weights, staleness, .
 use the decoupled-PPO correction (algorithm.policy_loss: decoupled) unless the mode names another.
 Results go to benchmarks/results/async-<task>.json after every run (a rerun skips the runs it
 has) and the task's table in benchmarks/ASYNC.md; the last line printed is one JSON object {"modes": {...}}
-(quick: the one seed's numbers; full: the mean over seeds).
+(quick: the one seed's numbers, its modes named "sync" and "async"; full: the mean over seeds).
 """
 from __future__ import annotations
 
@@ -311,9 +311,17 @@ def main(argv: list[str] | None = None) -> int:
         ("" if args.steps == 40 else f" --steps {args.steps}") + \
         ("" if args.eval_examples == EVAL_EXAMPLES else f" --eval-examples {args.eval_examples}")
     write_report(ROOT / "benchmarks" / "ASYNC.md", name, table, command)
-    print(json.dumps({"modes": {m: {"time_to_target_s": r["time_to_target_s"], "final_accuracy": r["final_accuracy"],
-                                    "wall_s": r["wall_s"]} for m, r in table.items()}}))
+    print(json.dumps(last_line(table, args.quick)))
     return 0
+
+
+def last_line(table: dict[str, dict], quick: bool) -> dict:
+    """The JSON object printed last: per mode, time to target, final accuracy and wall seconds
+    (over the seeds run). --quick names its two modes `sync` and `async`."""
+    names = {"async_s2": "async"} if quick else {}
+    return {"modes": {names.get(mode, mode): {"time_to_target_s": r["time_to_target_s"],
+                                              "final_accuracy": r["final_accuracy"], "wall_s": r["wall_s"]}
+                      for mode, r in table.items()}}
 
 
 if __name__ == "__main__":

@@ -108,6 +108,15 @@ def test_time_to_target_without_the_scoring_subtracts_every_evaluation_up_to_it(
     assert "scoring excluded" not in text and "| async_s2 | [0] | 90 | 2.22x | 0.900 |" in text
 
 
+def test_the_last_line_names_quick_modes_sync_and_async():
+    table = async_rl.modes_table([_run(0, "sync", [0.5, 0.9], [100, 200]), _run(0, "async_s2", [0.95], [80])],
+                                 ["sync", "async_s2"])
+    quick = async_rl.last_line(table, quick=True)
+    assert quick == {"modes": {"sync": {"time_to_target_s": 200, "final_accuracy": 0.9, "wall_s": 200},
+                               "async": {"time_to_target_s": 80, "final_accuracy": 0.95, "wall_s": 80}}}
+    assert set(async_rl.last_line(table, quick=False)["modes"]) == {"sync", "async_s2"}
+
+
 def test_every_mode_makes_a_valid_config():
     for mode in async_rl.MODES:
         cfg = async_rl.config(0, "slow", mode, 40)
