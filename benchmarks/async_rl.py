@@ -64,9 +64,15 @@ BASE_MODES: dict[str, dict] = {
        for k in (1, 2)},
 }
 # each at half params.yaml's train.lr (5e-4): smaller steps on off-policy samples (sync_half_lr: the control)
+# four optimizer steps per batch, as AReaL's decoupled PPO takes them: from the second on, the clip
+# binds against the recomputed pi_prox (with one it never does); sync_mb4 is the control. At a quarter
+# of the rate, the four steps go about as far as params.yaml's one.
+MB4 = {f"{mode}_mb4": _merge(BASE_MODES[mode], {"algorithm": {"mini_batches": 4}}) for mode in ("sync", "async_s2")}
 MODES = {**BASE_MODES,
-         **{f"{mode}_half_lr": _merge(over, {"train": {"lr": 2.5e-4}}) for mode, over in BASE_MODES.items()}}
+         **{f"{mode}_half_lr": _merge(over, {"train": {"lr": 2.5e-4}}) for mode, over in BASE_MODES.items()},
+         **MB4, **{f"{mode}_quarter_lr": _merge(over, {"train": {"lr": 1.25e-4}}) for mode, over in MB4.items()}}
 DEFAULT_MODES = ["sync", "overlap", "async_s1", "async_s2", "async_s4"]
+QUICK_MODES = {"sync": "sync", "async_s2": "async"}   # --quick's modes, and their names in its last line
 # kept for every step, to see what happened before a collapse
 TRACE = ("reward_mean", "kl_ref", "entropy", "grad_norm", "clip_fraction", "is_weight_mean", "is_weight_max",
          "is_truncated_frac", "is_masked_frac", "is_ess", "staleness_mean", "staleness_max", "tool_calls_mean",
@@ -151,6 +157,11 @@ def time_to_target(curve: list[dict], target: float | None, scoring_excluded: bo
     return None
 
 
+def mean_time(each: list[float | None]) -> float | None:
+    """The mean of the seeds' times to target; None unless every seed got there."""
+    return statistics.fmean(each) if each and None not in each else None
+
+
 def modes_table(results: list[dict], modes: list[str]) -> dict[str, dict]:
     """Per mode, over the seeds run: time to the same seed's sync final accuracy and the rest."""
     sync_final = {r["seed"]: r["summary"]["final_accuracy"] for r in results if r["mode"] == "sync"}
@@ -165,7 +176,7 @@ def modes_table(results: list[dict], modes: list[str]) -> dict[str, dict]:
                                "unscored_time_to_target_s_each": unscored,
                                "curves": {r["seed"]: r["curve"] for r in runs},
                                "traces": {r["seed"]: r["trace"] for r in runs if r.get("trace")},
-                               "time_to_target_s": statistics.fmean(ttt) if ttt and None not in ttt else None}
+                               "time_to_target_s": mean_time(ttt)}
         for key in ("final_accuracy", "wall_s", "steps_per_s", "trajectories_per_s", "engine_busy_frac",
                     "trainer_busy_frac", "staleness_mean", "stale_groups_total"):
             values = [r["summary"][key] for r in runs if r["summary"].get(key) is not None]
@@ -222,11 +233,10 @@ def _scoring_recorded(row: dict) -> bool:
 
 def _time_and_speedup(table: dict[str, dict], row: dict, times: str) -> str:
     """'mean time | speed-up' cells: the mean over the seeds, or how many seeds got there."""
-    each = row[times]
-    mean = f"{statistics.fmean(each):.0f}" if None not in each else f"- ({sum(t is not None for t in each)}/" \
-        f"{len(each)} seeds)"
+    each, mean = row[times], mean_time(row[times])
+    shown = f"{mean:.0f}" if mean is not None else f"- ({sum(t is not None for t in each)}/{len(each)} seeds)"
     ratio = speedup(table.get("sync"), row, times)
-    return f"{mean} | {'-' if ratio is None else format(ratio, '.2f') + 'x'}"
+    return f"{shown} | {'-' if ratio is None else format(ratio, '.2f') + 'x'}"
 
 
 def report_lines(task: str, table: dict[str, dict], command: str) -> list[str]:
@@ -279,14 +289,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--task", choices=list(TASKS), default="slow")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--eval-examples", type=int, default=EVAL_EXAMPLES,
-                   help="held-out problems scored every 5 steps; other than 64, the runs go to their own results file "
-                        "and table (async-<task>-eval<N>)")
+                   help=f"held-out problems scored every {EVAL_EVERY} steps; other than {EVAL_EXAMPLES}, the runs go "
+                        "to their own results file and table (async-<task>-eval<N>)")
     p.add_argument("--work-dir", type=Path, default=ROOT / ".cache" / "async_rl")
     p.add_argument("--results", type=Path, default=None)
     p.add_argument("--report", action="store_true",
                    help="run nothing: write the table of the runs already in the results file")
     args = p.parse_args(argv)
-    seeds, modes = ([0], ["sync", "async_s2"]) if args.quick else (args.seeds, args.modes)
+    seeds, modes = ([0], list(QUICK_MODES)) if args.quick else (args.seeds, args.modes)
     name = args.task if args.eval_examples == EVAL_EXAMPLES else f"{args.task}-eval{args.eval_examples}"
     results_path = args.results or ROOT / "benchmarks" / "results" / f"async-{name}.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else []
@@ -318,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
 def last_line(table: dict[str, dict], quick: bool) -> dict:
     """The JSON object printed last: per mode, time to target, final accuracy and wall seconds
     (over the seeds run). --quick names its two modes `sync` and `async`."""
-    names = {"async_s2": "async"} if quick else {}
+    names = QUICK_MODES if quick else {}
     return {"modes": {names.get(mode, mode): {"time_to_target_s": r["time_to_target_s"],
                                               "final_accuracy": r["final_accuracy"], "wall_s": r["wall_s"]}
                       for mode, r in table.items()}}
