@@ -65,12 +65,14 @@ BASE_MODES: dict[str, dict] = {
 }
 # four optimizer steps per batch, as AReaL's decoupled PPO takes them: from the second on, the clip
 # binds against the recomputed pi_prox (with one it never does); sync_mb4 is the control
-MB4 = {f"{mode}_mb4": _merge(BASE_MODES[mode], {"algorithm": {"mini_batches": 4}}) for mode in ("sync", "async_s2")}
+MB4 = {f"{mode}_mb4": _merge(BASE_MODES[mode], {"algorithm": {"mini_batches": 4}})
+       for mode in ("sync", "async_s1", "async_s2")}
 # each at half params.yaml's train.lr (5e-4): smaller steps on off-policy samples (sync_half_lr: the control);
-# the MB4 modes at a quarter of it, so that their four steps go about as far as params.yaml's one
-MODES = {**BASE_MODES,
-         **{f"{mode}_half_lr": _merge(over, {"train": {"lr": 2.5e-4}}) for mode, over in BASE_MODES.items()},
-         **MB4, **{f"{mode}_quarter_lr": _merge(over, {"train": {"lr": 1.25e-4}}) for mode, over in MB4.items()}}
+# the MB4 modes also at a quarter of it, so that their four steps go about as far as params.yaml's one
+MODES = {**BASE_MODES, **MB4,
+         **{f"{mode}_half_lr": _merge(over, {"train": {"lr": 2.5e-4}})
+            for mode, over in {**BASE_MODES, **MB4}.items()},
+         **{f"{mode}_quarter_lr": _merge(over, {"train": {"lr": 1.25e-4}}) for mode, over in MB4.items()}}
 DEFAULT_MODES = ["sync", "overlap", "async_s1", "async_s2", "async_s4"]
 QUICK_MODES = {"sync": "sync", "async_s2": "async"}   # --quick's modes, and their names in its last line
 # kept for every step, to see what happened before a collapse

@@ -143,3 +143,33 @@ def test_health_settings_do_not_change_the_checkpoint_fingerprint():
     assert fingerprint(base) == fingerprint(other)
     other.train.lr = 1e-4
     assert fingerprint(base) != fingerprint(other)
+
+
+def test_reward_collapse_against_the_runs_best_window():
+    """The rewards of the async benchmark's `async_s2_mb4_half_lr` run, seed 0 (benchmarks/ASYNC.md):
+    0.95 at steps 14-15, 0 at steps 19-20. No other check fired: no_signal needs 5 steps in a row,
+    and kl_ref stayed under 1."""
+    rewards = [0.148, 0.172, 0.367, 0.656, 0.875, 0.891, 0.898, 0.656, 0.82, 0.953, 0.812, 0.836, 0.703, 0.938,
+               0.953, 0.867, 0.727, 0.125, 0.0, 0.0]
+    steps = [healthy_step(s) for s in range(1, 21)]
+    for m, reward in zip(steps, rewards):
+        m["reward_mean"] = reward
+    _, reports = run(steps)
+    # steps 17-19 average 0.284, under half the best 3-step mean (steps 14-16: 0.919)
+    assert first_step(steps, "reward_collapse") == 19
+    assert [m["health_reward_collapse"] for m in steps[18:]] == [1.0, 1.0]
+    assert "reward 0.284 (mean of the last 3 steps) is below 0.5 x the run's best 0.919" in reports[18][0][0].message
+    assert [m["step"] for m in steps if m["health_flags"] and not m["health_reward_collapse"]] == []
+
+
+def test_a_dip_or_a_run_that_never_earned_reward_is_no_collapse():
+    steps = [healthy_step(s) for s in range(1, 13)]
+    for m, reward in zip(steps, [0.2, 0.4, 0.6, 0.8, 0.3, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8]):
+        m["reward_mean"] = reward                # one bad step (5): the 3-step means around it 0.57-0.63
+    run(steps)
+    assert first_step(steps, "reward_collapse") is None
+    nothing = [healthy_step(s) for s in range(1, 13)]
+    for m in nothing:
+        m["reward_mean"] = 0.0
+    run(nothing)
+    assert first_step(nothing, "reward_collapse") is None

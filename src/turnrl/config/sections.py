@@ -350,7 +350,9 @@ class RolloutCfg(_Section):
 class HealthCfg(_Section):
     """Thresholds of the training health checks (turnrl.training.health), run every step."""
     no_signal_steps: int = Field(5, gt=0, description="steps in a row with every group's rewards identical")
-    window: int = Field(3, gt=0, description="steps averaged (entropy) or required in a row (truncation)")
+    window: int = Field(3, gt=0, description="steps averaged (entropy, reward) or required in a row (truncation)")
+    reward_drop: float = Field(0.5, gt=0, lt=1, description=(
+        "reward collapse: the mean reward of the last `window` steps below this x the run's best such mean"))
     entropy_low: float = Field(0.1, gt=0, description="collapse: entropy below this x its mean over the first window")
     entropy_high: float = Field(5.0, gt=1, description="explosion: entropy above this x its mean over the first window")
     truncated_frac: float = Field(0.5, gt=0, le=1, description="share of trajectories cut by a token budget")

@@ -6,6 +6,7 @@
 | check | fails when | why it matters |
 |---|---|---|
 | `no_signal` | every group's rewards identical (`groups_all_same_frac` 1) for `no_signal_steps` steps in a row | group-relative advantages are all 0: nothing is learned |
+| `reward_collapse` | the mean reward of the last `window` steps < `reward_drop` x the run's best `window`-step mean (a best above 0) | the policy unlearned what it had learned (a run that reached 0.95 and answers wrong from one step to the next) |
 | `entropy_collapse` | entropy's mean over the last `window` steps < `entropy_low` x its mean over the first `window` | the policy stopped exploring |
 | `entropy_explosion` | that mean > `entropy_high` x the first `window`'s | the policy is falling apart into noise |
 | `truncation` | more than `truncated_frac` of trajectories cut by a token budget, `window` steps in a row | responses pinned at the budget: no answer, reward 0 |
@@ -30,8 +31,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-CHECKS = ("no_signal", "entropy_collapse", "entropy_explosion", "truncation", "kl_runaway", "logp_gap",
-          "non_finite", "tool_errors", "staleness", "importance_weights")
+CHECKS = ("no_signal", "reward_collapse", "entropy_collapse", "entropy_explosion", "truncation", "kl_runaway",
+          "logp_gap", "non_finite", "tool_errors", "staleness", "importance_weights")
 #: Metrics whose non-finite value means the update itself went wrong.
 FINITE_KEYS = ("loss", "grad_norm", "kl_ref", "entropy", "value_loss", "high_loss", "high_grad_norm")
 
@@ -59,12 +60,13 @@ def _mean(values: Iterable[float]) -> float:
 
 class HealthMonitor:
     def __init__(self, cfg: Any):
-        """`cfg`: `train.health` (no_signal_steps, window, entropy_low, entropy_high,
+        """`cfg`: `train.health` (no_signal_steps, window, reward_drop, entropy_low, entropy_high,
         truncated_frac, kl_ref_max, logp_gap_p99_max, tool_error_frac_max, stale_frac_max,
         is_weight_max, is_ess_min)."""
         self.cfg = cfg
         self.history: list[dict] = []
         self.failing: set[str] = set()
+        self.best_reward = -math.inf   # the best mean reward over `window` steps so far (reward_collapse)
 
     def replay(self, history: Iterable[dict]) -> None:
         """Feed earlier steps' metrics (a resumed run's) without reporting them again."""
@@ -100,6 +102,14 @@ class HealthMonitor:
         if len(same) == c.no_signal_steps and min(same) >= 1.0:
             flag("no_signal", f"every group's rewards were identical for the last {c.no_signal_steps} steps "
                               f"(reward {metrics.get('reward_mean', float('nan')):.3f}): all advantages are 0")
+
+        rewards = [m["reward_mean"] for m in h[-c.window:] if math.isfinite(m.get("reward_mean", math.nan))]
+        if len(rewards) == c.window:
+            now = _mean(rewards)
+            if self.best_reward > 0 and now < c.reward_drop * self.best_reward:
+                flag("reward_collapse", f"reward {now:.3f} (mean of the last {c.window} steps) is below "
+                                        f"{c.reward_drop} x the run's best {self.best_reward:.3f}")
+            self.best_reward = max(self.best_reward, now)
 
         entropy = [m["entropy"] for m in h if "entropy" in m and math.isfinite(m["entropy"])]
         if len(entropy) >= 2 * c.window:
