@@ -160,6 +160,11 @@ def test_reward_collapse_against_the_runs_best_window():
     assert [m["health_reward_collapse"] for m in steps[18:]] == [1.0, 1.0]
     assert "reward 0.284 (mean of the last 3 steps) is below 0.5 x the run's best 0.919" in reports[18][0][0].message
     assert [m["step"] for m in steps if m["health_flags"] and not m["health_reward_collapse"]] == []
+    # resumed after step 18: the best (steps 14-16) is known only from the replayed history
+    resumed = HealthMonitor(HealthCfg())
+    resumed.replay([{k: v for k, v in m.items() if not k.startswith("health_")} for m in steps[:18]])
+    after = [resumed.check({k: v for k, v in m.items() if not k.startswith("health_")})[0] for m in steps[18:]]
+    assert [[f.check for f in failing] for failing in after] == [["reward_collapse"], ["reward_collapse"]]
 
 
 def test_a_dip_or_a_run_that_never_earned_reward_is_no_collapse():
