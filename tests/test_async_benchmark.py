@@ -123,8 +123,10 @@ def test_every_mode_makes_a_valid_config():
         assert cfg.train.eval_every == 5 and cfg.rollout.rejoin == "ready"
         assert (cfg.train.mode == "async") == mode.startswith("async")
         assert cfg.algorithm.mini_batches == (4 if "_mb4" in mode else 1)
-        assert cfg.train.lr == (2.5e-4 if mode.endswith("_half_lr") else 1.25e-4 if mode.endswith("_quarter_lr")
+        rate, _, kl = mode.partition("_kl")
+        assert cfg.train.lr == (2.5e-4 if rate.endswith("_half_lr") else 1.25e-4 if rate.endswith("_quarter_lr")
                                 else 5e-4)
+        assert cfg.algorithm.kl_coef == float(kl or 0)
     tail = async_rl.config(0, "tail", "sync", 20)
     assert tail.env.options == {"latency_sigma": 1.75} and tail.train.steps == 20
     assert tail.train.eval_examples == 64 and async_rl.config(0, "tail", "sync", 20, 256).train.eval_examples == 256
