@@ -63,7 +63,6 @@ BASE_MODES: dict[str, dict] = {
                                             "algorithm": {"policy_loss_options": {"proximal": "interpolate"}}})
        for k in (1, 2)},
 }
-KL_COEFS = (0.1, 0.02)
 # four optimizer steps per batch, as AReaL's decoupled PPO takes them: from the second on, the clip
 # binds against the recomputed pi_prox (with one it never does); sync_mb4 is the control
 MB4 = {f"{mode}_mb4": _merge(BASE_MODES[mode], {"algorithm": {"mini_batches": 4}})
@@ -74,10 +73,11 @@ MODES = {**BASE_MODES, **MB4,
          **{f"{mode}_half_lr": _merge(over, {"train": {"lr": 2.5e-4}})
             for mode, over in {**BASE_MODES, **MB4}.items()},
          **{f"{mode}_quarter_lr": _merge(over, {"train": {"lr": 1.25e-4}}) for mode, over in MB4.items()}}
-# and with a KL penalty to the starting model (params.yaml's algorithm.kl_coef is 0), e.g.
-# async_s1_mb4_quarter_lr_kl0.1: four steps per batch collapsed near saturated reward without one
-MODES.update({f"{mode}_kl{coef:g}": _merge(MODES[mode], {"algorithm": {"kl_coef": coef}})
-              for mode in [m for m in MODES if m.endswith("_mb4_quarter_lr")] for coef in KL_COEFS})
+# the quarter-rate MB4 modes with a KL penalty to the starting model (params.yaml's algorithm.kl_coef is 0),
+# e.g. async_s1_mb4_quarter_lr_kl0.1: four steps per batch collapsed near saturated reward without one
+KL_COEFS = (0.1, 0.02)
+MODES.update({f"{mode}_quarter_lr_kl{coef:g}": _merge(MODES[f"{mode}_quarter_lr"], {"algorithm": {"kl_coef": coef}})
+              for mode in MB4 for coef in KL_COEFS})
 DEFAULT_MODES = ["sync", "overlap", "async_s1", "async_s2", "async_s4"]
 QUICK_MODES = {"sync": "sync", "async_s2": "async"}   # --quick's modes, and their names in its last line
 # kept for every step, to see what happened before a collapse
