@@ -6,6 +6,8 @@
     python benchmarks/async_rl.py --task tail --quick --steps 20   # a longer tail: waits dominate the step
     python benchmarks/async_rl.py --task tail --steps 20 --modes sync async_s2_half_lr --report
         # rewrite the task's table from the runs already in its results file, running none
+    python benchmarks/async_rl.py --task tail --steps 20 --eval-examples 256 --scoring-without-delay
+        # held-out scoring without the tool delays (a measurement: it need not wait on them)
 
 The same work for every mode: the embedded default's warm start (code_tool's, built once per
 seed), then `train.steps` GRPO steps of train.prompts_per_step x rollout.n trajectories on
@@ -15,7 +17,10 @@ slowest of a step's ~200 calls, not the compute, sets a synchronous step's lengt
 code_tool itself (task `fast`), through
 the training loop on the real stack (Ray actors, DeepSpeed, vLLM), with held-out accuracy
 scored every `train.eval_every` steps (64 problems, one sample each; `--eval-examples`) against the
-wall time, which includes the scoring.
+wall time, which includes the scoring. With --scoring-without-delay the held-out rows' tool calls
+skip the slow tool's delay (their answers are the same): every mode otherwise paid the slowest
+of the evaluation's few hundred delays, 24-109 s per evaluation on task `tail`, which is
+measurement, not training.
 
 Per mode: `time_to_target_s` (wall seconds until its held-out accuracy first reaches the sync
 run's final held-out accuracy; null if never; in the table also less the scoring's seconds, where
@@ -112,20 +117,23 @@ def prepare(seed: int, work: Path) -> tuple[Path, Path]:
     return data, model
 
 
-def run(seed: int, task: str, mode: str, steps: int, work: Path, eval_examples: int = EVAL_EXAMPLES) -> dict[str, Any]:
+def run(seed: int, task: str, mode: str, steps: int, work: Path, eval_examples: int = EVAL_EXAMPLES,
+        scoring_delay: bool = True) -> dict[str, Any]:
     import ray
 
     from turnrl.pipeline.preprocess import load_split
     from turnrl.training.loop import train
     data, model = prepare(seed, work)
     cfg = config(seed, task, mode, steps, eval_examples)
+    heldout = [row if scoring_delay else {**row, "tool_delay": False} for row in load_split(data, "heldout")]
     start = time.perf_counter()
     try:
         history = train(cfg, str(model), str(data), load_split(data, "train"), str(work / f"seed{seed}" / mode),
-                        heldout_rows=load_split(data, "heldout"))
+                        heldout_rows=heldout)
     finally:
         ray.shutdown()
     return {"seed": seed, "task": task, "mode": mode, "steps": steps, "eval_examples": eval_examples,
+            "scoring_without_delay": not scoring_delay,
             "total_s": time.perf_counter() - start,
             "curve": [{"step": h["step"], "wall_s": h["wall_s"], "heldout_accuracy": h["heldout_accuracy"],
                        "eval_s": h.get("eval_s")}
@@ -298,25 +306,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-examples", type=int, default=EVAL_EXAMPLES,
                    help=f"held-out problems scored every {EVAL_EVERY} steps; other than {EVAL_EXAMPLES}, the runs go "
                         "to their own results file and table (async-<task>-eval<N>)")
+    p.add_argument("--scoring-without-delay", action="store_true",
+                   help="the held-out rows' tool calls skip the slow tool's delay; the runs go to their own results "
+                        "file and table (async-<task>[-eval<N>]-nodelay)")
     p.add_argument("--work-dir", type=Path, default=ROOT / ".cache" / "async_rl")
     p.add_argument("--results", type=Path, default=None)
     p.add_argument("--report", action="store_true",
                    help="run nothing: write the table of the runs already in the results file")
     args = p.parse_args(argv)
     seeds, modes = ([0], list(QUICK_MODES)) if args.quick else (args.seeds, args.modes)
-    name = args.task if args.eval_examples == EVAL_EXAMPLES else f"{args.task}-eval{args.eval_examples}"
+    name = args.task + ("" if args.eval_examples == EVAL_EXAMPLES else f"-eval{args.eval_examples}") \
+        + ("-nodelay" if args.scoring_without_delay else "")
     results_path = args.results or ROOT / "benchmarks" / "results" / f"async-{name}.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else []
 
-    def same_work(r: dict) -> bool:   # a run of this length, scored on this many held-out problems
-        return r["steps"] == args.steps and r.get("eval_examples", EVAL_EXAMPLES) == args.eval_examples
+    def same_work(r: dict) -> bool:   # a run of this length, scored on this many held-out problems, alike
+        return (r["steps"] == args.steps and r.get("eval_examples", EVAL_EXAMPLES) == args.eval_examples
+                and r.get("scoring_without_delay", False) == args.scoring_without_delay)
 
     for seed in seeds:
         for mode in modes:   # sync first: the others are measured against its accuracy
             if args.report or any(r["seed"] == seed and r["mode"] == mode and same_work(r) for r in results):
                 continue
             print(f"async_rl: seed {seed}, {mode}, task {args.task}", flush=True)
-            results.append(run(seed, args.task, mode, args.steps, args.work_dir, args.eval_examples))
+            results.append(run(seed, args.task, mode, args.steps, args.work_dir, args.eval_examples,
+                               scoring_delay=not args.scoring_without_delay))
             results_path.parent.mkdir(parents=True, exist_ok=True)
             results_path.write_text(json.dumps(results, indent=1) + "\n")
     chosen = [r for r in results if r["seed"] in seeds and same_work(r)]
@@ -326,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         ("" if args.quick or modes == DEFAULT_MODES else " --modes " + " ".join(modes)) + \
         ("" if args.task == "slow" else f" --task {args.task}") + \
         ("" if args.steps == 40 else f" --steps {args.steps}") + \
-        ("" if args.eval_examples == EVAL_EXAMPLES else f" --eval-examples {args.eval_examples}")
+        ("" if args.eval_examples == EVAL_EXAMPLES else f" --eval-examples {args.eval_examples}") + \
+        (" --scoring-without-delay" if args.scoring_without_delay else "")
     write_report(ROOT / "benchmarks" / "ASYNC.md", name, table, command)
     print(json.dumps(last_line(table, args.quick)))
     return 0

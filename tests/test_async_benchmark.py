@@ -42,6 +42,17 @@ def test_the_slow_tool_answers_as_code_tool_after_its_delay():
     assert final.done and final.info["outcome"] == 1.0
 
 
+def test_a_row_without_tool_delay_answers_at_once_and_alike():
+    """--scoring-without-delay's held-out rows: the same answer, none of the (here 50 s) wait."""
+    env = SlowCodeToolEnv(latency_median_s=50.0, latency_sigma=0.0)
+    env.reset({"id": "a", "prompt": "Compute 2 * 3.", "answer": "6"})
+    assert env.delay_s("<code>print(2 * 3)</code>") == pytest.approx(50.0)
+    env.reset({"id": "a", "prompt": "Compute 2 * 3.", "answer": "6", "tool_delay": False})
+    assert env.delay_s("<code>print(2 * 3)</code>") == 0.0
+    result = asyncio.run(asyncio.wait_for(env.step("<code>print(2 * 3)</code>"), timeout=20))
+    assert result.observation == "<output>6</output>" and result.reward == 1.0
+
+
 def _run(seed, mode, accuracies, wall):
     curve = [{"step": 5 * (k + 1), "wall_s": w, "heldout_accuracy": a} for k, (a, w) in enumerate(zip(accuracies, wall))]
     summary = {"final_accuracy": accuracies[-1], "wall_s": wall[-1], "steps_per_s": 1.0, "trajectories_per_s": 1.0,

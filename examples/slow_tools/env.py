@@ -4,7 +4,9 @@ p99 = 0.3 x e^(2.326 x 1.25) = 5.5 s), as a remote tool, a sandbox on a busy nod
 The environment's `step` is a coroutine, so every trajectory's pending call waits at once
 (the rollout runs them on its event loop), and the delay of a call is a function of
 (latency_seed, the problem, the call's number, its text): the same call waits the same time
-in every mode that makes it.
+in every mode that makes it. A row with `"tool_delay": false` runs its calls without the wait:
+benchmarks/async_rl.py --scoring-without-delay gives its held-out rows that, so that scoring
+(a measurement, the same for every mode) does not pay the slowest of its few hundred delays.
 
     env.name: examples.slow_tools.env:ENV      # what benchmarks/async_rl.py trains on
 
@@ -30,6 +32,8 @@ class SlowCodeToolEnv(CodeToolEnv):
         self.median, self.sigma, self.seed = latency_median_s, latency_sigma, latency_seed
 
     def delay_s(self, text: str) -> float:
+        if not self.example.get("tool_delay", True):
+            return 0.0
         rng = random.Random(f"{self.seed}:{self.example.get('id', self.example.get('prompt'))}:{self.tool_calls}:{text}")
         return rng.lognormvariate(math.log(self.median), self.sigma)
 
