@@ -117,6 +117,26 @@ def prepare(seed: int, work: Path) -> tuple[Path, Path]:
     return data, model
 
 
+def cpu_probe_s(repeats: int = 3) -> float:
+    """Seconds one core takes for a fixed piece of work (the best of `repeats`), taken before each
+    run: this machine's speed moved by about 2x within one session (ASYNC.md), and two runs' times
+    compare only at like speeds."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    x = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+    best = float("inf")
+    try:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(200):
+                x = torch.tanh(x @ x / 16)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return best
+
+
 def run(seed: int, task: str, mode: str, steps: int, work: Path, eval_examples: int = EVAL_EXAMPLES,
         scoring_delay: bool = True) -> dict[str, Any]:
     import ray
@@ -125,6 +145,7 @@ def run(seed: int, task: str, mode: str, steps: int, work: Path, eval_examples: 
     from turnrl.training.loop import train
     data, model = prepare(seed, work)
     cfg = config(seed, task, mode, steps, eval_examples)
+    probe = cpu_probe_s()
     heldout = [row if scoring_delay else {**row, "tool_delay": False} for row in load_split(data, "heldout")]
     start = time.perf_counter()
     try:
@@ -133,7 +154,7 @@ def run(seed: int, task: str, mode: str, steps: int, work: Path, eval_examples: 
     finally:
         ray.shutdown()
     return {"seed": seed, "task": task, "mode": mode, "steps": steps, "eval_examples": eval_examples,
-            "scoring_without_delay": not scoring_delay,
+            "scoring_without_delay": not scoring_delay, "cpu_probe_s": probe,
             "total_s": time.perf_counter() - start,
             "curve": [{"step": h["step"], "wall_s": h["wall_s"], "heldout_accuracy": h["heldout_accuracy"],
                        "eval_s": h.get("eval_s")}
@@ -190,6 +211,7 @@ def modes_table(results: list[dict], modes: list[str]) -> dict[str, dict]:
         row: dict[str, Any] = {"seeds": [r["seed"] for r in runs], "time_to_target_s_each": ttt,
                                "unscored_time_to_target_s_each": unscored,
                                "curves": {r["seed"]: r["curve"] for r in runs},
+                               "cpu_probes": {r["seed"]: r.get("cpu_probe_s") for r in runs},
                                "traces": {r["seed"]: r["trace"] for r in runs if r.get("trace")},
                                "time_to_target_s": mean_time(ttt)}
         for key in ("final_accuracy", "wall_s", "steps_per_s", "trajectories_per_s", "engine_busy_frac",
@@ -279,12 +301,17 @@ def report_lines(task: str, table: dict[str, dict], command: str) -> list[str]:
                      f"{fmt(r['engine_busy_frac'], '.2f')} | {fmt(r['trainer_busy_frac'], '.2f')} | "
                      f"{fmt(r['staleness_mean'], '.2f')} | {fmt(r['stale_groups_total'], '.0f')} | "
                      f"{', '.join(r['health_flags']) or 'none'} |")
-    lines += ["", "Held-out accuracy during training (step: accuracy at wall seconds):", ""]
+    probed = any(p is not None for r in table.values() for p in r.get("cpu_probes", {}).values())
+    lines += ["", "Held-out accuracy during training (step: accuracy at wall seconds"
+              + ("; the CPU probe, where a run took it: seconds of a fixed one-core piece of work before the run"
+                 if probed else "") + "):", ""]
     for mode, r in table.items():
         for seed, curve in r["curves"].items():
             points = ", ".join(f"{p['step']}: {p['heldout_accuracy']:.3f} at {p['wall_s']:.0f} s"
                                + ("" if p.get("eval_s") is None else f" (scoring {p['eval_s']:.0f} s)") for p in curve)
-            lines.append(f"- {mode}, seed {seed}: {points}")
+            probe = r.get("cpu_probes", {}).get(seed)
+            lines.append(f"- {mode}, seed {seed}" + ("" if probe is None else f" (CPU probe {probe:.2f} s)")
+                         + f": {points}")
     traced = [(mode, seed, trace_summary(trace)) for mode, r in table.items() for seed, trace in r["traces"].items()]
     if traced:
         fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731

@@ -154,3 +154,16 @@ def test_trace_summary_finds_the_kl_jump_and_the_smallest_weight():
                                              "min_is_weight_mean": 0.94}
     sync = async_rl.trace_summary([{"step": 1, "reward_mean": 0.5, "kl_ref": 0.2}])
     assert sync["first_kl_over_1"] is None and sync["min_is_weight_mean"] is None
+
+
+def test_a_runs_cpu_probe_shows_beside_its_curve_and_only_where_taken(tmp_path):
+    probe = async_rl.cpu_probe_s(repeats=1)
+    assert 0 < probe < 60
+    sync, fast = _run(0, "sync", [0.5, 0.9], [100, 200]), _run(0, "async_s1", [0.95], [80])
+    fast["cpu_probe_s"] = 0.42
+    async_rl.write_report(tmp_path / "ASYNC.md", "tail", async_rl.modes_table([sync, fast], ["sync", "async_s1"]), "c")
+    text = (tmp_path / "ASYNC.md").read_text()
+    assert "- async_s1, seed 0 (CPU probe 0.42 s): 5: 0.950 at 80 s" in text and "- sync, seed 0: 5: 0.500" in text
+    assert "the CPU probe" in text
+    async_rl.write_report(tmp_path / "ASYNC.md", "tail", async_rl.modes_table([sync], ["sync"]), "c")
+    assert "the CPU probe" not in (tmp_path / "ASYNC.md").read_text()
