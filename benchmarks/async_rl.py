@@ -83,6 +83,11 @@ MODES = {**BASE_MODES, **MB4,
 KL_COEFS = (0.1, 0.02)
 MODES.update({f"{mode}_quarter_lr_kl{coef:g}": _merge(MODES[f"{mode}_quarter_lr"], {"algorithm": {"kl_coef": coef}})
               for mode in MB4 for coef in KL_COEFS})
+# async with two threads per actor, not one each (cluster.threads_per_actor: 0 splits the 2 cores between
+# the trainer and the engine while both are busy): the trainer, the bottleneck, may use the engine's core
+# while the engine waits on tools; sync's actors have two already
+MODES.update({f"{mode}_quarter_lr_2threads": _merge(MODES[f"{mode}_quarter_lr"], {"cluster": {"threads_per_actor": 2}})
+              for mode in MB4 if mode.startswith("async")})
 DEFAULT_MODES = ["sync", "overlap", "async_s1", "async_s2", "async_s4"]
 QUICK_MODES = {"sync": "sync", "async_s2": "async"}   # --quick's modes, and their names in its last line
 # kept for every step, to see what happened before a collapse

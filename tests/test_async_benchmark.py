@@ -134,7 +134,8 @@ def test_every_mode_makes_a_valid_config():
         assert cfg.train.eval_every == 5 and cfg.rollout.rejoin == "ready"
         assert (cfg.train.mode == "async") == mode.startswith("async")
         assert cfg.algorithm.mini_batches == (4 if "_mb4" in mode else 1)
-        rate, _, kl = mode.partition("_kl")
+        rate, _, kl = mode.removesuffix("_2threads").partition("_kl")
+        assert cfg.cluster.threads_per_actor == (2 if mode.endswith("_2threads") else 0)
         assert cfg.train.lr == (2.5e-4 if rate.endswith("_half_lr") else 1.25e-4 if rate.endswith("_quarter_lr")
                                 else 5e-4)
         assert cfg.algorithm.kl_coef == float(kl or 0)
