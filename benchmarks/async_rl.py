@@ -19,15 +19,16 @@ the training loop on the real stack (Ray actors, DeepSpeed, vLLM), with held-out
 scored every `train.eval_every` steps (64 problems, one sample each; `--eval-examples`) against the
 wall time, which includes the scoring. With --scoring-without-delay the held-out rows' tool calls
 skip the slow tool's delay (their answers are the same): every mode otherwise paid the slowest
-of the evaluation's few hundred delays, 24-109 s per evaluation on task `tail`, which is
+of the evaluation's few hundred delays, 24-110 s per evaluation on task `tail`, which is
 measurement, not training.
 
 Per mode: `time_to_target_s` (wall seconds until its held-out accuracy first reaches the sync
 run's final held-out accuracy; null if never; in the table also less the scoring's seconds, where
 the runs recorded them: in async mode the rollouts go on while it scores, as far as the staleness
 bound lets them, so that time favours async by what they made meanwhile), `final_accuracy`, `wall_s`, steps/s,
-trajectories/s, the engines' and the trainer's busy fractions, staleness, and the health flags
-raised, and a per-step `trace` (reward, kl_ref, importance weights, staleness, ...). Async runs
+trajectories/s, the engines' and the trainer's busy fractions, staleness, the health flags
+raised, a per-step `trace` (reward, kl_ref, importance weights, staleness, ...), and `cpu_probe_s`
+(seconds of a fixed one-core workload just before the run: the machine's speed at the time). Async runs
 use the decoupled-PPO correction (algorithm.policy_loss: decoupled) unless the mode names another.
 Results go to benchmarks/results/async-<task>.json after every run (a rerun skips the runs it
 has) and the task's table in benchmarks/ASYNC.md; the last line printed is one JSON object {"modes": {...}}
