@@ -161,6 +161,7 @@ def run(seed: int, task: str, mode: str, steps: int, work: Path, eval_examples: 
         ray.shutdown()
     return {"seed": seed, "task": task, "mode": mode, "steps": steps, "eval_examples": eval_examples,
             "scoring_without_delay": not scoring_delay, "cpu_probe_s": probe,
+            "micro_batch_rows": cfg.train.micro_batch_rows,
             "total_s": time.perf_counter() - start,
             "curve": [{"step": h["step"], "wall_s": h["wall_s"], "heldout_accuracy": h["heldout_accuracy"],
                        "eval_s": h.get("eval_s")}
@@ -347,15 +348,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", action="store_true",
                    help="run nothing: write the table of the runs already in the results file")
     args = p.parse_args(argv)
+    from turnrl.config import TrainCfg
     seeds, modes = ([0], list(QUICK_MODES)) if args.quick else (args.seeds, args.modes)
     name = args.task + ("" if args.eval_examples == EVAL_EXAMPLES else f"-eval{args.eval_examples}") \
         + ("-nodelay" if args.scoring_without_delay else "")
     results_path = args.results or ROOT / "benchmarks" / "results" / f"async-{name}.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else []
 
+    micro_batch_rows = TrainCfg().micro_batch_rows   # the trainer's passes (runs before it: whole batches)
+
     def same_work(r: dict) -> bool:   # a run of this length, scored on this many held-out problems, alike
         return (r["steps"] == args.steps and r.get("eval_examples", EVAL_EXAMPLES) == args.eval_examples
-                and r.get("scoring_without_delay", False) == args.scoring_without_delay)
+                and r.get("scoring_without_delay", False) == args.scoring_without_delay
+                and r.get("micro_batch_rows", 0) == micro_batch_rows)
 
     for seed in seeds:
         for mode in modes:   # sync first: the others are measured against its accuracy

@@ -158,3 +158,53 @@ def test_engine_gap_is_not_measured_without_fresh_tokens():
     assert share["logp_gap_max"] == share["logp_gap_mean"] == share["logp_gap_p99"] == 0.0
     bad = PolicyWorker._sampling_stats(me, logp, torch.full_like(logp, math.nan), engine, mask, no_tokens=0.0)
     assert bad["kl_ref"] != bad["kl_ref"]
+
+
+def test_micro_batches_group_rows_of_like_length_and_cut_the_padding():
+    from turnrl.training.workers import micro_batches, take_rows
+    lengths = [5, 2, 7, 2, 4]
+    attention = torch.tensor([[1] * n + [0] * (8 - n) for n in lengths])
+    parts = micro_batches(attention, 2)
+    assert [(idx.tolist(), width) for idx, width in parts] == [([1, 3], 2), ([4, 0], 5), ([2], 7)]
+    assert [(idx.tolist(), width) for idx, width in micro_batches(attention, 0)] == [([0, 1, 2, 3, 4], 8)]
+    batch = {"attention_mask": attention, "loss_mask": attention.float(), "reward": torch.arange(5.0),
+             "other": torch.zeros(5, 3)}   # [B] and a [B, K] that is not token-aligned: rows only
+    part = take_rows(batch, *parts[1])
+    assert part["attention_mask"].shape == (2, 5) and part["reward"].tolist() == [4.0, 0.0]
+    assert part["other"].shape == (2, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_micro_batched_update_is_the_whole_mini_batch_update(tiny_model_dir, zero_stage):
+    """train.micro_batch_rows splits each mini-batch into passes whose gradients accumulate into
+    one optimizer step: the weights, the stats and the scored logprobs are those of one pass over
+    the whole mini-batch (to float rounding) on every attended token."""
+    from turnrl.training.workers import PolicyWorker, TrainerParams, combine_rank_stats
+    rows, length = 10, 24
+    batch = _batch(rows, length)
+    lengths = torch.tensor([10, 24, 14, 17, 12, 24, 9, 20, 16, 15])
+    batch["attention_mask"] = (torch.arange(length) < lengths[:, None]).long()
+    batch["loss_mask"] = batch["loss_mask"] * batch["attention_mask"]
+    batch["advantages"] = batch["advantages"] * batch["attention_mask"]
+    out = {}
+    for micro in (0, 3):
+        cfg = Config.model_validate({"train": {"lr": 1e-2, "zero_stage": zero_stage, "micro_batch_rows": micro},
+                                     "algorithm": {"mini_batches": 2, "kl_coef": 0.05, "entropy_coef": 0.01}})
+        worker = PolicyWorker(str(tiny_model_dir), TrainerParams.of(cfg), master_port=_port())
+        scored = worker.logprobs(batch)
+        step_batch = {**batch, "engine_logprobs": scored + 0.01 * batch["loss_mask"]}
+        stats = combine_rank_stats([worker.train(step_batch, 1)])
+        out[micro] = {"scored": scored, "stats": stats, "weights": _weights(worker)}
+    whole, split = out[0], out[3]
+    attended = batch["attention_mask"].bool()
+    assert torch.allclose(whole["scored"][attended], split["scored"][attended], atol=1e-5)
+    start = _weights(PolicyWorker(str(tiny_model_dir), TrainerParams.of(Config.model_validate({})), master_port=_port()))
+    # Adam's steps are about lr whatever the gradient's size, so the float rounding of tiny gradients shows at
+    # that scale: compare what the update did as a whole, the direction and length of the weights' move
+    moves = [torch.cat([(run["weights"][k] - start[k]).flatten() for k in start]) for run in (whole, split)]
+    assert float(moves[0].abs().max()) > 1e-3   # it trained
+    assert float(torch.nn.functional.cosine_similarity(*moves, dim=0)) > 0.9999
+    assert float(moves[1].norm() / moves[0].norm()) == pytest.approx(1.0, abs=1e-3)
+    for key in ("loss", "entropy", "kl_ref", "logp_gap_max", "grad_norm", "ratio_max", "clip_fraction"):
+        assert whole["stats"][key] == pytest.approx(split["stats"][key], rel=1e-4, abs=1e-6), key

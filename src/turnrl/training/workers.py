@@ -93,6 +93,25 @@ def share_weight(part_mask: torch.Tensor, whole_mask: torch.Tensor, agg: str) ->
     return normalizer(part_mask, agg) / whole if whole else 0.0
 
 
+def micro_batches(attention_mask: torch.Tensor, rows: int) -> list[tuple[torch.Tensor, int]]:
+    """(row indices [b], width) of each micro-batch of a right-padded batch (attention_mask [B, L]):
+    at most `rows` rows each, rows of like length together (sorted by length, stable), and each
+    micro-batch's width its longest row's, so padding costs no compute. rows 0: one micro-batch
+    of every row at full width."""
+    B, L = attention_mask.shape
+    if rows == 0:
+        return [(torch.arange(B, device=attention_mask.device), L)]
+    positions = torch.arange(1, L + 1, device=attention_mask.device)
+    lengths = (attention_mask.bool() * positions).amax(dim=-1)   # one past the last attended token
+    return [(idx, max(1, int(lengths[idx].max()))) for idx in torch.argsort(lengths, stable=True).split(rows)]
+
+
+def take_rows(batch: dict[str, torch.Tensor], idx: torch.Tensor, width: int) -> dict[str, torch.Tensor]:
+    """Rows `idx` of a batch, its token-aligned [B, L] tensors cut to their first `width` columns."""
+    L = batch["attention_mask"].shape[1]
+    return {k: v[idx, :width] if v.dim() >= 2 and v.shape[1] == L else v[idx] for k, v in batch.items()}
+
+
 def combine_rank_stats(per_rank: list[dict[str, dict]]) -> dict[str, float]:
     """The ranks' train() results -> one dict: `sum` entries (per mini-batch, already weighted
     by each rank's share) add up across ranks, `max` entries take the largest; both are then
@@ -195,13 +214,34 @@ class _TrainerRank:
         mine = rank_rows(torch.arange(size), self.rank, self.world_size)
         if len(mine) == 0:
             raise ValueError(f"a batch of {size} rows cannot be shared by {self.world_size} trainer ranks")
-        part = fn({k: v[mine] for k, v in batch.items()})
+        part = self._micro_batched(fn, {k: v[mine] for k, v in batch.items()})
         if self.world_size == 1:
             return part
         full = torch.zeros((size, *part.shape[1:]), dtype=part.dtype, device=part.device)
         full[mine] = part
         torch.distributed.all_reduce(full)
         return full
+
+    def _micro_batched(self, fn: Callable[[dict], torch.Tensor], rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        """fn ([b, width] tensors -> [b, width]) over `rows` in micro-batches (train.micro_batch_rows),
+        put back in place: [B, L], 0 past each micro-batch's width (padding)."""
+        parts = micro_batches(rows["attention_mask"], self.params.train.micro_batch_rows)
+        if len(parts) == 1 and parts[0][1] == rows["attention_mask"].shape[1]:
+            return fn(rows)
+        out = None
+        for idx, width in parts:
+            piece = fn(take_rows(rows, idx, width))
+            if out is None:
+                out = piece.new_zeros(rows["attention_mask"].shape + piece.shape[2:])
+            out[idx, :width] = piece
+        return out
+
+    def _accumulate(self, loss: torch.Tensor, last: bool) -> None:
+        """Backward of one micro-batch's loss; the optimizer steps after the mini-batch's last."""
+        self.engine.set_gradient_accumulation_boundary(last)
+        self.engine.backward(loss * self.world_size)   # DeepSpeed averages gradients over ranks
+        if last:
+            self.engine.step()
 
     def _minibatches(self, size: int, step: int, stream: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(mini-batch rows, this rank's share of them) for every epoch and mini-batch, in an
@@ -347,37 +387,51 @@ class PolicyWorker(_TrainerRank):
                                         off_policy=off_policy)
 
         self.engine.train()
+        scored = {"ref_logp": ref_logp, **({} if old_logp is None else {"old_logp": old_logp})}
         for chunk, mine in self._minibatches(mask.shape[0], step, "policy"):
-            mb = {k: v[mine] for k, v in batch.items()}
-            weight = share_weight(mb["loss_mask"], mask[chunk], alg.loss_agg)
-            token_weight = share_weight(mb["loss_mask"], mask[chunk], "token-mean")
-            logits = self._forward(mb)
-            logp = token_logprobs(logits, mb["input_ids"])
-            if not same:   # the stats from this forward, on this rank's share
-                # a share without policy tokens adds nothing: weight 0, and 0 never wins a max of |gaps|
-                share = self._sampling_stats(logp.detach(), ref_logp[mine], mb["engine_logprobs"], mb["loss_mask"],
-                                             no_tokens=0.0, off_policy=stale)
-                for key in ("kl_ref", "logp_gap_mean"):
-                    sums.setdefault(key, []).append(token_weight * share[key])
-                for key in ("logp_gap_max", "logp_gap_p99"):   # p99: of the rank whose share has the largest
-                    maxes.setdefault(key, []).append(share[key])
-            # algorithm.policy_loss (turnrl.algos.registry): every tensor of the mini-batch, by name
-            loss, info = compute_policy_loss(resolve_loss(alg.policy_loss), {
-                **mb, "logp": logp, "old_logp": logp.detach() if old_logp is None else old_logp[mine],
-                "ref_logp": ref_logp[mine], "mask": mb["loss_mask"]}, alg)
-            loss = weight * loss
-            ent_mean = masked_mean(entropy(logits if alg.entropy_coef else logits.detach()), mb["loss_mask"])
-            if alg.entropy_coef:
-                loss = loss - alg.entropy_coef * token_weight * ent_mean
-            if update:
-                self.engine.backward(loss * self.world_size)   # DeepSpeed averages gradients over ranks
-                self.engine.step()
-            row = {"loss": loss.item(), "entropy": token_weight * ent_mean.item()}
-            row.update({k: token_weight * float(v) for k, v in info.items() if not k.endswith("_max")})
-            for k, v in row.items():
+            mb = {k: v[mine] for k, v in {**batch, **scored}.items()}
+            # this mini-batch's stats: its micro-batches' (weighted by their share) add up, maxima are taken
+            mb_sums: dict[str, float] = {}
+            mb_maxes: dict[str, float] = {}
+            parts = micro_batches(mb["attention_mask"], self.params.train.micro_batch_rows)
+            for j, (idx, width) in enumerate(parts):
+                micro = take_rows(mb, idx, width)
+                weight = share_weight(micro["loss_mask"], mask[chunk], alg.loss_agg)
+                token_weight = share_weight(micro["loss_mask"], mask[chunk], "token-mean")
+                logits = self._forward(micro)
+                logp = token_logprobs(logits, micro["input_ids"])
+                row: dict[str, float] = {}
+                top: dict[str, float] = {}
+                if not same:   # the stats from this forward, on this rank's share
+                    # a share without policy tokens adds nothing: weight 0, and 0 never wins a max of |gaps|
+                    share = self._sampling_stats(logp.detach(), micro["ref_logp"], micro["engine_logprobs"],
+                                                 micro["loss_mask"], no_tokens=0.0, off_policy=stale)
+                    row.update({key: token_weight * share[key] for key in ("kl_ref", "logp_gap_mean")})
+                    # p99: of the micro-batch whose share has the largest
+                    top.update({key: share[key] for key in ("logp_gap_max", "logp_gap_p99")})
+                # algorithm.policy_loss (turnrl.algos.registry): every tensor of the micro-batch, by name
+                loss, info = compute_policy_loss(resolve_loss(alg.policy_loss), {
+                    **micro, "logp": logp, "old_logp": micro.get("old_logp", logp.detach()),
+                    "mask": micro["loss_mask"]}, alg)
+                loss = weight * loss
+                ent_mean = masked_mean(entropy(logits if alg.entropy_coef else logits.detach()), micro["loss_mask"])
+                if alg.entropy_coef:
+                    loss = loss - alg.entropy_coef * token_weight * ent_mean
+                last = j == len(parts) - 1
+                if update:
+                    self._accumulate(loss, last)
+                row.update({"loss": loss.item(), "entropy": token_weight * ent_mean.item()})
+                row.update({k: token_weight * float(v) for k, v in info.items() if not k.endswith("_max")})
+                top.update({k: float(v) for k, v in info.items() if k.endswith("_max")})
+                if last:
+                    top["grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0) if update else 0.0
+                for k, v in row.items():
+                    mb_sums[k] = mb_sums.get(k, 0.0) + v
+                for k, v in top.items():
+                    mb_maxes[k] = max(mb_maxes.get(k, v), v)
+            for k, v in mb_sums.items():
                 sums.setdefault(k, []).append(v)
-            for k, v in {**{k: float(v) for k, v in info.items() if k.endswith("_max")},
-                         "grad_norm": float(self.engine.get_global_grad_norm() or 0.0) if update else 0.0}.items():
+            for k, v in mb_maxes.items():
                 maxes.setdefault(k, []).append(v)
         return {"sum": sums, "max": maxes, "same": same}
 
@@ -691,16 +745,20 @@ class CriticWorker(_TrainerRank):
         self.engine.train()
         for chunk, mine in self._minibatches(mask.shape[0], step, "critic"):
             mb = {k: v[mine] for k, v in batch.items()}
-            weight = share_weight(mb["loss_mask"], mask[chunk], alg.loss_agg)
-            token_weight = share_weight(mb["loss_mask"], mask[chunk], "token-mean")
-            loss, info = value_loss(self._values(mb), mb["values"], mb["returns"], mb["loss_mask"],
-                                    clip=alg.value_clip, agg=alg.loss_agg)
-            loss = weight * loss
-            if update:
-                self.engine.backward(loss * self.world_size)
-                self.engine.step()
-            row = {"value_loss": loss.item(), **{k: token_weight * float(v) for k, v in info.items()}}
-            for k, v in row.items():
+            mb_sums: dict[str, float] = {}
+            parts = micro_batches(mb["attention_mask"], self.params.train.micro_batch_rows)
+            for j, (idx, width) in enumerate(parts):
+                micro = take_rows(mb, idx, width)
+                weight = share_weight(micro["loss_mask"], mask[chunk], alg.loss_agg)
+                token_weight = share_weight(micro["loss_mask"], mask[chunk], "token-mean")
+                loss, info = value_loss(self._values(micro), micro["values"], micro["returns"], micro["loss_mask"],
+                                        clip=alg.value_clip, agg=alg.loss_agg)
+                loss = weight * loss
+                if update:
+                    self._accumulate(loss, j == len(parts) - 1)
+                for k, v in {"value_loss": loss.item(), **{k: token_weight * float(v) for k, v in info.items()}}.items():
+                    mb_sums[k] = mb_sums.get(k, 0.0) + v
+            for k, v in mb_sums.items():
                 sums.setdefault(k, []).append(v)
         same = {"explained_variance": float(explained_variance(batch["values"], batch["returns"], mask))}
         return {"sum": sums, "max": {}, "same": same}
