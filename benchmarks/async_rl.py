@@ -28,7 +28,9 @@ the runs recorded them: in async mode the rollouts go on while it scores, as far
 bound lets them, so that time favours async by what they made meanwhile), `final_accuracy`, `wall_s`, steps/s,
 trajectories/s, the engines' and the trainer's busy fractions, staleness, the health flags
 raised, a per-step `trace` (reward, kl_ref, importance weights, staleness, ...), and `cpu_probe_s`
-(seconds of a fixed one-core workload just before the run: the machine's speed at the time). Async runs
+(seconds of a fixed one-core workload just before the run: the machine's speed at the time), and
+`micro_batch_rows` (the trainer's train.micro_batch_rows: a table compares only runs made with the
+current default; runs from before the setting, which passed whole batches, count as 0). Async runs
 use the decoupled-PPO correction (algorithm.policy_loss: decoupled) unless the mode names another.
 Results go to benchmarks/results/async-<task>.json after every run (a rerun skips the runs it
 has) and the task's table in benchmarks/ASYNC.md; the last line printed is one JSON object {"modes": {...}}

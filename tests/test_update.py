@@ -161,10 +161,10 @@ def test_engine_gap_is_not_measured_without_fresh_tokens():
 
 
 def test_micro_batches_group_rows_of_like_length_and_cut_the_padding():
-    from turnrl.training.workers import micro_batches, take_rows
+    from turnrl.training.workers import micro_batch_count, micro_batches, take_rows
     lengths = [5, 2, 7, 2, 4]
     attention = torch.tensor([[1] * n + [0] * (8 - n) for n in lengths])
-    parts = micro_batches(attention, 2)
+    parts = micro_batches(attention, 3)
     assert [(idx.tolist(), width) for idx, width in parts] == [([1, 3], 2), ([4, 0], 5), ([2], 7)]
     assert [(idx.tolist(), width) for idx, width in micro_batches(attention, 0)] == [([0, 1, 2, 3, 4], 8)]
     batch = {"attention_mask": attention, "loss_mask": attention.float(), "reward": torch.arange(5.0),
@@ -172,6 +172,11 @@ def test_micro_batches_group_rows_of_like_length_and_cut_the_padding():
     part = take_rows(batch, *parts[1])
     assert part["attention_mask"].shape == (2, 5) and part["reward"].tolist() == [4.0, 0.0]
     assert part["other"].shape == (2, 3)
+    # every rank makes as many passes (ZeRO-3 gathers weights in each), none of them empty
+    assert micro_batch_count(128, 1, 32) == 4 and micro_batch_count(32, 1, 32) == 1
+    assert micro_batch_count(65, 2, 32) == 2       # shares of 33 and 32 rows: two passes each
+    assert micro_batch_count(5, 2, 1) == 2         # shares of 3 and 2 rows: not 3 passes, one would be empty
+    assert micro_batch_count(128, 4, 0) == 0       # 0: the whole share in one pass
 
 
 @pytest.mark.slow
@@ -199,7 +204,8 @@ def test_micro_batched_update_is_the_whole_mini_batch_update(tiny_model_dir, zer
     whole, split = out[0], out[3]
     attended = batch["attention_mask"].bool()
     assert torch.allclose(whole["scored"][attended], split["scored"][attended], atol=1e-5)
-    start = _weights(PolicyWorker(str(tiny_model_dir), TrainerParams.of(Config.model_validate({})), master_port=_port()))
+    start = _weights(PolicyWorker(str(tiny_model_dir), TrainerParams.of(Config.model_validate({})),
+                                  master_port=_port()))
     # Adam's steps are about lr whatever the gradient's size, so the float rounding of tiny gradients shows at
     # that scale: compare what the update did as a whole, the direction and length of the weights' move
     moves = [torch.cat([(run["weights"][k] - start[k]).flatten() for k in start]) for run in (whole, split)]
@@ -208,3 +214,20 @@ def test_micro_batched_update_is_the_whole_mini_batch_update(tiny_model_dir, zer
     assert float(moves[1].norm() / moves[0].norm()) == pytest.approx(1.0, abs=1e-3)
     for key in ("loss", "entropy", "kl_ref", "logp_gap_max", "grad_norm", "ratio_max", "clip_fraction"):
         assert whole["stats"][key] == pytest.approx(split["stats"][key], rel=1e-4, abs=1e-6), key
+
+
+def test_the_micro_batch_benchmark_batch_is_right_padded_and_its_micro_batches_are_narrower():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from micro_batch import batch
+
+    from turnrl.training.workers import micro_batch_count, micro_batches
+    data = batch(128, 60, 220)
+    lengths = data["attention_mask"].sum(-1)
+    assert data["input_ids"].shape == (128, 220) and 60 <= int(lengths.min()) and int(lengths.max()) <= 220
+    assert (data["attention_mask"].cumsum(-1) == torch.minimum(torch.arange(1, 221), lengths[:, None])).all()
+    assert (data["loss_mask"] <= data["attention_mask"]).all() and (data["loss_mask"].sum(-1) > 0).all()
+    parts = micro_batches(data["attention_mask"], micro_batch_count(128, 1, 32))
+    assert [len(idx) for idx, _ in parts] == [32] * 4
+    assert [width for _, width in parts] == sorted(width for _, width in parts) and parts[0][1] < 120

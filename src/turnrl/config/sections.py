@@ -383,10 +383,10 @@ class TrainCfg(_Section):
         "before the previous update; the importance ratio is taken to the engine's sampling logprobs)"))
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warmup over N optimizer steps; 0: none")
     micro_batch_rows: int = Field(32, ge=0, description=(
-        "rows per forward pass of a trainer rank: scoring passes (reference, proximal, critic values) and the update's "
-        "passes, whose gradients accumulate into one optimizer step per mini-batch; rows of like length go together "
-        "and are cut to the longest one's length. Lower it when long sequences run out of GPU memory; 0: each rank's "
-        "whole share of a batch or mini-batch in one pass"))
+        "the most rows per forward pass of a trainer rank: scoring passes (reference, proximal, critic values) and "
+        "the update's passes, whose gradients accumulate into one optimizer step per mini-batch; rows of like length "
+        "go together, cut to the longest one's length, and every rank makes as many passes. Lower it when long "
+        "sequences run out of GPU memory; 0: each rank's whole share of a batch or mini-batch in one pass"))
     mode: Literal["sync", "async"] = Field("sync", description=(
         "sync: each step rolls out its prompts, then trains on them (on-policy; overlap_rollout: one step off). "
         "async: the engines roll out continuously, the trainer takes a batch of groups as soon as one is done, "

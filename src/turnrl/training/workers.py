@@ -9,7 +9,9 @@
 Every trainer rank gets the whole rollout batch and trains on its share of each mini-batch
 (`rank_rows`), its loss weighted by the share's part of the mini-batch's normalizer
 (`share_weight`) and multiplied by the world size, so that DeepSpeed's average of the ranks'
-gradients is the gradient one rank computes on the whole mini-batch.
+gradients is the gradient one rank computes on the whole mini-batch. A rank's share goes through
+the model in micro-batches of like-length rows (`train.micro_batch_rows`, `micro_batches`), the
+update's gradients accumulating into one optimizer step per mini-batch.
 
 The roles are joined only by "push named weights" (see turnrl.training.cluster).
 """
@@ -93,17 +95,28 @@ def share_weight(part_mask: torch.Tensor, whole_mask: torch.Tensor, agg: str) ->
     return normalizer(part_mask, agg) / whole if whole else 0.0
 
 
-def micro_batches(attention_mask: torch.Tensor, rows: int) -> list[tuple[torch.Tensor, int]]:
-    """(row indices [b], width) of each micro-batch of a right-padded batch (attention_mask [B, L]):
-    at most `rows` rows each, rows of like length together (sorted by length, stable), and each
-    micro-batch's width its longest row's, so padding costs no compute. rows 0: one micro-batch
-    of every row at full width."""
+def micro_batches(attention_mask: torch.Tensor, parts: int) -> list[tuple[torch.Tensor, int]]:
+    """(row indices [b], width) of each of `parts` micro-batches of a right-padded batch
+    (attention_mask [B, L]): rows of like length together (sorted by length, stable), sizes
+    differing by at most one, each micro-batch's width its longest row's, so padding costs no
+    compute. parts 0: one micro-batch of every row, at full width."""
     B, L = attention_mask.shape
-    if rows == 0:
+    if parts == 0:
         return [(torch.arange(B, device=attention_mask.device), L)]
     positions = torch.arange(1, L + 1, device=attention_mask.device)
     lengths = (attention_mask.bool() * positions).amax(dim=-1)   # one past the last attended token
-    return [(idx, max(1, int(lengths[idx].max()))) for idx in torch.argsort(lengths, stable=True).split(rows)]
+    return [(idx, max(1, int(lengths[idx].max())))
+            for idx in torch.argsort(lengths, stable=True).tensor_split(parts) if len(idx)]
+
+
+def micro_batch_count(rows: int, world_size: int, micro_batch_rows: int) -> int:
+    """How many micro-batches every rank splits its share of `rows` into: the same on every rank
+    (under ZeRO-3 each pass gathers the weights, a collective), enough that the largest share's
+    have at most `micro_batch_rows` rows, and none empty (at most the smallest share). 0: whole."""
+    if micro_batch_rows == 0:
+        return 0
+    shares = [len(share) for share in torch.arange(rows).tensor_split(world_size)]
+    return max(1, min(math.ceil(max(shares) / micro_batch_rows), min(shares)))
 
 
 def take_rows(batch: dict[str, torch.Tensor], idx: torch.Tensor, width: int) -> dict[str, torch.Tensor]:
@@ -214,7 +227,7 @@ class _TrainerRank:
         mine = rank_rows(torch.arange(size), self.rank, self.world_size)
         if len(mine) == 0:
             raise ValueError(f"a batch of {size} rows cannot be shared by {self.world_size} trainer ranks")
-        part = self._micro_batched(fn, {k: v[mine] for k, v in batch.items()})
+        part = self._micro_batched(fn, {k: v[mine] for k, v in batch.items()}, self._micro_count(size))
         if self.world_size == 1:
             return part
         full = torch.zeros((size, *part.shape[1:]), dtype=part.dtype, device=part.device)
@@ -222,19 +235,34 @@ class _TrainerRank:
         torch.distributed.all_reduce(full)
         return full
 
-    def _micro_batched(self, fn: Callable[[dict], torch.Tensor], rows: dict[str, torch.Tensor]) -> torch.Tensor:
-        """fn ([b, width] tensors -> [b, width]) over `rows` in micro-batches (train.micro_batch_rows),
-        put back in place: [B, L], 0 past each micro-batch's width (padding)."""
-        parts = micro_batches(rows["attention_mask"], self.params.train.micro_batch_rows)
-        if len(parts) == 1 and parts[0][1] == rows["attention_mask"].shape[1]:
+    def _micro_count(self, rows: int) -> int:
+        return micro_batch_count(rows, self.world_size, self.params.train.micro_batch_rows)
+
+    def _micro_batched(self, fn: Callable[[dict], torch.Tensor], rows: dict[str, torch.Tensor],
+                       parts: int) -> torch.Tensor:
+        """fn ([b, width] tensors -> [b, width]) over `rows` in `parts` micro-batches, put back in
+        place: [B, L] (0 past each micro-batch's width: padding)."""
+        pieces = micro_batches(rows["attention_mask"], parts)
+        if len(pieces) == 1 and pieces[0][1] == rows["attention_mask"].shape[1]:
             return fn(rows)
         out = None
-        for idx, width in parts:
+        for idx, width in pieces:
             piece = fn(take_rows(rows, idx, width))
             if out is None:
                 out = piece.new_zeros(rows["attention_mask"].shape + piece.shape[2:])
             out[idx, :width] = piece
         return out
+
+    def _micro_steps(self, mb: dict[str, torch.Tensor], whole_mask: torch.Tensor,
+                     agg: str) -> Iterator[tuple[dict[str, torch.Tensor], float, float, bool]]:
+        """Each micro-batch of this rank's share `mb` of a mini-batch (whose loss mask, all ranks'
+        rows, is `whole_mask`): its tensors, its weight in the mini-batch's loss (`agg`) and in its
+        token means, and whether it is the last (the optimizer steps after it)."""
+        parts = micro_batches(mb["attention_mask"], self._micro_count(whole_mask.shape[0]))
+        for j, (idx, width) in enumerate(parts):
+            micro = take_rows(mb, idx, width)
+            yield (micro, share_weight(micro["loss_mask"], whole_mask, agg),
+                   share_weight(micro["loss_mask"], whole_mask, "token-mean"), j == len(parts) - 1)
 
     def _accumulate(self, loss: torch.Tensor, last: bool) -> None:
         """Backward of one micro-batch's loss; the optimizer steps after the mini-batch's last."""
@@ -393,11 +421,7 @@ class PolicyWorker(_TrainerRank):
             # this mini-batch's stats: its micro-batches' (weighted by their share) add up, maxima are taken
             mb_sums: dict[str, float] = {}
             mb_maxes: dict[str, float] = {}
-            parts = micro_batches(mb["attention_mask"], self.params.train.micro_batch_rows)
-            for j, (idx, width) in enumerate(parts):
-                micro = take_rows(mb, idx, width)
-                weight = share_weight(micro["loss_mask"], mask[chunk], alg.loss_agg)
-                token_weight = share_weight(micro["loss_mask"], mask[chunk], "token-mean")
+            for micro, weight, token_weight, last in self._micro_steps(mb, mask[chunk], alg.loss_agg):
                 logits = self._forward(micro)
                 logp = token_logprobs(logits, micro["input_ids"])
                 row: dict[str, float] = {}
@@ -417,7 +441,6 @@ class PolicyWorker(_TrainerRank):
                 ent_mean = masked_mean(entropy(logits if alg.entropy_coef else logits.detach()), micro["loss_mask"])
                 if alg.entropy_coef:
                     loss = loss - alg.entropy_coef * token_weight * ent_mean
-                last = j == len(parts) - 1
                 if update:
                     self._accumulate(loss, last)
                 row.update({"loss": loss.item(), "entropy": token_weight * ent_mean.item()})
@@ -746,17 +769,14 @@ class CriticWorker(_TrainerRank):
         for chunk, mine in self._minibatches(mask.shape[0], step, "critic"):
             mb = {k: v[mine] for k, v in batch.items()}
             mb_sums: dict[str, float] = {}
-            parts = micro_batches(mb["attention_mask"], self.params.train.micro_batch_rows)
-            for j, (idx, width) in enumerate(parts):
-                micro = take_rows(mb, idx, width)
-                weight = share_weight(micro["loss_mask"], mask[chunk], alg.loss_agg)
-                token_weight = share_weight(micro["loss_mask"], mask[chunk], "token-mean")
+            for micro, weight, token_weight, last in self._micro_steps(mb, mask[chunk], alg.loss_agg):
                 loss, info = value_loss(self._values(micro), micro["values"], micro["returns"], micro["loss_mask"],
                                         clip=alg.value_clip, agg=alg.loss_agg)
                 loss = weight * loss
                 if update:
-                    self._accumulate(loss, j == len(parts) - 1)
-                for k, v in {"value_loss": loss.item(), **{k: token_weight * float(v) for k, v in info.items()}}.items():
+                    self._accumulate(loss, last)
+                row = {"value_loss": loss.item(), **{k: token_weight * float(v) for k, v in info.items()}}
+                for k, v in row.items():
                     mb_sums[k] = mb_sums.get(k, 0.0) + v
             for k, v in mb_sums.items():
                 sums.setdefault(k, []).append(v)
