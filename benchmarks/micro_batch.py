@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
