@@ -1,6 +1,6 @@
 """The trainer's forward passes in micro-batches (train.micro_batch_rows) against whole batches.
 
-    python benchmarks/micro_batch.py                     # 1 and 2 threads, micro_batch_rows 0 (whole) and 32
+    python benchmarks/micro_batch.py                     # 1 and 2 threads, micro_batch_rows 0 (whole), 16, 32
     python benchmarks/micro_batch.py --rows 0 8 16 32 64 --threads 1
 
 One trainer rank (`PolicyWorker`: real DeepSpeed, ZeRO 2, on CPU) of the embedded default's
@@ -83,7 +83,7 @@ def measure(model: Path, data: dict[str, torch.Tensor], micro_rows: int, threads
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", type=int, nargs="+", default=[0, 32], help="train.micro_batch_rows values (0: whole)")
+    p.add_argument("--rows", type=int, nargs="+", default=[0, 16, 32], help="train.micro_batch_rows values (0: whole)")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--batch-rows", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)

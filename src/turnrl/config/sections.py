@@ -382,7 +382,7 @@ class TrainCfg(_Section):
         "instead of their sum, and the update is one step off-policy (its batch was sampled by the weights "
         "before the previous update; the importance ratio is taken to the engine's sampling logprobs)"))
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warmup over N optimizer steps; 0: none")
-    micro_batch_rows: int = Field(32, ge=0, description=(
+    micro_batch_rows: int = Field(16, ge=0, description=(
         "the most rows per forward pass of a trainer rank: scoring passes (reference, proximal, critic values) and "
         "the update's passes, whose gradients accumulate into one optimizer step per mini-batch; rows of like length "
         "go together, cut to the longest one's length, and every rank makes as many passes. Lower it when long "
