@@ -234,11 +234,21 @@ def modes_table(results: list[dict], modes: list[str]) -> dict[str, dict]:
     return out
 
 
-def write_report(path: Path, task: str, table: dict[str, dict], command: str) -> None:
+def results_and_table(name: str, results: Path | None) -> tuple[Path, str]:
+    """The results file of a set of runs and the name of its table in ASYNC.md: the task's own, or,
+    for a set kept in another file (--results), a table named after that file, so that a second
+    set of runs never overwrites the first's table."""
+    default = ROOT / "benchmarks" / "results" / f"async-{name}.json"
+    if results is None or results.resolve() == default.resolve():
+        return default, name
+    return results, results.stem.removeprefix("async-")
+
+
+def write_report(path: Path, task: str, table: dict[str, dict], command: str, results: str | None = None) -> None:
     """The task's table in benchmarks/ASYNC.md, between its markers; the rest of the file (the
-    other tasks, the text around them) is kept."""
+    other tasks, the text around them) is kept. `results`: the file the numbers come from."""
     begin, end = f"<!-- task {task}: written by benchmarks/async_rl.py -->", f"<!-- end of task {task} -->"
-    block = "\n".join([begin, *report_lines(task, table, command), end])
+    block = "\n".join([begin, *report_lines(task, table, command, results), end])
     text = path.read_text() if path.exists() else "# Asynchronous RL: time to the synchronous run's accuracy\n"
     if begin in text and end in text:
         text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
@@ -285,11 +295,12 @@ def _time_and_speedup(table: dict[str, dict], row: dict, times: str) -> str:
     return f"{shown} | {'-' if ratio is None else format(ratio, '.2f') + 'x'}"
 
 
-def report_lines(task: str, table: dict[str, dict], command: str) -> list[str]:
+def report_lines(task: str, table: dict[str, dict], command: str, results: str | None = None) -> list[str]:
     # the time to target without the held-out scoring, where the runs recorded the scoring's seconds
     unscored = any(_scoring_recorded(r) for r in table.values())
+    results = results or f"benchmarks/results/async-{task}.json"
     lines = [f"## Task `{task}`", "",
-             f"Rerun with `{command}` (benchmarks/async_rl.py; numbers from benchmarks/results/async-{task}.json).", "",
+             f"Rerun with `{command}` (benchmarks/async_rl.py; numbers from {results}).", "",
              "The speed-up compares the times to sync's final accuracy on the same seeds; the time column is "
              "the mean over the seeds, or how many of them got there."
              + (" Scoring excluded: the same, less the seconds the held-out evaluations up to that point took "
@@ -346,7 +357,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the held-out rows' tool calls skip the slow tool's delay; the runs go to their own results "
                         "file and table (async-<task>[-eval<N>]-nodelay)")
     p.add_argument("--work-dir", type=Path, default=ROOT / ".cache" / "async_rl")
-    p.add_argument("--results", type=Path, default=None)
+    p.add_argument("--results", type=Path, default=None,
+                   help="keep the runs in this file (a second set of the same runs): its own table in ASYNC.md, named "
+                        "after the file")
     p.add_argument("--report", action="store_true",
                    help="run nothing: write the table of the runs already in the results file")
     args = p.parse_args(argv)
@@ -354,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds, modes = ([0], list(QUICK_MODES)) if args.quick else (args.seeds, args.modes)
     name = args.task + ("" if args.eval_examples == EVAL_EXAMPLES else f"-eval{args.eval_examples}") \
         + ("-nodelay" if args.scoring_without_delay else "")
-    results_path = args.results or ROOT / "benchmarks" / "results" / f"async-{name}.json"
+    results_path, table_name = results_and_table(name, args.results)
     results = json.loads(results_path.read_text()) if results_path.exists() else []
 
     micro_batch_rows = TrainCfg().micro_batch_rows   # the trainer's passes (runs before it: whole batches)
@@ -382,7 +395,11 @@ def main(argv: list[str] | None = None) -> int:
         ("" if args.steps == 40 else f" --steps {args.steps}") + \
         ("" if args.eval_examples == EVAL_EXAMPLES else f" --eval-examples {args.eval_examples}") + \
         (" --scoring-without-delay" if args.scoring_without_delay else "")
-    write_report(ROOT / "benchmarks" / "ASYNC.md", name, table, command)
+    shown = str(results_path.resolve().relative_to(ROOT)) if results_path.resolve().is_relative_to(ROOT) \
+        else str(results_path)
+    if table_name != name:
+        command += f" --results {shown}"
+    write_report(ROOT / "benchmarks" / "ASYNC.md", table_name, table, command, shown)
     print(json.dumps(last_line(table, args.quick)))
     return 0
 

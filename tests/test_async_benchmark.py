@@ -168,3 +168,17 @@ def test_a_runs_cpu_probe_shows_beside_its_curve_and_only_where_taken(tmp_path):
     assert "the CPU probe" in text
     async_rl.write_report(tmp_path / "ASYNC.md", "tail", async_rl.modes_table([sync], ["sync"]), "c")
     assert "the CPU probe" not in (tmp_path / "ASYNC.md").read_text()
+
+
+def test_a_set_of_runs_in_its_own_results_file_gets_its_own_table(tmp_path):
+    default = async_rl.ROOT / "benchmarks" / "results" / "async-tail.json"
+    assert async_rl.results_and_table("tail", None) == (default, "tail")
+    assert async_rl.results_and_table("tail", default) == (default, "tail")
+    rerun = tmp_path / "async-tail-rerun.json"
+    assert async_rl.results_and_table("tail", rerun) == (rerun, "tail-rerun")
+    table = async_rl.modes_table([_run(0, "sync", [0.5, 0.8], [100, 200])], ["sync"])
+    async_rl.write_report(tmp_path / "ASYNC.md", "tail", table, "first set")
+    async_rl.write_report(tmp_path / "ASYNC.md", "tail-rerun", table, "second set", "x/async-tail-rerun.json")
+    text = (tmp_path / "ASYNC.md").read_text()
+    assert "first set` (benchmarks/async_rl.py; numbers from benchmarks/results/async-tail.json)" in text
+    assert "second set` (benchmarks/async_rl.py; numbers from x/async-tail-rerun.json)" in text
