@@ -31,17 +31,14 @@ def _port() -> int:
 
 
 def tiny_model(folder: Path, vocab_size: int = 371) -> Path:
-    """The tiny architecture with random weights, saved as a Hugging Face folder."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """The embedded default's tiny architecture (its vocabulary's size) with random weights, saved
+    as a Hugging Face folder."""
+    from transformers import Qwen2ForCausalLM
 
     from turnrl.config import TinyModel
-    spec = TinyModel()
+    from turnrl.models.tiny import tiny_config
     torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=vocab_size, hidden_size=spec.hidden_size, intermediate_size=4 * spec.hidden_size,
-        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads, max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=True, pad_token_id=0)).save_pretrained(folder)
+    Qwen2ForCausalLM(tiny_config(TinyModel(), vocab_size, pad_token_id=0)).save_pretrained(folder)
     return folder
 
 

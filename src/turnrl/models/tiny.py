@@ -62,20 +62,27 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int):
                                    model_max_length=4096)
 
 
-def build_model(tokenizer, spec: TinyModel, seed: int):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def tiny_config(spec: TinyModel, vocab_size: int, **special_token_ids: int | None):
+    """The tiny architecture (a Qwen2 config) of `spec` over a vocabulary of `vocab_size`;
+    `special_token_ids`: bos_token_id, eos_token_id, pad_token_id."""
+    from transformers import Qwen2Config
 
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=spec.hidden_size,
+    return Qwen2Config(
+        vocab_size=vocab_size, hidden_size=spec.hidden_size,
         intermediate_size=4 * spec.hidden_size, num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
         max_position_embeddings=spec.max_position_embeddings, rope_theta=10000.0,
-        tie_word_embeddings=True, bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
+        tie_word_embeddings=True, torch_dtype="float32", **special_token_ids,
     )
-    return Qwen2ForCausalLM(config)
+
+
+def build_model(tokenizer, spec: TinyModel, seed: int):
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(tiny_config(
+        spec, len(tokenizer), bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
 
 
 def warm_start(model, sequences: list[tuple[list[int], list[int]]], steps: int, batch_size: int,

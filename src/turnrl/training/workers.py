@@ -115,8 +115,8 @@ def micro_batch_count(rows: int, world_size: int, micro_batch_rows: int) -> int:
     have at most `micro_batch_rows` rows, and none empty (at most the smallest share). 0: whole."""
     if micro_batch_rows == 0:
         return 0
-    shares = [len(share) for share in torch.arange(rows).tensor_split(world_size)]
-    return max(1, min(math.ceil(max(shares) / micro_batch_rows), min(shares)))
+    largest, smallest = math.ceil(rows / world_size), rows // world_size   # `rank_rows`' shares
+    return max(1, min(math.ceil(largest / micro_batch_rows), smallest))
 
 
 def take_rows(batch: dict[str, torch.Tensor], idx: torch.Tensor, width: int) -> dict[str, torch.Tensor]:
