@@ -159,8 +159,8 @@ def check_plugins(cfg: Config) -> list[str]:
 
     spec = attempt(envs.resolve, cfg.env.name)
     if spec is not None:
-        attempt(envs.check_options, spec, cfg.env.options)
-        task = spec.task
+        options = attempt(envs.check_options, spec, cfg.env.options)
+        task = attempt(spec.task_for, options) if options is not None else spec.task
         if "synthetic" in (cfg.data.train_set, cfg.data.heldout_set) and (task is None or task.rows is None):
             problems.append(f"data.train_set / data.heldout_set = synthetic: the environment {cfg.env.name!r} has no "
                             "synthetic task (EnvSpec.task with rows); set them to your data files (jsonl/parquet)")

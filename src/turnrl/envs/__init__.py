@@ -13,6 +13,7 @@ See `turnrl.envs.base` for the protocol an environment implements.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 from turnrl.envs.base import LEVELS, Env, EnvContext, EnvSpec, StepResult
@@ -20,7 +21,7 @@ from turnrl.plugins import PluginError, Registry, validate_options
 
 def _as_spec(obj: Any, name: str, key: str) -> EnvSpec:
     if isinstance(obj, EnvSpec):
-        return obj if obj.name else EnvSpec(obj.factory, obj.options, obj.task, obj.prepare_data, name)
+        return obj if obj.name else dataclasses.replace(obj, name=name)
     if callable(obj):
         return EnvSpec(factory=obj, name=name)
     raise PluginError(f"{key} = {name!r}: {obj!r} is neither an EnvSpec nor a factory (a class or function "
@@ -39,6 +40,7 @@ _REGISTRY = Registry("environment", "my_tasks.guess:make_env", _as_spec, {
     "openenv": "turnrl.envs.openenv:ENV",   # OpenEnv (openenv-core) servers or Environment classes
     "skyrl_gym": "turnrl.envs.skyrl_gym:ENV",   # skyrl-gym (SkyRL) environments
     "verifiers": "turnrl.envs.verifiers:ENV",   # verifiers 0.4.0, in its own venv behind a bridge
+    "agent": "turnrl.gateway.program:ENV",   # your agent program, through the OpenAI-compatible gateway
 })
 
 

@@ -135,12 +135,24 @@ class EnvSpec:
     prepare_data  `prepare_data(rows, out_dir, **options)`: write files the environment reads
                   (under `context.data_dir` later) from every row of the data; run by preprocess,
                   and before the warm start; returns a dict for the manifest (or None)
+    runner        how episodes are rolled out: a no-argument callable returning an
+                  `turnrl.rollout.episodes.EpisodeRunner` class. None: the built-in step loop
+                  (`reset`/`step` in turnrl.rollout.multi_turn), which every built-in uses;
+                  `env.name: agent` plugs in the OpenAI-compatible gateway (turnrl.gateway)
+    task_from_options  `(validated options) -> SyntheticTask | None`: a task that depends on the
+                  options (the agent's demonstration hook); used instead of `task` where given
     """
     factory: Callable[..., Env]
     options: type[BaseModel] | None = None
     task: Any = None
     prepare_data: Callable[..., dict | None] | None = None
     name: str = ""
+    runner: Callable[[], type] | None = None
+    task_from_options: Callable[[dict], Any] | None = None
+
+    def task_for(self, options: dict) -> Any:
+        """The synthetic task for these (validated) options."""
+        return self.task_from_options(options) if self.task_from_options is not None else self.task
 
     @property
     def takes_context(self) -> bool:

@@ -71,7 +71,8 @@ from turnrl import envs
 from turnrl.config import BenchmarkCfg, Config
 from turnrl.data import sources
 from turnrl.rollout.chat import ChatFormat
-from turnrl.rollout.multi_turn import ENV_ERROR, Budgets, Trajectory, run_rollouts, tool_rates
+from turnrl.rollout.episodes import StepRunner, runner_for
+from turnrl.rollout.multi_turn import ENV_ERROR, Budgets, Trajectory, tool_rates
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +188,7 @@ class _Run:
         solver = engine["low"] if isinstance(engine, dict) else engine   # {"low", "high"}: two models
         self.context = getattr(solver, "max_model_len", 1 << 30)
         self.train_env = cfg.env.factory(max_turns=cfg.rollout.max_turns, seed=cfg.seed, data_dir=data_dir)
+        self.runner = runner_for(envs.resolve(cfg.env.name))   # its episodes: the step loop, or the agent gateway
         self.reward_functions = RewardFunctions(cfg.reward.functions, cfg.reward.weights, cfg.reward.on_error)
 
     def protocol(self, name: str, grader: str = "math") -> tuple[Callable[[], envs.Env], Budgets, dict]:
@@ -205,10 +207,11 @@ class _Run:
         e = self.cfg.eval
         make_env, budgets, fields = self.protocol(protocol, grader)
         k = e.samples
-        trajs = run_rollouts(self.engine, problems, make_env, self.fmt, budgets, n=k, temperature=e.temperature,
-                             top_p=e.top_p, seed=self.cfg.seed, env_workers=self.cfg.env.workers,
-                             observation_lag=self.cfg.rollout.observation_lag, rejoin=self.cfg.rollout.rejoin,
-                             progress=True, desc=f"eval {name}")
+        roll = self.runner.run if protocol == "multi" else StepRunner().run
+        trajs = roll(self.engine, problems, make_env, self.fmt, budgets, n=k, temperature=e.temperature,
+                     top_p=e.top_p, seed=self.cfg.seed, env_workers=self.cfg.env.workers,
+                     observation_lag=self.cfg.rollout.observation_lag, rejoin=self.cfg.rollout.rejoin,
+                     progress=True, desc=f"eval {name}")
         if name == "task":   # the training reward's parts, on the held-out set
             self.reward_functions.score(trajs, self.plain)
         decoding = "greedy" if e.temperature == 0 else f"temperature={e.temperature},top_p={e.top_p}"
@@ -216,10 +219,10 @@ class _Run:
                  "samples_per_problem": k, "seed": self.cfg.seed}
         rows = records(trajs, self.decode, decoding, name, k, fields["env"])
         if name == "task" and e.greedy and e.temperature > 0:
-            greedy = run_rollouts(self.engine, problems, make_env, self.fmt, budgets, temperature=0.0,
-                                  seed=self.cfg.seed, env_workers=self.cfg.env.workers, progress=True,
-                                  observation_lag=self.cfg.rollout.observation_lag, rejoin=self.cfg.rollout.rejoin,
-                                  desc=f"eval {name} (greedy)")
+            greedy = roll(self.engine, problems, make_env, self.fmt, budgets, temperature=0.0,
+                          seed=self.cfg.seed, env_workers=self.cfg.env.workers, progress=True,
+                          observation_lag=self.cfg.rollout.observation_lag, rejoin=self.cfg.rollout.rejoin,
+                          desc=f"eval {name} (greedy)")
             g = summarize(greedy)
             block.update({"accuracy_greedy": g["accuracy"], "mean_response_tokens_greedy": g["mean_response_tokens"],
                           "tokens_per_correct_greedy": g["tokens_per_correct"]})

@@ -12,7 +12,8 @@ from turnrl import envs
 from turnrl.config import Config, ConfigError
 from turnrl.data import synthetic
 from turnrl.rollout.chat import ChatFormat
-from turnrl.rollout.multi_turn import Trajectory, replay
+from turnrl.rollout.episodes import EpisodeRunner, StepRunner, runner_for
+from turnrl.rollout.multi_turn import Trajectory
 from turnrl.models.tiny import build_model, build_tokenizer, save, seeded_rng, warm_start
 
 
@@ -79,13 +80,15 @@ def demonstrations(task: synthetic.SyntheticTask, rows: list[dict], count: int, 
 
 
 def replay_demonstration(make_env: Callable[[], envs.Env], fmt: ChatFormat, row: dict,
-                         demo: synthetic.Demonstration, env_name: str) -> Trajectory:
-    """`replay` of one demonstration through the environment; its exception a WarmStartError."""
+                         demo: synthetic.Demonstration, env_name: str, runner: EpisodeRunner | None = None) -> Trajectory:
+    """One demonstration replayed through the environment (by its runner: the step loop's
+    `replay`, or the agent gateway answering the real program); its exception a WarmStartError."""
     try:
-        return replay(make_env(), fmt, row, demo.turns)
+        return (runner or StepRunner()).replay(make_env, fmt, row, demo.turns)
     except Exception as exc:
         frames = [f.name for f in traceback.extract_tb(exc.__traceback__)]
-        after = frames[frames.index("replay") + 1:] if "replay" in frames else frames[1:]
+        last = len(frames) - 1 - frames[::-1].index("replay") if "replay" in frames else 0
+        after = frames[last + 1:]
         called = after[0] if after and after[0] in ("reset", "step") else "the environment"
         what = f"replayed a demonstration through {called if called == 'the environment' else called + '()'}"
         raise _failure(env_name, row, what, exc) from exc
@@ -118,11 +121,12 @@ def build_tiny(cfg: Config, out_dir: Path, log_metrics: Callable[[int, dict], No
 def _build_tiny(cfg: Config, out_dir: Path, data_dir: Path, log_metrics) -> dict:
     spec = cfg.model.warmstart
     env = envs.resolve(cfg.env.name)
-    task: synthetic.SyntheticTask = demonstrable(env.task, cfg.env.name)
+    task: synthetic.SyntheticTask = demonstrable(env.task_for(cfg.env.checked_options()), cfg.env.name)
     train_rows, heldout_rows, source = demonstration_rows(cfg, task)
     if env.prepare_data is not None:
         env.prepare_data(heldout_rows + train_rows, data_dir, **cfg.env.checked_options())
     make_env = cfg.env.factory(max_turns=cfg.rollout.max_turns, seed=cfg.seed, data_dir=data_dir)
+    runner = runner_for(env)
     skill = demonstrations(task, train_rows, spec.demonstrations, task.skill_good_fraction, cfg.seed, "skill",
                            cfg.env.name)
     prior = demonstrations(task, train_rows, spec.demonstrations // 2, spec.good_fraction, cfg.seed, "prior",
@@ -132,18 +136,21 @@ def _build_tiny(cfg: Config, out_dir: Path, data_dir: Path, log_metrics) -> dict
         # Each scripted demonstration runs through the real environment (the tool really runs,
         # the index really answers), so the warm start sees exactly the layout rollouts produce.
         with ThreadPoolExecutor(max_workers=cfg.env.workers) as pool:
-            return list(pool.map(lambda d: replay_demonstration(make_env, fmt, d[0], d[1], cfg.env.name), demos))
+            return list(pool.map(lambda d: replay_demonstration(make_env, fmt, d[0], d[1], cfg.env.name, runner),
+                                 demos))
 
     # The tokenizer learns from the conversations as the model will see them.
     bytes_only = ChatFormat(build_tokenizer([""], 300), cfg.model.template_type)
     sample = skill[:1000] + prior[:500]
-    corpus_text = [bytes_only.tokenizer.decode(t.prompt_ids + t.response_ids) for t in replays(bytes_only, sample)]
+    corpus_text = [bytes_only.tokenizer.decode(s.prompt_ids + s.response_ids)
+                   for t in replays(bytes_only, sample) for s in t.samples or [t]]
     tokenizer = build_tokenizer(corpus_text, cfg.model.tiny.vocab_size)
     fmt = ChatFormat(tokenizer, cfg.model.template_type)
 
     def sequences(demos, phase: str):
-        return [(t.prompt_ids + t.response_ids, [0] * len(t.prompt_ids) + warm_start_mask(t, d, good, phase, fmt))
-                for t, (_, d, good) in zip(replays(fmt, demos), demos)]
+        # an agent program's episode may be several samples (it edited its context): each is a sequence
+        return [(s.prompt_ids + s.response_ids, [0] * len(s.prompt_ids) + warm_start_mask(s, d, good, phase, fmt))
+                for t, (_, d, good) in zip(replays(fmt, demos), demos) for s in t.samples or [t]]
 
     model = build_model(tokenizer, cfg.model.tiny, cfg.seed)
     skill_losses = warm_start(model, sequences(skill, "skill"), spec.skill_steps, spec.batch_size, spec.lr, cfg.seed,

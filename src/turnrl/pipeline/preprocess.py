@@ -98,7 +98,7 @@ def training_splits(cfg: Config, dropped: Dropped | None = None) -> tuple[list[d
 
 
 def _task(cfg: Config):
-    task = envs.resolve(cfg.env.name).task
+    task = envs.resolve(cfg.env.name).task_for(cfg.env.checked_options())
     if task is None or task.rows is None:
         raise sources.DataSourceError(f"data.train_set = synthetic: the environment {cfg.env.name!r} has no synthetic "
                                       "task; set data.train_set and data.heldout_set to your data files")

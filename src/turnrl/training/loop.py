@@ -45,6 +45,7 @@ from turnrl.algos import contiguous_group_ids, first_obs_position, per_turn_mean
 from turnrl.algos.registry import AdvantageInputs, Algorithm, Scorer
 from turnrl.algos.registry import resolve as resolve_algorithm
 from turnrl.config import AlgorithmCfg, Config, LevelsCfg, TrainCfg
+from turnrl.gateway.samples import episode_view, training_rows
 from turnrl.models.folders import high_level_folder
 from turnrl.rollout.multi_turn import ENV_ERROR, Trajectory, tool_rates
 from turnrl.training.checkpoint import CheckpointStore, Resume, write_state
@@ -114,6 +115,36 @@ def advantage_inputs(trajs: Sequence[Trajectory], batch: dict[str, torch.Tensor]
         extras=extras or {})
 
 
+def episode_advantages(algorithm_cfg: AlgorithmCfg, group_size: int, trajs: Sequence[Trajectory],
+                       rows: Sequence[Trajectory], batch: dict[str, torch.Tensor], extras: dict | None = None,
+                       algorithm: Algorithm | None = None):
+    """`advantages_for` the episodes, on the rows the trainer trains ([B, L] like `batch`).
+    Where no episode has several samples (every built-in environment) rows are the episodes and
+    this is `advantages_for` itself. Otherwise (an agent program that edited its context) each
+    episode is one trajectory to the algorithm, its samples' responses end to end
+    (`episode_view`): group normalisation counts each episode once, turn-level credit sees the
+    episode's calls in order, and each row gets the advantages of its own tokens. A critic's
+    values go into that layout and its returns come back from it."""
+    if not any(t.samples for t in trajs):
+        return advantages_for(algorithm_cfg, group_size, trajs, batch, extras, algorithm)
+    views, placement = episode_view(trajs)
+    view_batch = collate(views, pad_id=0)
+    spans = [(r, e, len(row.prompt_ids), len(views[e].prompt_ids) + offset, len(row.response_ids))
+             for r, (row, (e, offset)) in enumerate(zip(rows, placement))]
+    if "values" in batch:
+        view_batch["values"] = torch.zeros_like(view_batch["loss_mask"])
+        for r, e, start, view_start, length in spans:
+            view_batch["values"][e, view_start:view_start + length] = batch["values"][r, start:start + length]
+    out = advantages_for(algorithm_cfg, group_size, views, view_batch, extras, algorithm)
+
+    def to_rows(view_tensor: torch.Tensor) -> torch.Tensor:
+        row_tensor = torch.zeros_like(batch["loss_mask"], dtype=view_tensor.dtype)
+        for r, e, start, view_start, length in spans:
+            row_tensor[r, start:start + length] = view_tensor[e, view_start:view_start + length]
+        return row_tensor
+    return tuple(to_rows(x) for x in out) if isinstance(out, tuple) else to_rows(out)
+
+
 def advantages_for(algorithm_cfg: AlgorithmCfg, group_size: int, trajs: Sequence[Trajectory],
                    batch: dict[str, torch.Tensor], extras: dict | None = None, algorithm: Algorithm | None = None):
     """The advantages [B, L] of `algorithm_cfg.name` (with a critic: (advantages, returns)) for
@@ -151,16 +182,22 @@ def rollout_metrics(trajs: Sequence[Trajectory], n: int) -> dict[str, float]:
     """Reward, accuracy, turns, lengths, tool use and finish reasons of a rollout batch."""
     count = len(trajs)
     rewards = [t.reward for t in trajs]
+    episodes = [t for t in trajs if t.samples or "samples" in t.info]   # an agent program's episodes
     groups = [rewards[i:i + n] for i in range(0, count, n)]
     out = {
         "reward_mean": sum(rewards) / count,
         "accuracy": sum(t.outcome > 0 for t in trajs) / count,
         "turns_mean": sum(t.num_turns for t in trajs) / count,
-        "response_tokens_mean": sum(t.policy_tokens() for t in trajs) / count,
+        "response_tokens_mean": sum(policy_tokens(t) for t in trajs) / count,
         "tool_calls_mean": sum(len(t.observations) for t in trajs) / count,
         "groups_all_same_frac": sum(len(set(g)) == 1 for g in groups) / max(1, len(groups)),
         **tool_rates(trajs),   # the held-out evaluation's tool_call_rate / tool_success_rate
     }
+    if episodes:   # gateway episodes: how their calls merged into samples
+        out["samples_per_episode"] = sum(len(t.samples) for t in episodes) / len(episodes)
+        out["calls_per_episode"] = sum(t.num_turns for t in episodes) / len(episodes)
+        with_calls = [t for t in episodes if t.num_turns > 1]
+        out["merged_frac"] = sum(t.info["merged_frac"] for t in with_calls) / max(1, len(with_calls))
     # The reward's per-turn parts (a turn a trajectory never reached counts as 0) and the
     # environment's numeric reward components (tool_ok, answer_in_results, f1, improvement, ...).
     for k in range(max((len(t.turn_rewards) for t in trajs), default=0)):
@@ -179,6 +216,11 @@ def rollout_metrics(trajs: Sequence[Trajectory], n: int) -> dict[str, float]:
     for name in sorted({name for t in trajs for name in t.rewards}):   # reward functions, by name
         out[f"reward_{name}_mean"] = sum(t.rewards.get(name, 0.0) for t in trajs) / count
     return out
+
+
+def policy_tokens(t: Trajectory) -> int:
+    """Tokens the policy sampled in a trajectory (in all the samples of an agent's episode)."""
+    return sum(s.policy_tokens() for s in t.samples) if t.samples else t.policy_tokens()
 
 
 def advantage_metrics(advantages: torch.Tensor, mask: torch.Tensor, turn_ids: torch.Tensor) -> dict[str, float]:
@@ -308,7 +350,7 @@ def _steps(cfg: Config, workers: Workers, rollouts: Rollouts, algorithm: Algorit
                    **source_metrics, "updates_pushed": float(_pushes_so_far(history) + bool(pushes)),
                    **step_timings(t_start, t_rollout, t_adv, t_train, t_sync, engine_busy, trainer_busy,
                                   engines=len(workers.rollout.handles),
-                                  generated=sum(t.policy_tokens() for t in trajs)),
+                                  generated=sum(policy_tokens(t) for t in trajs)),
                    "step": step}
         if _eval_due(cfg.train, step, heldout_rows):   # after the push: the engines hold this update's weights
             metrics.update(heldout_metrics(workers.rollout, heldout_rows[:cfg.train.eval_examples], step))
@@ -387,10 +429,15 @@ def update_on(cfg: Config, workers: Workers, algorithm: Algorithm, trajs: Sequen
     model on its turns) and the critic. Returns (batch, stats, each trainer rank's busy seconds,
     the weight syncs to push, the time the advantages were ready). `version`: the policy
     version the update starts from (asynchronous rollouts: their turns' versions are beside it)."""
-    batch = collate(trajs, pad_id=0)   # any pad id: padding is outside the attention and loss masks
+    rows, _ = training_rows(trajs)     # an agent program's episode: its samples
+    batch = collate(rows, pad_id=0)    # any pad id: padding is outside the attention and loss masks
     if "versions" in batch:
         batch["trainer_version"] = torch.full_like(batch["versions"], version)
     extras, algo_stats, scored = {}, {}, {"low": {}, "high": {}}
+    if algorithm.prepare is not None and len(rows) != len(trajs):
+        raise ValueError(f"algorithm.name = {cfg.algorithm.name}: its prepare hook scores one trajectory per episode "
+                         "(MLMT's two levels), and this batch has agent episodes of several samples; use an "
+                         "algorithm without one (grpo, rloo, mt_grpo, ppo, ...)")
     if algorithm.prepare is not None:   # inputs that need the models, on every policy token
         keep = _keeping(batch, scored)   # the batch's scores, so the update does not compute them again
         scorer = Scorer(
@@ -403,7 +450,7 @@ def update_on(cfg: Config, workers: Workers, algorithm: Algorithm, trajs: Sequen
     batch["loss_mask"] *= level_mask(batch["high"], trained_level(cfg.levels, step))   # e.g. a frozen level
     if algorithm.critic:   # PPO: the critic's values first; it is fitted on the returns below
         batch["values"] = workers.critic.values(batch)
-    advantages = advantages_for(cfg.algorithm, cfg.rollout.n, trajs, batch, extras, algorithm)
+    advantages = episode_advantages(cfg.algorithm, cfg.rollout.n, trajs, rows, batch, extras, algorithm)
     if algorithm.critic:   # (advantages, the critic's targets)
         batch["advantages"], batch["returns"] = advantages
     else:

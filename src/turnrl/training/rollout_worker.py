@@ -36,8 +36,11 @@ class RolloutWorker:
                         for level, folder in (("low", model_dir), ("high", high_model_dir)) if folder}
         self.engine = self.engines["low"]
         self.fmt = ChatFormat(AutoTokenizer.from_pretrained(model_dir), self.params.model.template_type)
+        from turnrl import envs
         from turnrl.rewards.functions import RewardFunctions
+        from turnrl.rollout.episodes import runner_for
         self.make_env = params.env.factory(max_turns=params.rollout.max_turns, seed=params.seed, data_dir=data_dir)
+        self.runner = runner_for(envs.resolve(params.env.name))   # the step loop, or the agent gateway
         rw = self.params.reward
         self.reward_functions = RewardFunctions(rw.functions, rw.weights, rw.on_error)
         self.decode = lambda ids: self.fmt.tokenizer.decode(ids, skip_special_tokens=True)
@@ -58,7 +61,6 @@ class RolloutWorker:
         first: vLLM's CPU sampler (and transformers' sampling) draw from torch's global
         generator, and the engine runs in this process, so the batch samples the same tokens
         for the same seed, weights and prompts however many batches came before."""
-        from turnrl.rollout.multi_turn import Budgets, run_rollouts
         if self.stream is not None:   # asynchronous training: beside the groups in flight, under the current weights
             trajs = self.stream.roll_out(examples, n)
             self.reward_functions.score(trajs, self.decode)
@@ -67,13 +69,18 @@ class RolloutWorker:
             torch.manual_seed(generator_seed)
             random.seed(generator_seed)
         r = self.params.rollout
-        trajs = run_rollouts(self.engines if len(self.engines) > 1 else self.engine, examples, self.make_env, self.fmt,
-                             Budgets(r.max_turns, r.max_tokens_per_turn, r.max_tokens_total),
-                             n=n, temperature=r.temperature if temperature is None else temperature,
-                             top_p=r.top_p, seed=seed, env_workers=self.params.env.workers,
-                             observation_lag=r.observation_lag, rejoin=r.rejoin)
+        trajs = self.runner.run(self.engines if len(self.engines) > 1 else self.engine, examples, self.make_env,
+                                self.fmt, self.budgets(), n=n, temperature=r.temperature if temperature is None else
+                                temperature, top_p=r.top_p, seed=seed, env_workers=self.params.env.workers,
+                                observation_lag=r.observation_lag, rejoin=r.rejoin)
         self.reward_functions.score(trajs, self.decode)
         return trajs
+
+    def budgets(self):
+        from turnrl.rollout.multi_turn import Budgets
+        r = self.params.rollout
+        return Budgets(r.max_turns, r.max_tokens_per_turn, r.max_tokens_total,
+                       getattr(self.engine, "max_model_len", 1 << 30))
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token t | tokens < t) of each sequence under the engine's weights (entry 0 is 0)."""
@@ -94,7 +101,8 @@ class RolloutWorker:
         if self.stream is not None:   # loaded by the generating thread before its next engine step
             self.stream.load_weights(self.pushes, lambda: self.engines[level].load_weights(tensors()))
             return
-        self.engines[level].load_weights(tensors())
+        # (the agent gateway's engine thread loads them between two engine steps; the step loop at once)
+        self.runner.load_weights(self.pushes, lambda: self.engines[level].load_weights(tensors()))
 
     # ----------------------------------------------------------------------- asynchronous training
     def start_stream(self, n: int, max_groups: int, generator_seed: int, version: int) -> None:
@@ -102,16 +110,14 @@ class RolloutWorker:
         `n`, at most `max_groups` in flight, under weights of policy `version` (the updates the
         trainer has pushed; a resumed run's included). The actor then runs with max_concurrency
         > 1, so feed, take_groups and weight loads reach it while it generates."""
-        from turnrl.rollout.multi_turn import Budgets
-        from turnrl.rollout.stream import Stream
         torch.manual_seed(generator_seed)
         random.seed(generator_seed)
         r = self.params.rollout
         self.pushes = version
-        self.stream = Stream(self.engines if len(self.engines) > 1 else self.engine, self.make_env, self.fmt,
-                             Budgets(r.max_turns, r.max_tokens_per_turn, r.max_tokens_total), n=n,
-                             max_groups=max_groups, temperature=r.temperature, top_p=r.top_p,
-                             env_workers=self.params.env.workers, version=self.pushes)
+        self.stream = self.runner.stream(self.engines if len(self.engines) > 1 else self.engine, self.make_env,
+                                         self.fmt, self.budgets(), n=n, max_groups=max_groups,
+                                         temperature=r.temperature, top_p=r.top_p,
+                                         env_workers=self.params.env.workers, version=self.pushes)
         self._stream_thread = threading.Thread(target=self.stream.run, name="turnrl-stream", daemon=True)
         self._stream_thread.start()
 

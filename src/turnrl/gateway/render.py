@@ -1,0 +1,171 @@
+"""Chat Completions requests to token ids, and sampled ids back to an assistant message.
+
+A request's messages are rendered by the model's own chat template (with its `tools`, in the
+family's function-calling format), with one exception that keeps training exact: an assistant
+message the gateway itself produced in this episode (found by its tool-call ids, or by its
+content) is not re-rendered from its text but replaced by the ids that were sampled, and the
+text after it is tokenized on its own, as the built-in rollouts tokenize an observation once.
+So a program that sends back what it was answered, and appends tool results, gets a prompt that
+extends the previous prompt + completion token for token, and its calls merge into one sample
+(`turnrl.gateway.samples`). A program that edits what it was answered gets its text rendered as
+written: a new sample, trained on what the model really saw.
+
+The answer is parsed for tool calls in the family's format (`turnrl.envs.tools.parsers`, as the
+`tools` environment reads them) and returned as OpenAI `tool_calls`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from turnrl.envs.tools.parsers import ParsedTurn
+from turnrl.rollout.chat import ChatFormat, renders_tools, tools_text
+
+_MARK = "\u2063TURNRL_SAMPLED_{}\u2063"
+
+
+class BadRequest(ValueError):
+    """A request the gateway answers with HTTP 400 (the message says what to fix)."""
+
+
+@dataclass(frozen=True)
+class Produced:
+    """An assistant message the gateway answered in this episode, and the ids behind it."""
+    completion_ids: list[int]
+    message: dict
+
+
+def text_of(content: Any) -> str:
+    """A message's content as text: a string, None, or OpenAI content parts (their text parts)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text"):
+                parts.append(str(part.get("text", "")))
+            elif isinstance(part, str):
+                parts.append(part)
+            else:
+                raise BadRequest(f"content part {part!r:.80} is not text; the gateway serves text models")
+        return "".join(parts)
+    raise BadRequest(f"content must be a string or a list of content parts, not {type(content).__name__}")
+
+
+def _template_call(call: Any) -> dict:
+    """An OpenAI tool call as chat templates take it: arguments as an object, not a JSON string."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise BadRequest(f"a tool call must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}, "
+                         f"got {call!r:.120}")
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise BadRequest(f"tool call {function.get('name')!r}: arguments are not valid JSON ({exc.msg})") from None
+    return {"type": "function", "id": call.get("id"), "function": function}
+
+
+def normalize_messages(messages: Any) -> list[dict]:
+    """The request's messages checked and in the shape chat templates take (string content,
+    tool calls with object arguments); BadRequest naming the message that is wrong."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("`messages` must be a non-empty list of {role, content} objects")
+    out = []
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+            raise BadRequest(f"messages[{k}]: must be an object whose role is system, developer, user, assistant "
+                             f"or tool; got {m!r:.120}")
+        role = "system" if m["role"] == "developer" else m["role"]
+        message = {"role": role, "content": text_of(m.get("content"))}
+        if role == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = [_template_call(c) for c in m["tool_calls"]]
+        if role == "tool" and m.get("tool_call_id") is not None:
+            message["tool_call_id"] = m["tool_call_id"]
+        if m.get("name"):
+            message["name"] = m["name"]
+        out.append(message)
+    return out
+
+
+def _same_answer(message: dict, produced: Produced) -> bool:
+    """Whether `message` is the assistant message `produced` answered (tool-call ids first:
+    they are the gateway's own and unique; else the content and no tool calls)."""
+    ours = produced.message
+    calls, our_calls = message.get("tool_calls") or [], ours.get("tool_calls") or []
+    if calls or our_calls:
+        return [c.get("id") for c in calls] == [c.get("id") for c in our_calls] and \
+            (message.get("content") or "") == (ours.get("content") or "")
+    return (message.get("content") or "") == (ours.get("content") or "")
+
+
+class Renderer:
+    """Messages -> prompt ids (splicing in the episode's sampled ids), ids -> message."""
+
+    def __init__(self, fmt: ChatFormat, parser: Callable[[str], ParsedTurn]):
+        self.fmt, self.parser = fmt, parser
+
+    def prompt_ids(self, messages: list[dict], tools: Sequence[dict] | None,
+                   produced: Sequence[Produced] = ()) -> list[int]:
+        """The prompt of normalized `messages` (+ `tools`), ending with the assistant's
+        generation prompt; every assistant message of `produced` is its sampled ids."""
+        marked, spliced = [], []
+        for m in messages:
+            match = None
+            if m["role"] == "assistant":
+                match = next((p for p in reversed(produced) if _same_answer(m, p)), None)
+            if match is None:
+                marked.append(m)
+            else:
+                marked.append({"role": "assistant", "content": _MARK.format(len(spliced))})
+                spliced.append(match)
+        text = self.render(marked, tools)
+        ids: list[int] = []
+        for k, p in enumerate(spliced):
+            before, _, text = text.partition(_MARK.format(k))
+            ids += self.fmt.encode(before) + list(p.completion_ids)
+            end = self.fmt.end_of_turn
+            if self.fmt.ends_turn(p.completion_ids) and end and text.startswith(end):
+                text = text[len(end):]   # the sampled ids already close the message
+        return ids + self.fmt.encode(text)
+
+    def render(self, messages: list[dict], tools: Sequence[dict] | None) -> str:
+        tools = list(tools or [])
+        tokenizer = self.fmt.tokenizer
+        if tools and (self.fmt.template_type == "base" or not renders_tools(tokenizer)):
+            messages = _with_system_text(messages, tools_text(tools))
+            tools = []
+        if self.fmt.template_type == "base":
+            labels = {"system": "", "user": "User: ", "assistant": "Assistant: ", "tool": "Tool: "}
+            body = "\n".join(labels[m["role"]] + m["content"] for m in messages)
+            return body + "\nAssistant:"
+        try:
+            return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                 add_generation_prompt=True)
+        except Exception as exc:   # jinja2's TemplateError: roles out of order, a role it refuses
+            raise BadRequest(f"the model's chat template cannot render these messages: {exc}") from None
+
+    def answer(self, completion_ids: Sequence[int], *, parse_tools: bool, call_id: Callable[[int], str]) -> dict:
+        """The assistant message of sampled ids: content, and `tool_calls` parsed from the
+        model's own format when the request offered tools (a botched call stays in the content)."""
+        text = self.fmt.tokenizer.decode(list(completion_ids), skip_special_tokens=True)
+        if not parse_tools:
+            return {"role": "assistant", "content": text}
+        turn = self.parser(text)
+        if not turn.calls or turn.errors:
+            return {"role": "assistant", "content": text}
+        calls = [{"id": call_id(k), "type": "function",
+                  "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+                 for k, c in enumerate(turn.calls)]
+        return {"role": "assistant", "content": turn.content or None, "tool_calls": calls}
+
+
+def _with_system_text(messages: list[dict], extra: str) -> list[dict]:
+    if messages and messages[0]["role"] == "system":
+        first = dict(messages[0], content=(messages[0]["content"] + "\n\n" + extra).strip())
+        return [first] + messages[1:]
+    return [{"role": "system", "content": extra}] + messages
