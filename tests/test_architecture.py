@@ -1,4 +1,4 @@
-"""The import rules: the pure layers (envs, rewards, rollout, data, algos) never import the
+"""The import rules: the pure layers (envs, rewards, rollout, data, algos, gateway) never import the
 trainer, the pipeline or the params (config); the trainer never imports the pipeline; nothing
 imports the entry points (stages/, flows/); and turnrl's modules have no import cycle. Every
 import counts, the ones inside functions too: a lazy import is still a dependency."""
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-PURE = ("envs", "rewards", "rollout", "data", "algos")
+PURE = ("envs", "rewards", "rollout", "data", "algos", "gateway")
 
 
 def _modules() -> dict[str, Path]:

@@ -40,7 +40,7 @@ _REGISTRY = Registry("environment", "my_tasks.guess:make_env", _as_spec, {
     "openenv": "turnrl.envs.openenv:ENV",   # OpenEnv (openenv-core) servers or Environment classes
     "skyrl_gym": "turnrl.envs.skyrl_gym:ENV",   # skyrl-gym (SkyRL) environments
     "verifiers": "turnrl.envs.verifiers:ENV",   # verifiers 0.4.0, in its own venv behind a bridge
-    "agent": "turnrl.gateway.program:ENV",   # your agent program, through the OpenAI-compatible gateway
+    "agent": "turnrl.gateway:ENV",   # your agent program, through the OpenAI-compatible gateway
 })
 
 

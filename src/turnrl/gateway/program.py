@@ -40,7 +40,6 @@ from typing import Annotated, Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from turnrl.envs.base import EnvSpec
 from turnrl.plugins import PluginError, is_import_path, load_object
 
 
@@ -170,17 +169,3 @@ def finite(value: Any, what: str) -> float:
 
 def make_program(**options: Any) -> AgentProgram:
     return AgentProgram(AgentOptions(**options))
-
-
-def _runner():
-    from turnrl.gateway.runner import AgentRunner
-    return AgentRunner
-
-
-def _task(options: dict):
-    """The warm start's task from the options' hooks (`demonstration`, `rows`), or None."""
-    from turnrl.gateway.demonstrations import agent_task
-    return agent_task(AgentOptions(**options))
-
-
-ENV = EnvSpec(factory=make_program, options=AgentOptions, name="agent", runner=_runner, task_from_options=_task)
