@@ -3,9 +3,9 @@ HTTP server, in front of the real vLLM engine for what the engine answers (ids, 
 streaming), and the gateway's own `ScriptedEngine` where the test is of the code around the engine
 (replayed demonstrations, bad requests, programs that fail).
 
-The vLLM tests (marked slow) run in a pytest process of their own (`ran_apart`): an in-process vLLM
+The vLLM tests (marked slow) run in a pytest process of their own (`on_engine`): an in-process vLLM
 engine tears down torch.distributed when it goes, which breaks DeepSpeed engines built later in the
-same process (see test_rollout.ran_in_a_fresh_interpreter). That process builds ONE engine for all
+same process (see test_rollout.ran_in_a_fresh_interpreter; `on_engine`). That process builds ONE engine for all
 of them and reuses this process's tiny model.
 
 Agent programs written here are passed by import path as pytest imported this module (`HERE`:
@@ -149,7 +149,7 @@ def scripted(fmt):
 @pytest.fixture(scope="module")
 def real(fmt, model_dir):
     """The real vLLM engine (one for the module) and a gateway in front of it."""
-    assert APART, "the vLLM tests run in a process of their own (ran_apart)"
+    assert APART, "the vLLM tests run in a process of their own (on_engine)"
     from turnrl.rollout.engines import VLLMEngine
     engine = VLLMEngine(str(model_dir), max_model_len=1024)
     runner, gateway = _runner_and_gateway(engine, fmt)
@@ -158,15 +158,37 @@ def real(fmt, model_dir):
 
 
 @pytest.fixture(scope="module")
-def apart(model_dir, tmp_path_factory) -> dict[str, tuple[str, str]]:
-    """This module's slow (vLLM) tests, run once in a pytest process of their own: {test name:
-    (passed | failed | skipped, what was reported)}."""
-    report = tmp_path_factory.mktemp("gateway-apart") / "report.xml"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-m", "slow",
-                           str(Path(__file__).resolve()), f"--junitxml={report}"],
-                          env={**os.environ, "TURNRL_TEST_ISOLATED": "1", MODEL_ENV: str(model_dir)},
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert report.exists(), proc.stdout[-4000:] + proc.stderr[-2000:]
+def apart_process(model_dir, tmp_path_factory):
+    """This module's slow (vLLM) tests in a pytest process of their own, started: (process, its
+    JUnit report, its output)."""
+    folder = tmp_path_factory.mktemp("gateway-apart")
+    report, output = folder / "report.xml", folder / "output.txt"
+    with open(output, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-m", "slow",
+                                 str(Path(__file__).resolve()), f"--junitxml={report}"],
+                                env={**os.environ, "TURNRL_TEST_ISOLATED": "1", MODEL_ENV: str(model_dir)},
+                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
+    yield proc, report, output
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_apart_early(request):
+    """Start the vLLM process at this module's first test (where its slow tests are selected), so it
+    runs while the other tests do."""
+    if not APART and any(getattr(item, "module", None) is request.module and item.get_closest_marker("slow")
+                         for item in request.session.items):
+        request.getfixturevalue("apart_process")
+
+
+@pytest.fixture(scope="module")
+def apart(apart_process) -> dict[str, tuple[str, str]]:
+    """The vLLM process's outcomes: {test name: (passed | failed | skipped, what was reported)}."""
+    proc, report, output = apart_process
+    proc.wait(timeout=600)
+    assert report.exists(), output.read_text()[-6000:]
     results: dict[str, tuple[str, str]] = {}
     for case in ET.parse(report).iter("testcase"):
         outcome, text = "passed", ""
@@ -179,18 +201,18 @@ def apart(model_dir, tmp_path_factory) -> dict[str, tuple[str, str]]:
     return results
 
 
-def ran_apart(request) -> bool:
-    """In this process: the test's outcome in the vLLM process (True: nothing more to do here).
-    In the vLLM process: False, and the test runs."""
+def on_engine(request):
+    """In the vLLM process: the `real` fixture, and the test runs. Here: the test's outcome in the vLLM
+    process, reported as this test's (None: nothing more to do)."""
     if APART:
-        return False
+        return request.getfixturevalue("real")
     results = request.getfixturevalue("apart")
     assert request.node.name in results, f"{request.node.name} did not run in the vLLM process: {sorted(results)}"
     outcome, text = results[request.node.name]
     if outcome == "skipped":
         pytest.skip(text)
     assert outcome == "passed", text
-    return True
+    return None
 
 
 def _episode(gateway, **limits):
@@ -209,101 +231,7 @@ def _program(**options):
     return lambda: make_program(**options)
 
 
-# --------------------------------------------------------------------------- 1. the engine's output, recorded
-@pytest.mark.slow
-def test_a_call_records_the_prompt_ids_sampled_ids_and_logprobs_it_answered(request, real, fmt):
-    if ran_apart(request):
-        return
-    from turnrl.gateway.render import normalize_messages
-    ep, client = _episode(real.gateway, max_tokens_per_call=64, context=1024)
-    reply = client.chat.completions.create(model="anything", messages=ASK, logprobs=True, max_tokens=12)
-    (call,) = ep.calls
-    # the prompt: the Renderer's ids for these messages, and the built-in rollouts' prompt for them
-    assert call.prompt_ids == real.gateway.renderer.prompt_ids(normalize_messages(ASK), [])
-    assert call.prompt_ids == fmt.prompt_ids("Be brief.", "Compute 12 * 34.")
-    # what was answered is what was sampled
-    assert 1 <= len(call.completion_ids) <= 12
-    choice = reply.choices[0]
-    assert choice.message.content == fmt.tokenizer.decode(call.completion_ids, skip_special_tokens=True)
-    assert call.text == fmt.tokenizer.decode(call.completion_ids, skip_special_tokens=False)
-    content = choice.logprobs.content
-    assert len(content) == len(call.completion_ids) == len(call.logprobs)
-    assert [t.logprob for t in content] == call.logprobs
-    assert [t.model_extra["token_id"] for t in content] == call.completion_ids
-    # the engine's logprobs of those tokens (scored again by vLLM: the policy's, not made up)
-    assert all(lp <= 0 for lp in call.logprobs) and min(call.logprobs) < -0.01
-    scored = real.engine.prompt_logprobs([call.prompt_ids + call.completion_ids])[0][len(call.prompt_ids):]
-    assert call.logprobs == pytest.approx(scored, abs=1e-3)
-    assert reply.usage.prompt_tokens == len(call.prompt_ids)
-    assert reply.usage.completion_tokens == len(call.completion_ids)
-    assert reply.usage.total_tokens == len(call.prompt_ids) + len(call.completion_ids)
-    assert call.finish == ("length" if len(call.completion_ids) == 12 else "stop")
-    assert choice.finish_reason == call.finish
-    assert reply.id == call.completion_id and call.version == 0 and reply.system_fingerprint == "turnrl-v0"
-    assert ep.sampled_tokens == len(call.completion_ids)
-
-
-@pytest.mark.slow
-def test_n_2_samples_two_calls_of_one_prompt_within_the_per_call_cap(request, real, fmt):
-    if ran_apart(request):
-        return
-    ep, client = _episode(real.gateway, max_tokens_per_call=6, context=1024)
-    reply = client.chat.completions.create(model="policy", messages=ASK, n=2)   # no max_tokens: the cap
-    assert len(reply.choices) == 2 and len(ep.calls) == 2
-    assert [c.completion_id for c in ep.calls] == [f"{reply.id}-0", f"{reply.id}-1"]
-    assert ep.calls[0].prompt_ids == ep.calls[1].prompt_ids == fmt.prompt_ids("Be brief.", "Compute 12 * 34.")
-    for choice, call in zip(reply.choices, ep.calls):
-        assert 1 <= len(call.completion_ids) <= 6
-        assert choice.message.content == fmt.tokenizer.decode(call.completion_ids, skip_special_tokens=True)
-        assert choice.finish_reason == call.finish
-    assert reply.usage.completion_tokens == sum(len(c.completion_ids) for c in ep.calls)
-    assert ep.started_calls == 2
-
-
-@pytest.mark.slow
-def test_models_lists_the_policy(request, real):
-    if ran_apart(request):
-        return
-    _, client = _episode(real.gateway)
-    assert [m.id for m in client.models.list().data] == ["turnrl-policy"]
-
-
-@pytest.mark.slow
-def test_a_streamed_answer_reassembles_to_the_recorded_call(request, real, fmt):
-    if ran_apart(request):
-        return
-    ep, client = _episode(real.gateway, max_tokens_per_call=10, context=1024)
-    chunks = list(client.chat.completions.create(model="policy", messages=ASK, stream=True, logprobs=True,
-                                                 stream_options={"include_usage": True}))
-    (call,) = ep.calls
-    with_choices = [c for c in chunks if c.choices]
-    assert {c.id for c in chunks} == {call.completion_id}
-    assert with_choices[0].choices[0].delta.role == "assistant"
-    joined = "".join(c.choices[0].delta.content or "" for c in with_choices)
-    assert joined == fmt.tokenizer.decode(call.completion_ids, skip_special_tokens=True) != ""
-    assert [c.choices[0].finish_reason for c in with_choices if c.choices[0].finish_reason] == [call.finish]
-    assert with_choices[-1].choices[0].finish_reason == call.finish
-    streamed = [t.logprob for c in with_choices if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
-    assert streamed == call.logprobs
-    assert chunks[-1].usage.completion_tokens == len(call.completion_ids)
-    assert chunks[-1].usage.prompt_tokens == len(call.prompt_ids)
-
-
-@pytest.mark.slow
-def test_the_node_agent_runs_against_the_engine(request, real, fmt, rows):
-    if ran_apart(request):
-        return
-    if shutil.which("node") is None:
-        pytest.skip("node is not installed (examples/agents/node_agent.mjs needs Node 18+)")
-    (t,) = real.runner.run(real.engine, rows[:1], _program(command=["node", str(NODE_AGENT)], timeout_s=60), fmt,
-                           _budgets(max_turns=3, max_tokens_per_turn=16))
-    assert t.finish != "env_error", t.info.get("env_error")
-    assert t.info["calls"] >= 1 and len(t.samples) >= 1
-    assert t.outcome in (0.0, 1.0)
-    assert t.turn_texts[0] and len(t.samples[0].response_ids) >= 1
-
-
-# --------------------------------------------------------------------------- 2. calls merged into samples
+# --------------------------------------------------------------------------- calls merged into samples
 @pytest.fixture(scope="module")
 def recording():
     """An AgentRunner that keeps each episode's Call records (`.calls`) for the test to compare."""
@@ -375,7 +303,7 @@ def test_the_node_agent_replays_a_demonstration_into_one_merged_sample(recording
     assert t.info["calls"] == 2 and t.info["samples"] == 1 and t.info["merged_frac"] == 1.0
 
 
-# --------------------------------------------------------------------------- 3. bad requests
+# --------------------------------------------------------------------------- bad requests
 def _raises(kind, fn, *args, **kwargs):
     with pytest.raises(kind) as caught:
         fn(*args, **kwargs)
@@ -506,7 +434,7 @@ def test_a_reward_post_whose_components_are_not_an_object_is_400(scripted, field
     assert answer.status_code == 400 and field in answer.json()["error"]["message"]
 
 
-# --------------------------------------------------------------------------- 4. programs that fail
+# --------------------------------------------------------------------------- programs that fail
 def test_a_program_that_raises_fails_its_own_episodes_only(scripted, fmt, rows):
     trajs = scripted.runner.run(scripted.engine, rows, _program(program=f"{HERE}:raises_on_row_0"), fmt, _budgets(), n=2)
     assert len(trajs) == 4 and [t.example["id"] for t in trajs] == [rows[0]["id"]] * 2 + [rows[1]["id"]] * 2
@@ -596,3 +524,103 @@ def test_a_command_past_its_timeout_or_printing_no_reward_is_an_env_error(script
     (t,) = scripted.runner.run(scripted.engine, rows[:1], _program(command=[sys.executable, "-c", "print('done!')"]),
                                fmt, _budgets())
     assert t.finish == "env_error" and "is not a reward" in t.info["env_error"]
+
+
+# --------------------------------------------------------------------------- the engine's output, recorded (vLLM)
+# Last in the file: their process (started at the module's first test) runs while the tests above do.
+@pytest.mark.slow
+def test_a_call_records_the_prompt_ids_sampled_ids_and_logprobs_it_answered(request, fmt):
+    real = on_engine(request)
+    if real is None:
+        return
+    from turnrl.gateway.render import normalize_messages
+    ep, client = _episode(real.gateway, max_tokens_per_call=64, context=1024)
+    reply = client.chat.completions.create(model="anything", messages=ASK, logprobs=True, max_tokens=12)
+    (call,) = ep.calls
+    # the prompt: the Renderer's ids for these messages, and the built-in rollouts' prompt for them
+    assert call.prompt_ids == real.gateway.renderer.prompt_ids(normalize_messages(ASK), [])
+    assert call.prompt_ids == fmt.prompt_ids("Be brief.", "Compute 12 * 34.")
+    # what was answered is what was sampled
+    assert 1 <= len(call.completion_ids) <= 12
+    choice = reply.choices[0]
+    assert choice.message.content == fmt.tokenizer.decode(call.completion_ids, skip_special_tokens=True)
+    assert call.text == fmt.tokenizer.decode(call.completion_ids, skip_special_tokens=False)
+    content = choice.logprobs.content
+    assert len(content) == len(call.completion_ids) == len(call.logprobs)
+    assert [t.logprob for t in content] == call.logprobs
+    assert [t.model_extra["token_id"] for t in content] == call.completion_ids
+    # the engine's logprobs of those tokens (scored again by vLLM: the policy's, not made up)
+    assert all(lp <= 0 for lp in call.logprobs) and min(call.logprobs) < -0.01
+    scored = real.engine.prompt_logprobs([call.prompt_ids + call.completion_ids])[0][len(call.prompt_ids):]
+    assert call.logprobs == pytest.approx(scored, abs=1e-3)
+    assert reply.usage.prompt_tokens == len(call.prompt_ids)
+    assert reply.usage.completion_tokens == len(call.completion_ids)
+    assert reply.usage.total_tokens == len(call.prompt_ids) + len(call.completion_ids)
+    assert call.finish == ("length" if len(call.completion_ids) == 12 else "stop")
+    assert choice.finish_reason == call.finish
+    assert reply.id == call.completion_id and call.version == 0 and reply.system_fingerprint == "turnrl-v0"
+    assert ep.sampled_tokens == len(call.completion_ids)
+
+
+@pytest.mark.slow
+def test_n_2_samples_two_calls_of_one_prompt_within_the_per_call_cap(request, fmt):
+    real = on_engine(request)
+    if real is None:
+        return
+    ep, client = _episode(real.gateway, max_tokens_per_call=6, context=1024)
+    reply = client.chat.completions.create(model="policy", messages=ASK, n=2)   # no max_tokens: the cap
+    assert len(reply.choices) == 2 and len(ep.calls) == 2
+    assert [c.completion_id for c in ep.calls] == [f"{reply.id}-0", f"{reply.id}-1"]
+    assert ep.calls[0].prompt_ids == ep.calls[1].prompt_ids == fmt.prompt_ids("Be brief.", "Compute 12 * 34.")
+    for choice, call in zip(reply.choices, ep.calls):
+        assert 1 <= len(call.completion_ids) <= 6
+        assert choice.message.content == fmt.tokenizer.decode(call.completion_ids, skip_special_tokens=True)
+        assert choice.finish_reason == call.finish
+    assert reply.usage.completion_tokens == sum(len(c.completion_ids) for c in ep.calls)
+    assert ep.started_calls == 2
+
+
+@pytest.mark.slow
+def test_models_lists_the_policy(request):
+    real = on_engine(request)
+    if real is None:
+        return
+    _, client = _episode(real.gateway)
+    assert [m.id for m in client.models.list().data] == ["turnrl-policy"]
+
+
+@pytest.mark.slow
+def test_a_streamed_answer_reassembles_to_the_recorded_call(request, fmt):
+    real = on_engine(request)
+    if real is None:
+        return
+    ep, client = _episode(real.gateway, max_tokens_per_call=10, context=1024)
+    chunks = list(client.chat.completions.create(model="policy", messages=ASK, stream=True, logprobs=True,
+                                                 stream_options={"include_usage": True}))
+    (call,) = ep.calls
+    with_choices = [c for c in chunks if c.choices]
+    assert {c.id for c in chunks} == {call.completion_id}
+    assert with_choices[0].choices[0].delta.role == "assistant"
+    joined = "".join(c.choices[0].delta.content or "" for c in with_choices)
+    assert joined == fmt.tokenizer.decode(call.completion_ids, skip_special_tokens=True) != ""
+    assert [c.choices[0].finish_reason for c in with_choices if c.choices[0].finish_reason] == [call.finish]
+    assert with_choices[-1].choices[0].finish_reason == call.finish
+    streamed = [t.logprob for c in with_choices if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert streamed == call.logprobs
+    assert chunks[-1].usage.completion_tokens == len(call.completion_ids)
+    assert chunks[-1].usage.prompt_tokens == len(call.prompt_ids)
+
+
+@pytest.mark.slow
+def test_the_node_agent_runs_against_the_engine(request, fmt, rows):
+    real = on_engine(request)
+    if real is None:
+        return
+    if shutil.which("node") is None:
+        pytest.skip("node is not installed (examples/agents/node_agent.mjs needs Node 18+)")
+    (t,) = real.runner.run(real.engine, rows[:1], _program(command=["node", str(NODE_AGENT)], timeout_s=60), fmt,
+                           _budgets(max_turns=3, max_tokens_per_turn=16))
+    assert t.finish != "env_error", t.info.get("env_error")
+    assert t.info["calls"] >= 1 and len(t.samples) >= 1
+    assert t.outcome in (0.0, 1.0)
+    assert t.turn_texts[0] and len(t.samples[0].response_ids) >= 1

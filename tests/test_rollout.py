@@ -477,8 +477,8 @@ def test_a_weight_push_mid_turn_samples_the_rest_from_the_new_weights_only(tiny_
     for _ in range(20):
         done.update(stepper.step())
     assert not done
-    at_push = {key: len(ids) for key, ids, _ in stepper.running.values()}
-    before = {key: list(logprobs) for key, _, logprobs in stepper.running.values()}
+    at_push = {key: len(ids) for key, ids, *_ in stepper.running.values()}
+    before = {key: list(logprobs) for key, _, logprobs, *_ in stepper.running.values()}
     engine.load_weights(pushed.items())
     stepper.add(4, prompts[0], 30, None)   # cached by request 0 under the older weights
     while stepper.busy():

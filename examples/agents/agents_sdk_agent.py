@@ -4,7 +4,11 @@ Completions model. Nothing here knows turnrl; turnrl trains it unmodified throug
 (docs/agents.md):
 
     dvc exp run -S env.name=agent -S '++env.options.program=examples.agents.agents_sdk_agent:run' \
-                -S '++env.options.demonstration=examples.agents.calculator_agent:demonstrate'
+                -S '++env.options.demonstration=examples.agents.calculator_agent:demonstrate' \
+                -S '++env.options.rows=turnrl.data.synthetic:product_rows'
+
+(`rows`: the task rows of `data.train_set: synthetic`, the default; leave it out when
+data.train_set and data.heldout_set name files of your own.)
 
 Deployed, the same function runs against any OpenAI-compatible server; only `base_url` and
 `api_key` say where the model is:

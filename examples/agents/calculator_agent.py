@@ -2,8 +2,7 @@
 `tools` format, which it runs itself, and its own stop rule. Nothing here knows turnrl; turnrl
 trains it unmodified through its gateway (docs/agents.md):
 
-    dvc exp run -S env.name=agent -S '++env.options.program=examples.agents.calculator_agent:run' \
-                -S '++env.options.demonstration=examples.agents.calculator_agent:demonstrate'
+    dvc exp run $(python -m turnrl.presets agent)     # configs/agent.yaml: program, demonstration, rows
 
 Deployed, the same function runs against any OpenAI-compatible server:
 

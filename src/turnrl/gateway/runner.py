@@ -85,7 +85,7 @@ def outcome_of(value: Any, episode: Episode) -> tuple[float, dict]:
     if value is None:
         if episode.reward is None:
             raise ProgramError("the program gave no reward: return it (a number) or post it to "
-                               "{base_url}/turnrl/reward before returning")
+                               "<base_url>/turnrl/reward before returning")
         return episode.reward, components
     return finite(value, "the reward the program returned"), components
 

@@ -384,7 +384,7 @@ class Gateway:
                 raise HTTPError(410, f"this episode ended while the call ran ({episode.ended_why})", "episode_ended")
             for k, (sample, version) in enumerate(results):
                 index = len(episode.calls)
-                call_ref = f"{completion_id}-{k}" if len(results) > 1 else completion_id
+                call_ref = f"{completion_id}-{k}" if k else completion_id   # choice k > 0 of n: the id + "-k"
                 message = self.renderer.answer(sample.token_ids, parse_tools=meta["parse_tools"],
                                                call_id=lambda j, i=index: f"call_{episode.key[-8:]}_{i}_{j}")
                 finish = "length" if sample.finish == "length" else ("tool_calls" if message.get("tool_calls") else "stop")

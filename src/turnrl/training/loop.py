@@ -434,9 +434,9 @@ def update_on(cfg: Config, workers: Workers, algorithm: Algorithm, trajs: Sequen
     if "versions" in batch:
         batch["trainer_version"] = torch.full_like(batch["versions"], version)
     extras, algo_stats, scored = {}, {}, {"low": {}, "high": {}}
-    if algorithm.prepare is not None and len(rows) != len(trajs):
+    if algorithm.prepare is not None and any(t.samples for t in trajs):
         raise ValueError(f"algorithm.name = {cfg.algorithm.name}: its prepare hook scores one trajectory per episode "
-                         "(MLMT's two levels), and this batch has agent episodes of several samples; use an "
+                         "(MLMT's two levels), and this batch has agent episodes (env.name: agent); use an "
                          "algorithm without one (grpo, rloo, mt_grpo, ppo, ...)")
     if algorithm.prepare is not None:   # inputs that need the models, on every policy token
         keep = _keeping(batch, scored)   # the batch's scores, so the update does not compute them again
