@@ -22,21 +22,12 @@ from openai import OpenAI
 SYSTEM = ("Solve the problem. You can call the tools; their results come back as tool messages. "
           "Give the final answer as <answer>...</answer>.")
 
-TOOLS = [
-    {"type": "function", "function": {
-        "name": "calculator", "description": "Evaluate an arithmetic expression with + - * / and parentheses.",
-        "parameters": {"type": "object", "properties": {
-            "expression": {"type": "string", "description": "e.g. 347 * 8215"}}, "required": ["expression"]}}},
-    {"type": "function", "function": {
-        "name": "count_digits", "description": "How many digits a whole number has.",
-        "parameters": {"type": "object", "properties": {
-            "number": {"type": "string", "description": "e.g. 2850605"}}, "required": ["number"]}}},
-]
-
-MAX_TURNS = 3
-
-
 def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression with + - * / and parentheses.
+
+    Args:
+        expression: The expression, e.g. 347 * 8215.
+    """
     if not re.fullmatch(r"[0-9+\-*/(). ]{1,100}", expression):
         raise ValueError("only numbers, + - * / and parentheses")
     value = eval(expression, {"__builtins__": {}})   # the characters are checked above
@@ -44,7 +35,29 @@ def calculator(expression: str) -> str:
 
 
 def count_digits(number: str) -> str:
+    """How many digits a whole number has.
+
+    Args:
+        number: The number, e.g. 2850605.
+    """
     return str(len(re.sub(r"\D", "", number)))
+
+
+# The two tools in the OpenAI format (what the functions' docstrings say, so the same functions
+# given to turnrl's built-in `tools` environment render the same prompt: benchmarks/agent.py)
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "calculator", "description": "Evaluate an arithmetic expression with + - * / and parentheses.",
+        "parameters": {"type": "object", "properties": {
+            "expression": {"type": "string", "description": "The expression, e.g. 347 * 8215."}},
+            "required": ["expression"]}}},
+    {"type": "function", "function": {
+        "name": "count_digits", "description": "How many digits a whole number has.",
+        "parameters": {"type": "object", "properties": {
+            "number": {"type": "string", "description": "The number, e.g. 2850605."}}, "required": ["number"]}}},
+]
+
+MAX_TURNS = 3
 
 
 def run_tool(name: str, arguments: str) -> str:

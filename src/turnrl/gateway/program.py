@@ -6,7 +6,7 @@
         program: my_agents.solver:run        # a Python function, sync or async ...
         # command: node agents/solver.js      # ... or a command line in any language
         timeout_s: 120                       # per episode
-        max_concurrent: 16                   # programs running at once per rollout engine
+        max_concurrent: 128                  # programs running at once per rollout engine
 
 For each episode turnrl calls the program with the task row and a gateway URL plus a key that
 identifies the episode. The program talks to the policy only through that URL with an ordinary
@@ -54,8 +54,9 @@ class AgentOptions(BaseModel):
         "environment, the task row as JSON on its standard input, its reward printed as the last line"))
     timeout_s: Annotated[float, Field(gt=0)] = Field(300.0, description=(
         "seconds an episode may take; past them it ends as an environment error and its calls are refused"))
-    max_concurrent: Annotated[int, Field(gt=0)] = Field(16, description=(
-        "programs running at once, per rollout engine (their calls batch on the engine together)"))
+    max_concurrent: Annotated[int, Field(gt=0)] = Field(128, description=(
+        "programs running at once, per rollout engine: their calls batch on the engine together, so fewer than a "
+        "step's episodes (prompts_per_step x n) leave the engine's batch smaller than the built-in loop's"))
     parser: str = Field("hermes", description=(
         "how tool calls are read from the model's text (hermes, llama3, mistral, or module:function), "
         "as in the `tools` environment"))
