@@ -34,7 +34,6 @@ import os
 import shlex
 import signal
 import subprocess
-import threading
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Literal
 
@@ -104,12 +103,12 @@ class AgentProgram:
             raise PluginError(f"env.options.program = {self.options.program!r}: {fn!r} is not callable")
         return fn
 
-    def run(self, example: dict, base_url: str, api_key: str, cancelled: threading.Event) -> Any:
+    def run(self, example: dict, base_url: str, api_key: str) -> Any:
         """Run the program for one episode; what it returned (None: it posted or gave nothing).
         Raises ProgramError for a failure, TimeoutError past timeout_s."""
         if self.options.program:
             return self._call(example, base_url, api_key)
-        return self._command(example, base_url, api_key, cancelled)
+        return self._command(example, base_url, api_key)
 
     def _call(self, example: dict, base_url: str, api_key: str) -> Any:
         fn = self.function()
@@ -122,7 +121,7 @@ class AgentProgram:
             return asyncio.run(bounded())
         return fn(dict(example), base_url=base_url, api_key=api_key)
 
-    def _command(self, example: dict, base_url: str, api_key: str, cancelled: threading.Event) -> Any:
+    def _command(self, example: dict, base_url: str, api_key: str) -> Any:
         argv = self.options.command if isinstance(self.options.command, list) else shlex.split(self.options.command)
         task = json.dumps(example, default=str)
         env = {**os.environ, **self.options.env, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key,

@@ -79,7 +79,11 @@ def outcome_of(value: Any, episode: Episode) -> tuple[float, dict]:
                                "{'reward': r, 'components': {...}, 'call_rewards': {completion_id: r}}")
         for name, v in (value.get("components") or {}).items():
             components[str(name)] = finite(v, f"components[{name!r}]")
+        known = {c.completion_id for c in episode.calls}
         for cid, v in (value.get("call_rewards") or {}).items():
+            if str(cid) not in known:
+                raise ProgramError(f"call_rewards names {cid!r}, which this episode did not answer; use the `id` of a "
+                                   "chat completion it returned")
             episode.call_rewards[str(cid)] = finite(v, f"call_rewards[{cid!r}]")
         value = value.get("reward")
     if value is None:
@@ -124,19 +128,17 @@ class AgentRunner:
         with self._slots:
             ep = gateway.open(example, limits, script)
             result: dict[str, Any] = {}
-            cancelled = threading.Event()
 
             def target():
                 try:
-                    result["value"] = program.run(example, gateway.base_url, ep.key, cancelled)
+                    result["value"] = program.run(example, gateway.base_url, ep.key)
                 except BaseException as exc:   # noqa: BLE001 - the user's program
                     result["error"] = exc
             started = time.time()
             thread = threading.Thread(target=target, name="turnrl-agent-episode", daemon=True)
             thread.start()
             thread.join(timeout=program.options.timeout_s + 5.0)
-            if thread.is_alive():
-                cancelled.set()
+            if thread.is_alive():   # a sync function cannot be stopped: its later calls get 410
                 result["error"] = TimeoutError(f"the program did not return within env.options.timeout_s = "
                                                f"{program.options.timeout_s:g} s")
             gateway.close(ep, "the program failed" if "error" in result else "the program returned")
@@ -230,7 +232,9 @@ class AgentRunner:
             finally:
                 done.set()
         loops[0].load_weights(version, run)
-        done.wait()
+        while not done.wait(timeout=1.0):
+            if loops[0].error is not None:
+                raise RuntimeError(f"the gateway's engine loop stopped: {loops[0].error!r}") from loops[0].error
 
     def close(self) -> None:
         for loop, gateway in self.gateways.values():

@@ -105,7 +105,7 @@ def episode_trajectory(example: dict, calls: Sequence[Call], *, outcome: float, 
     if last is not None:
         t.response_ids, t.loss_mask = list(last.response_ids), list(last.loss_mask)
         t.turn_ids, t.engine_logprobs = list(last.turn_ids), list(last.engine_logprobs)
-        t.observations = list(last.observations)
+        t.observations = [o for s in samples for o in s.observations]
     t.turn_texts = [c.text for c in calls]
     t.turn_rewards = [c.reward for c in calls]
     t.turn_versions = [c.version for c in calls]
@@ -120,6 +120,12 @@ def episode_trajectory(example: dict, calls: Sequence[Call], *, outcome: float, 
     t.info.update(info or {})
     t.info.update(calls=float(len(calls)), samples=float(len(samples)),
                   merged_frac=merged_fraction(calls, len(samples)))
+    sample_of = {c.index: k for k, chain in enumerate(grouped) for c in chain}
+    t.info["gateway_calls"] = [   # for traces: what each call read and answered
+        {"messages": c.messages, "tools": [tool.get("function", {}).get("name") for tool in c.tools],
+         "message": c.message, "prompt_tokens": len(c.prompt_ids), "completion_tokens": len(c.completion_ids),
+         "version": c.version, "sample": sample_of[c.index], "id": c.completion_id, "finish": c.finish}
+        for c in calls]
     return t
 
 
@@ -138,7 +144,9 @@ def episode_view(trajs: Sequence[Trajectory]) -> tuple[list[Trajectory], list[tu
     """Each episode as one trajectory for the advantage functions, and where each training row
     sits in it: (the views, one per episode; per row of `training_rows`, (episode, offset of
     the row's response within its view's response)). A view is the first sample's prompt, then
-    every sample's response end to end (turn ids are the episode's call indices throughout), with
+    every sample's response end to end (turn ids are the episode's call indices throughout), a
+    masked token between two samples (where the program edited its context: turn-level
+    algorithms find the first turn's end at the first masked token, as after a tool result), with
     the episode's reward, per-call rewards, levels and versions. An episode of one sample (or a
     built-in trajectory) is its own view, unchanged."""
     views: list[Trajectory] = []
@@ -149,7 +157,9 @@ def episode_view(trajs: Sequence[Trajectory]) -> tuple[list[Trajectory], list[tu
             placement.append((e, 0))
             continue
         view = Trajectory(example=t.example, prompt_ids=list(t.samples[0].prompt_ids))
-        for s in t.samples:
+        for k, s in enumerate(t.samples):
+            if k:   # one masked token where the context was edited: the algorithms' "observation" mark
+                view.add_observation(view.turn_ids[-1] if view.turn_ids else 0, [0], "")
             placement.append((e, len(view.response_ids)))
             view.response_ids += s.response_ids
             view.loss_mask += s.loss_mask

@@ -150,6 +150,7 @@ class Episode:
     produced: list[Produced] = field(default_factory=list)
     started_calls: int = 0
     sampled_tokens: int = 0
+    reserved_tokens: int = 0           # asked for by calls in flight (concurrent calls share the budget)
     reward: float | None = None
     components: dict[str, float] = field(default_factory=dict)
     call_rewards: dict[str, float] = field(default_factory=dict)
@@ -184,7 +185,10 @@ class Gateway:
     # ---------------------------------------------------------------- episodes (the runner's side)
     @property
     def base_url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        """The URL programs get: this host's name when the gateway listens on every interface
+        (a program on another machine can reach it), else the address it listens on."""
+        import socket
+        host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
         return f"http://{host}:{self.port}/v1"
 
     def open(self, example: dict, limits: Limits, script: Sequence[str] | None = None) -> Episode:
@@ -302,6 +306,9 @@ class Gateway:
                 results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
             except RuntimeError as exc:
                 raise HTTPError(503, str(exc), "engine_error") from None
+            finally:
+                with episode.lock:
+                    episode.reserved_tokens -= max_tokens * n
             response = self._record(episode, prompt_ids, results, meta, started)
         except HTTPError as exc:
             return self._error(exc)
@@ -354,7 +361,7 @@ class Gateway:
             if episode.started_calls + n > limits.max_calls:
                 raise HTTPError(400, f"this episode's call budget is spent ({limits.max_calls} completions, "
                                      "rollout.max_turns); end the episode and return its reward", "budget_exceeded")
-            left = limits.max_tokens_total - episode.sampled_tokens
+            left = limits.max_tokens_total - episode.sampled_tokens - episode.reserved_tokens
             if left <= 0:
                 raise HTTPError(400, f"this episode's token budget is spent ({limits.max_tokens_total} sampled tokens, "
                                      "rollout.max_tokens_total); end the episode", "budget_exceeded")
@@ -365,7 +372,8 @@ class Gateway:
                                          "demonstration hook must give one per call the program makes")
                 script, episode.script = episode.script[:n], episode.script[n:]
             episode.started_calls += n
-        max_tokens = min(asked or limits.max_tokens_per_call, limits.max_tokens_per_call, left, room)
+            max_tokens = min(asked or limits.max_tokens_per_call, limits.max_tokens_per_call, left // n or 1, room)
+            episode.reserved_tokens += max_tokens * n
         options: dict[str, Any] = {"temperature": temperature, "top_p": top_p, "stop": stop}
         if script is not None:
             options["script"] = script[0]   # n is 1 in a demonstration

@@ -7,6 +7,10 @@
       turn 2 (CHAIN) ...
       reward (EVALUATOR)                 outcome, reward functions, total, turn rewards, advantage
 
+An agent program's episode (`env.name: agent`) has a turn per call of the program: its LLM span
+holds the request's messages and tools and the assistant message answered, the policy version
+that sampled it and the sample (of the episode's) it was trained in.
+
 Everything comes from the `Trajectory` alone (turn texts and times, environment step times,
 observations, turn rewards, levels, info), so any environment traces the same way: the
 built-ins, a plug-in, MLMT's two levels (each turn says its level), on the synchronous and
@@ -170,6 +174,7 @@ def _turn_spans(t, now: float) -> list[SpanPlan]:
     last_tool = last_env - 1 if ended_by_env else last_env
     children: list[SpanPlan] = []
     context = len(t.prompt_ids)
+    calls = (t.info or {}).get("gateway_calls") or []   # an agent program's episode: what each call read
     for k in range(turns):
         g_start, g_end = turn_times[k] if k < len(turn_times) else (now, now)
         text = t.turn_texts[k]
@@ -184,6 +189,17 @@ def _turn_spans(t, now: float) -> list[SpanPlan]:
                         "mlflow.chat.tokenUsage": {"input_tokens": context, "output_tokens": out_tokens,
                                                    "total_tokens": context + out_tokens}})
         context += out_tokens + observed_tokens.get(k, 0)
+        if k < len(calls):   # the gateway's record: the request's messages in, the assistant message out
+            call = calls[k]
+            generate.inputs = {"messages": [dict(m, content=_clip(m.get("content"))) for m in call["messages"]],
+                               "tools": call["tools"]}
+            generate.outputs = {"message": call["message"], "text": _clip(text)}
+            generate.attributes.update(
+                {"policy_version": call["version"], "sample": call["sample"], "completion_id": call["id"],
+                 "finish": call["finish"], "tokens": call["completion_tokens"],
+                 "mlflow.chat.tokenUsage": {"input_tokens": call["prompt_tokens"],
+                                            "output_tokens": call["completion_tokens"],
+                                            "total_tokens": call["prompt_tokens"] + call["completion_tokens"]}})
         spans = [generate]
         turn_end = g_end
         turn_reward = t.turn_rewards[k] if k < len(t.turn_rewards) else None

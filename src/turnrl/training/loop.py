@@ -204,7 +204,8 @@ def rollout_metrics(trajs: Sequence[Trajectory], n: int) -> dict[str, float]:
         out[f"turn{k + 1}_reward_mean"] = sum(t.turn_rewards[k] for t in trajs if len(t.turn_rewards) > k) / count
     # Policy tokens per turn, over the trajectories that reached it: which turn grows.
     for k in range(max((t.num_turns for t in trajs), default=0)):
-        lengths = [sum(m for m, turn in zip(t.loss_mask, t.turn_ids) if turn == k) for t in trajs if t.num_turns > k]
+        lengths = [sum(m for s in t.samples or [t] for m, turn in zip(s.loss_mask, s.turn_ids) if turn == k)
+                   for t in trajs if t.num_turns > k]
         out[f"turn{k + 1}_tokens_mean"] = sum(lengths) / len(lengths)
     numeric = {key for t in trajs for key, v in t.info.items()
                if isinstance(v, (int, float)) and key not in ("outcome", "reward")}
