@@ -3,10 +3,11 @@ HTTP server, in front of the real vLLM engine for what the engine answers (ids, 
 streaming), and the gateway's own `ScriptedEngine` where the test is of the code around the engine
 (replayed demonstrations, bad requests, programs that fail).
 
-The vLLM tests (marked slow) run in a pytest process of their own (`on_engine`): an in-process vLLM
-engine tears down torch.distributed when it goes, which breaks DeepSpeed engines built later in the
-same process (see test_rollout.ran_in_a_fresh_interpreter; `on_engine`). That process builds ONE engine for all
-of them and reuses this process's tiny model.
+The vLLM tests (marked slow, last in the file) run in a pytest process of their own (`on_engine`),
+started at the module's first test so it runs while the others do: an in-process vLLM engine tears
+down torch.distributed when it goes, which breaks DeepSpeed engines built later in the same process
+(see test_rollout.ran_in_a_fresh_interpreter). That process builds ONE engine for all of them and
+reuses this process's tiny model; each test here reports its outcome there.
 
 Agent programs written here are passed by import path as pytest imported this module (`HERE`:
 "test_gateway" when tests/ is on sys.path, as under pytest's default import mode).
@@ -14,7 +15,6 @@ Agent programs written here are passed by import path as pytest imported this mo
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import queue
 import random
@@ -87,6 +87,11 @@ def sleeps(task: dict, base_url: str, api_key: str) -> float:
     return 1.0
 
 
+def returns_what_the_task_says(task: dict, base_url: str, api_key: str):
+    answers_once(task, base_url, api_key)
+    return task["returns"]
+
+
 async def sleeps_async(task: dict, base_url: str, api_key: str) -> float:
     await asyncio.sleep(60)
     return 1.0
@@ -157,15 +162,22 @@ def real(fmt, model_dir):
     runner.close()
 
 
+def _selected_slow(request) -> list[str]:
+    """The names of this module's slow tests in this session (those not deselected)."""
+    return [item.name for item in request.session.items
+            if getattr(item, "module", None) is request.module and item.get_closest_marker("slow")]
+
+
 @pytest.fixture(scope="module")
-def apart_process(model_dir, tmp_path_factory):
-    """This module's slow (vLLM) tests in a pytest process of their own, started: (process, its
-    JUnit report, its output)."""
+def apart_process(request, model_dir, tmp_path_factory):
+    """This module's selected slow (vLLM) tests in a pytest process of their own, started:
+    (process, its JUnit report, its output)."""
     folder = tmp_path_factory.mktemp("gateway-apart")
     report, output = folder / "report.xml", folder / "output.txt"
+    tests = [f"{Path(__file__).resolve()}::{name}" for name in _selected_slow(request)]
     with open(output, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-m", "slow",
-                                 str(Path(__file__).resolve()), f"--junitxml={report}"],
+        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+                                 "-m", "slow", *tests, f"--junitxml={report}"],
                                 env={**os.environ, "TURNRL_TEST_ISOLATED": "1", MODEL_ENV: str(model_dir)},
                                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
     yield proc, report, output
@@ -178,8 +190,7 @@ def apart_process(model_dir, tmp_path_factory):
 def _start_apart_early(request):
     """Start the vLLM process at this module's first test (where its slow tests are selected), so it
     runs while the other tests do."""
-    if not APART and any(getattr(item, "module", None) is request.module and item.get_closest_marker("slow")
-                         for item in request.session.items):
+    if not APART and _selected_slow(request):
         request.getfixturevalue("apart_process")
 
 
@@ -345,8 +356,7 @@ MALFORMED = [
     pytest.param({"messages": [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{bad"}}]}]},
         "arguments are not valid JSON", id="tool-arguments-not-json"),
-    pytest.param({"n": 0}, "n = 0", id="n-0", marks=pytest.mark.xfail(strict=True, reason=(
-        "server.py _prepare: `n = body.get('n') or 1` turns n=0 into 1, answered with one completion"))),
+    pytest.param({"n": 0}, "n = 0", id="n-0"),
     pytest.param({"n": 17}, "n = 17", id="n-17"),
     pytest.param({"n": "2"}, "n = '2'", id="n-string"),
     pytest.param({"max_tokens": -1}, "max_tokens = -1: must be a positive integer", id="max-tokens-negative"),
@@ -409,7 +419,8 @@ def test_a_bad_reward_post_is_400_and_changes_nothing(scripted):
                           ({"reward": True}, "reward must be a finite number"),
                           ('{"reward": NaN}', "reward must be a finite number, got nan"),
                           ({"reward": 1.0, "components": {"format": "ok"}}, "components['format'] must be a finite"),
-                          ({"reward": 1.0, "call_rewards": {"chatcmpl-nope": 1.0}}, "call_rewards names ['chatcmpl-nope']"),
+                          ({"reward": 1.0, "call_rewards": {"chatcmpl-nope": 1.0}},
+                           "call_rewards names ['chatcmpl-nope']"),
                           ({"reward": 1.0, "bonus": 2}, "unknown field(s) ['bonus']"),
                           ("reward=1", "the body is not JSON"),
                           ([1.0], "the body must be a JSON object")]:
@@ -418,13 +429,12 @@ def test_a_bad_reward_post_is_400_and_changes_nothing(scripted):
         assert problem in answer.json()["error"]["message"], body
     assert ep.reward is None and ep.components == {} and ep.call_rewards == {}
     root = scripted.gateway.base_url.removesuffix("/v1")   # the other route: /turnrl/reward
-    answer = post({"reward": 0.5, "components": {"format": 1}, "call_rewards": {reply.id: 2.0}}, root + "/turnrl/reward")
+    answer = post({"reward": 0.5, "components": {"format": 1}, "call_rewards": {reply.id: 2.0}},
+                  root + "/turnrl/reward")
     assert answer.status_code == 200 and answer.json() == {"ok": True}
     assert ep.reward == 0.5 and ep.components == {"format": 1.0} and ep.call_rewards == {reply.id: 2.0}
 
 
-@pytest.mark.xfail(strict=True, reason="server.py _reward (lines 278-279): components / call_rewards that are not "
-                                       "objects raise AttributeError ('list' has no 'items'): HTTP 500, not 400")
 @pytest.mark.parametrize("field", ["components", "call_rewards"])
 def test_a_reward_post_whose_components_are_not_an_object_is_400(scripted, field):
     import httpx
@@ -434,9 +444,19 @@ def test_a_reward_post_whose_components_are_not_an_object_is_400(scripted, field
     assert answer.status_code == 400 and field in answer.json()["error"]["message"]
 
 
+def test_stream_options_not_an_object_is_400_and_records_nothing(scripted):
+    import httpx
+    ep, _ = _episode(scripted.gateway)
+    answer = httpx.post(scripted.gateway.base_url + "/chat/completions", headers={"Authorization": f"Bearer {ep.key}"},
+                        json={"messages": ASK, "stream": True, "stream_options": "yes"})
+    assert answer.status_code == 400 and "stream_options" in answer.json()["error"]["message"]
+    assert ep.calls == []
+
+
 # --------------------------------------------------------------------------- programs that fail
 def test_a_program_that_raises_fails_its_own_episodes_only(scripted, fmt, rows):
-    trajs = scripted.runner.run(scripted.engine, rows, _program(program=f"{HERE}:raises_on_row_0"), fmt, _budgets(), n=2)
+    trajs = scripted.runner.run(scripted.engine, rows, _program(program=f"{HERE}:raises_on_row_0"), fmt, _budgets(),
+                                n=2)
     assert len(trajs) == 4 and [t.example["id"] for t in trajs] == [rows[0]["id"]] * 2 + [rows[1]["id"]] * 2
     for t in trajs[:2]:
         assert t.finish == "env_error" and t.outcome == 0.0
@@ -460,6 +480,29 @@ def test_a_posted_reward_is_the_outcome(scripted, fmt, rows):
     assert t.turn_rewards == [1.0] and t.samples[0].turn_rewards == [1.0]
 
 
+def test_what_a_program_returns_is_checked(scripted, fmt, rows):
+    returns = [{"reward": 0.5, "components": {"format": 1.0}}, {"reward": 1.0, "bonus": 1},
+               {"reward": 1.0, "call_rewards": {"chatcmpl-nope": 1.0}}, "0.5",
+               {"reward": 1.0, "components": {"f": "x"}}]
+    tasks = [dict(rows[0], returns=value) for value in returns]
+    trajs = scripted.runner.run(scripted.engine, tasks, _program(program=f"{HERE}:returns_what_the_task_says"), fmt,
+                                _budgets())
+    assert trajs[0].finish == "answer" and trajs[0].outcome == 0.5 and trajs[0].info["format"] == 1.0
+    assert all(t.finish == "env_error" and t.outcome == 0.0 for t in trajs[1:])
+    assert "unknown key(s) ['bonus']" in trajs[1].info["env_error"]
+    assert "call_rewards names 'chatcmpl-nope'" in trajs[2].info["env_error"]
+    assert "'0.5', not a finite number" in trajs[3].info["env_error"]
+    assert "components['f'] is 'x', not a finite number" in trajs[4].info["env_error"]
+
+
+def test_a_returned_dict_with_components_not_an_object_fails_its_episode_only(scripted, fmt, rows):
+    tasks = [dict(rows[0], returns={"reward": 1.0, "components": [1.0]}), dict(rows[1], returns=1.0)]
+    trajs = scripted.runner.run(scripted.engine, tasks, _program(program=f"{HERE}:returns_what_the_task_says"), fmt,
+                                _budgets())
+    assert trajs[0].finish == "env_error" and "components" in trajs[0].info["env_error"]
+    assert trajs[1].finish == "answer" and trajs[1].outcome == 1.0
+
+
 @pytest.fixture(scope="module")
 def timed_out(scripted, fmt, rows):
     """A program that never returns (timeout_s = 2), and what its call after the timeout got."""
@@ -478,19 +521,12 @@ def test_a_program_past_its_timeout_is_an_env_error(timed_out):
     assert timed_out.took < 15
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "runner.py AgentRunner.episode forgets the episode (gateway.forget) right after closing it, so a timed-out "
-    "program's later call gets 401 'unknown key: use the api_key turnrl gave this episode', not the 410 'this "
-    "episode has ended' that runner.py's docstring and Gateway.close promise"))
 def test_a_call_after_a_timeout_is_told_the_episode_ended(timed_out):
     import openai
     assert isinstance(timed_out.late, openai.APIStatusError), timed_out.late
     assert timed_out.late.status_code == 410 and "ended" in str(timed_out.late)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "program.py AgentProgram._call: an async program past timeout_s ends with asyncio.wait_for's bare "
-    "TimeoutError, so env_error reads only 'TimeoutError' (the sync and command paths name env.options.timeout_s)"))
 def test_an_async_program_past_its_timeout_says_so(scripted, fmt, rows):
     start = time.perf_counter()
     (t,) = scripted.runner.run(scripted.engine, rows[:1], _program(program=f"{HERE}:sleeps_async", timeout_s=1), fmt,
@@ -556,7 +592,7 @@ def test_a_call_records_the_prompt_ids_sampled_ids_and_logprobs_it_answered(requ
     assert reply.usage.prompt_tokens == len(call.prompt_ids)
     assert reply.usage.completion_tokens == len(call.completion_ids)
     assert reply.usage.total_tokens == len(call.prompt_ids) + len(call.completion_ids)
-    assert call.finish == ("length" if len(call.completion_ids) == 12 else "stop")
+    assert call.finish == "stop" if len(call.completion_ids) < 12 else call.finish in ("length", "stop")
     assert choice.finish_reason == call.finish
     assert reply.id == call.completion_id and call.version == 0 and reply.system_fingerprint == "turnrl-v0"
     assert ep.sampled_tokens == len(call.completion_ids)
@@ -570,7 +606,7 @@ def test_n_2_samples_two_calls_of_one_prompt_within_the_per_call_cap(request, fm
     ep, client = _episode(real.gateway, max_tokens_per_call=6, context=1024)
     reply = client.chat.completions.create(model="policy", messages=ASK, n=2)   # no max_tokens: the cap
     assert len(reply.choices) == 2 and len(ep.calls) == 2
-    assert [c.completion_id for c in ep.calls] == [f"{reply.id}-0", f"{reply.id}-1"]
+    assert [c.completion_id for c in ep.calls] == [reply.id, f"{reply.id}-1"]   # choice 0 keeps the response id
     assert ep.calls[0].prompt_ids == ep.calls[1].prompt_ids == fmt.prompt_ids("Be brief.", "Compute 12 * 34.")
     for choice, call in zip(reply.choices, ep.calls):
         assert 1 <= len(call.completion_ids) <= 6
@@ -602,11 +638,11 @@ def test_a_streamed_answer_reassembles_to_the_recorded_call(request, fmt):
     assert {c.id for c in chunks} == {call.completion_id}
     assert with_choices[0].choices[0].delta.role == "assistant"
     joined = "".join(c.choices[0].delta.content or "" for c in with_choices)
-    assert joined == fmt.tokenizer.decode(call.completion_ids, skip_special_tokens=True) != ""
+    assert joined == fmt.tokenizer.decode(call.completion_ids, skip_special_tokens=True)
     assert [c.choices[0].finish_reason for c in with_choices if c.choices[0].finish_reason] == [call.finish]
     assert with_choices[-1].choices[0].finish_reason == call.finish
     streamed = [t.logprob for c in with_choices if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
-    assert streamed == call.logprobs
+    assert streamed == (call.logprobs if joined else [])   # they come with the content chunk
     assert chunks[-1].usage.completion_tokens == len(call.completion_ids)
     assert chunks[-1].usage.prompt_tokens == len(call.prompt_ids)
 

@@ -116,8 +116,12 @@ class AgentProgram:
             import asyncio
 
             async def bounded():
-                return await asyncio.wait_for(fn(dict(example), base_url=base_url, api_key=api_key),
-                                              self.options.timeout_s)
+                try:
+                    return await asyncio.wait_for(fn(dict(example), base_url=base_url, api_key=api_key),
+                                                  self.options.timeout_s)
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"the program did not return within env.options.timeout_s = "
+                                       f"{self.options.timeout_s:g} s") from None
             return asyncio.run(bounded())
         return fn(dict(example), base_url=base_url, api_key=api_key)
 

@@ -77,6 +77,10 @@ def outcome_of(value: Any, episode: Episode) -> tuple[float, dict]:
         if unknown:
             raise ProgramError(f"the program returned a dict with unknown key(s) {unknown}; return a number or "
                                "{'reward': r, 'components': {...}, 'call_rewards': {completion_id: r}}")
+        for key in ("components", "call_rewards"):
+            if not isinstance(value.get(key) or {}, dict):
+                raise ProgramError(f"the program returned {key} = {value[key]!r:.60}; it must be a dict of names to "
+                                   "numbers")
         for name, v in (value.get("components") or {}).items():
             components[str(name)] = finite(v, f"components[{name!r}]")
         known = {c.completion_id for c in episode.calls}

@@ -22,7 +22,7 @@ import logging
 import secrets
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -175,10 +175,13 @@ def _number(value: Any, what: str) -> float:
 class Gateway:
     """The HTTP server (Starlette on uvicorn, on a thread of its own) and its episodes."""
 
+    REMEMBERED_ENDED = 100_000   # ended episodes' keys kept to answer their late calls with 410
+
     def __init__(self, engine_loop: EngineLoop, renderer: Renderer, *, host: str = "127.0.0.1", port: int = 0,
                  model_name: str = "turnrl-policy"):
         self.loop, self.renderer, self.host, self.model_name = engine_loop, renderer, host, model_name
         self.episodes: dict[str, Episode] = {}
+        self._ended: OrderedDict[str, str] = OrderedDict()   # keys of forgotten episodes -> why they ended
         self._lock = threading.Lock()
         self._server, self.port = self._start(host, port)
 
@@ -204,8 +207,12 @@ class Gateway:
             episode.ended, episode.ended_why = True, why
 
     def forget(self, episode: Episode) -> None:
+        """Drop the episode's record; its key is remembered as ended (a late call gets 410)."""
         with self._lock:
             self.episodes.pop(episode.key, None)
+            self._ended[episode.key] = episode.ended_why or "ended"
+            while len(self._ended) > self.REMEMBERED_ENDED:
+                self._ended.popitem(last=False)
 
     def shutdown(self) -> None:
         self._server.should_exit = True
@@ -242,6 +249,10 @@ class Gateway:
         key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("api-key", "")
         with self._lock:
             episode = self.episodes.get(key)
+            ended = self._ended.get(key)
+        if episode is None and ended is not None:
+            raise HTTPError(410, f"this episode has ended ({ended}); a program makes no calls after it returns or "
+                                 "times out", "episode_ended")
         if episode is None:
             raise HTTPError(401, "unknown key: use the api_key turnrl gave this episode (OPENAI_API_KEY); a key "
                                  "gives access to its own episode only", "authentication_error")
@@ -278,6 +289,9 @@ class Gateway:
             unknown = sorted(set(body) - {"reward", "components", "call_rewards"})
             if unknown:
                 raise HTTPError(400, f"unknown field(s) {unknown}; post reward, components, call_rewards")
+            for key in ("components", "call_rewards"):
+                if not isinstance(body.get(key) or {}, dict):
+                    raise HTTPError(400, f"{key} must be an object of names to numbers, got {body[key]!r:.60}")
             reward = _number(body["reward"], "reward") if body.get("reward") is not None else None
             components = {str(k): _number(v, f"components[{k!r}]") for k, v in (body.get("components") or {}).items()}
             per_call = {str(k): _number(v, f"call_rewards[{k!r}]") for k, v in (body.get("call_rewards") or {}).items()}
@@ -331,7 +345,7 @@ class Gateway:
             if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
                 raise BadRequest("`tools` must be a list of {type: function, function: {...}} objects")
             tool_choice = body.get("tool_choice", "auto")
-            n = body.get("n") or 1
+            n = body.get("n", 1) if body.get("n") is not None else 1
             if not isinstance(n, int) or isinstance(n, bool) or n < 1 or n > 16:
                 raise BadRequest(f"n = {n!r}: must be an integer from 1 to 16")
             with episode.lock:
@@ -349,6 +363,8 @@ class Gateway:
         if asked is not None and asked > room:
             raise HTTPError(400, f"max_tokens = {asked} does not fit: the prompt has {len(prompt_ids)} tokens and the "
                                  f"context holds {limits.context} (at most {room} more)", "context_length_exceeded")
+        if not isinstance(body.get("stream_options") or {}, dict):
+            raise HTTPError(400, "stream_options must be an object, e.g. {\"include_usage\": true}")
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 8:
@@ -362,7 +378,7 @@ class Gateway:
                 raise HTTPError(400, f"this episode's call budget is spent ({limits.max_calls} completions, "
                                      "rollout.max_turns); end the episode and return its reward", "budget_exceeded")
             left = limits.max_tokens_total - episode.sampled_tokens - episode.reserved_tokens
-            if left <= 0:
+            if left < n:
                 raise HTTPError(400, f"this episode's token budget is spent ({limits.max_tokens_total} sampled tokens, "
                                      "rollout.max_tokens_total); end the episode", "budget_exceeded")
             script = None
@@ -372,7 +388,7 @@ class Gateway:
                                          "demonstration hook must give one per call the program makes")
                 script, episode.script = episode.script[:n], episode.script[n:]
             episode.started_calls += n
-            max_tokens = min(asked or limits.max_tokens_per_call, limits.max_tokens_per_call, left // n or 1, room)
+            max_tokens = min(asked or limits.max_tokens_per_call, limits.max_tokens_per_call, left // n, room)
             episode.reserved_tokens += max_tokens * n
         options: dict[str, Any] = {"temperature": temperature, "top_p": top_p, "stop": stop}
         if script is not None:
