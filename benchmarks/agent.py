@@ -4,9 +4,10 @@ built-in environment? Three seeds of each, through the real pipeline as a user r
     gateway   dvc exp run $(python -m turnrl.presets agent) -S seed=S
               examples/agents/calculator_agent.py (the openai SDK only: two tools it runs itself,
               its own stop rule) through the OpenAI-compatible gateway
-    builtin   dvc exp run -S env.name=tools -S '++env.options.functions=[...calculator, ...count_digits]'
-              -S seed=S: the same two functions as the `tools` environment, so the prompt, the tool
-              results and the stop rule (a reply without a tool call is the answer) are the same
+    builtin   dvc exp run -S env.name=benchmarks.agent_task:ENV -S '++env.options.functions=[...]' -S seed=S:
+              the `tools` environment with the same two functions, warm-started on the agent's own
+              demonstration hook (benchmarks/agent_task.py), so the prompt, the tool results, the stop
+              rule (a reply without a tool call is the answer) and the warm start are the same
 
     python benchmarks/agent.py                       # both rows, seeds 0 1 2 -> benchmarks/AGENT.md
     python benchmarks/agent.py --rows gateway --seeds 0
@@ -36,7 +37,7 @@ from benchmarks.learning import Row, copy_project, flags_text, mean_sd, run_one 
 FUNCTIONS = "[examples.agents.calculator_agent:calculator,examples.agents.calculator_agent:count_digits]"
 ROWS = [
     Row("gateway", "agent", "grpo", preset="agent"),
-    Row("builtin", "tools", "grpo", sets=["env.name=tools", f"++env.options.functions={FUNCTIONS}"]),
+    Row("builtin", "tools", "grpo", sets=["env.name=benchmarks.agent_task:ENV", f"++env.options.functions={FUNCTIONS}"]),
 ]
 TARGET_GAIN, TARGET_COST = 10.0, 1.2
 

@@ -82,3 +82,40 @@ def test_episodes_of_one_sample_give_exactly_the_built_in_advantages():
     batch = collate(rows, pad_id=0)
     cfg = AlgorithmCfg(name="mt_grpo")
     assert torch.equal(episode_advantages(cfg, 2, trajs, rows, batch), advantages_for(cfg, 2, trajs, batch))
+
+
+def test_a_replayed_agent_episode_is_the_built_in_tools_environments_trajectory_token_for_token(tiny_model_dir):
+    """The same demonstration through the real openai-SDK agent (the gateway answering it) and
+    through the `tools` environment with the agent's own functions: the same prompt, sampled
+    tokens, tool-result tokens and masks. So the two warm starts and rollouts see the same tokens."""
+    import random
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from conftest import ROOT
+    sys.path.insert(0, str(ROOT))
+    from examples.agents.calculator_agent import demonstrate
+    from turnrl import envs
+    from turnrl.data.synthetic import product_rows
+    from turnrl.gateway import make_program
+    from turnrl.gateway.runner import AgentRunner
+    from turnrl.rollout.chat import ChatFormat
+    from turnrl.rollout.episodes import StepRunner
+
+    fmt = ChatFormat(AutoTokenizer.from_pretrained(tiny_model_dir))
+    functions = ["examples.agents.calculator_agent:calculator", "examples.agents.calculator_agent:count_digits"]
+    runner = AgentRunner()
+    try:
+        for row in product_rows(3, seed=0, split="train", exclude=set()):
+            for good in (True, False):
+                turns = demonstrate(row, random.Random(0), good)
+                agent = runner.replay(lambda: make_program(program="examples.agents.calculator_agent:run"), fmt, row,
+                                      turns)
+                (sample,) = agent.samples
+                builtin = StepRunner().replay(lambda: envs.make("tools", functions=functions), fmt, row, turns)
+                assert sample.prompt_ids == builtin.prompt_ids
+                assert sample.response_ids == builtin.response_ids and sample.loss_mask == builtin.loss_mask
+                assert agent.outcome == builtin.outcome == (1.0 if good else agent.outcome)
+    finally:
+        runner.close()
