@@ -21,6 +21,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
 
+from turnrl.envs.base import RESERVED_INFO_KEYS
 from turnrl.envs.tools.parsers import resolve_parser
 from turnrl.gateway.program import AgentProgram, ProgramError, finite
 from turnrl.gateway.render import Renderer
@@ -98,6 +99,10 @@ def outcome_of(value: Any, episode: Episode) -> tuple[float, dict]:
     return finite(value, "the reward the program returned"), components
 
 
+_TAKEN_INFO_KEYS = {*RESERVED_INFO_KEYS, "outcome", "reason", "env_error", "partial_credit", "episode_s", "calls",
+                    "samples", "merged_frac", "gateway_calls"}
+
+
 class AgentRunner:
     """The agent environment's `EpisodeRunner`. One gateway and engine loop per engine, started
     on first use and kept for the runner's life (the rollout actor's)."""
@@ -159,7 +164,8 @@ class AgentRunner:
         if error is None:
             try:
                 outcome, components = outcome_of(result.get("value"), ep)
-                info.update(components)
+                # a component named like a key turnrl sets (or a reward function's argument) is prefixed
+                info.update({(f"component_{k}" if k in _TAKEN_INFO_KEYS else k): v for k, v in components.items()})
             except ProgramError as exc:
                 error = exc
         for call in ep.calls:
