@@ -15,5 +15,6 @@ from turnrl.envs.base import EnvSpec
 from turnrl.envs.tools import ToolsOptions, make_tools_env
 
 ENV = EnvSpec(factory=make_tools_env, options=ToolsOptions, name="tools_agent_twin",
-              task=synthetic.SyntheticTask("tools_agent_twin", synthetic.product_rows, lambda r: (r["a"], r["b"]),
-                                           demonstrate))
+              # no `key`: rows split by prompt as the agent environment's task splits them, so both rows
+              # draw the same training rows and warm-start on the same sequences
+              task=synthetic.SyntheticTask("tools_agent_twin", synthetic.product_rows, demonstration=demonstrate))
