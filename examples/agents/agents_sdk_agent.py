@@ -40,24 +40,9 @@ def tool_error(context, error: Exception) -> str:
     return f"Error: {type(error).__name__}: {error}"
 
 
-@function_tool(failure_error_function=tool_error)
-def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression with + - * / and parentheses.
-
-    Args:
-        expression: e.g. 347 * 8215
-    """
-    return calculator_agent.calculator(expression)
-
-
-@function_tool(failure_error_function=tool_error)
-def count_digits(number: str) -> str:
-    """How many digits a whole number has.
-
-    Args:
-        number: e.g. 2850605
-    """
-    return calculator_agent.count_digits(number)
+# the agent's own functions, their schemas from their docstrings
+calculator = function_tool(calculator_agent.calculator, failure_error_function=tool_error)
+count_digits = function_tool(calculator_agent.count_digits, failure_error_function=tool_error)
 
 
 async def run(task: dict, base_url: str, api_key: str) -> float:

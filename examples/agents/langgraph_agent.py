@@ -35,24 +35,9 @@ __all__ = ["run"]
 MAX_TURNS = 3   # model calls per episode, as in calculator_agent
 
 
-@tool(parse_docstring=True)
-def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression with + - * / and parentheses.
-
-    Args:
-        expression: e.g. 347 * 8215
-    """
-    return calculator_agent.calculator(expression)
-
-
-@tool(parse_docstring=True)
-def count_digits(number: str) -> str:
-    """How many digits a whole number has.
-
-    Args:
-        number: e.g. 2850605
-    """
-    return calculator_agent.count_digits(number)
+# the agent's own functions, their schemas from their docstrings
+calculator = tool(parse_docstring=True)(calculator_agent.calculator)
+count_digits = tool(parse_docstring=True)(calculator_agent.count_digits)
 
 
 TOOLS = [calculator, count_digits]
