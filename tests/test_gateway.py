@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import queue
 import random
 import shutil
 import subprocess
@@ -72,19 +71,53 @@ def posts_its_reward(task: dict, base_url: str, api_key: str) -> None:
     return None
 
 
-RELEASE = threading.Event()   # lets the sleeping program go on (at the end of its test)
-LATE: queue.Queue = queue.Queue()
-
-
 def sleeps(task: dict, base_url: str, api_key: str) -> float:
-    """Never returns in time; once released, calls the model again with its (ended) episode's key."""
-    RELEASE.wait(60)
+    """Never returns in time; once released (the file task["release"] appears), calls the model
+    again with its (ended) episode's key and writes what it got to task["late"]. Programs run in a
+    process of their own (the program host): files, not memory, carry what the test reads."""
+    import json
+    import openai
+    release = Path(task["release"])
+    for _ in range(600):
+        if release.exists():
+            break
+        time.sleep(0.1)
     try:
         answers_once(task, base_url, api_key)
-        LATE.put(None)
-    except Exception as exc:   # noqa: BLE001 - what the late call was answered
-        LATE.put(exc)
+        late = {"status": None}
+    except openai.APIStatusError as exc:
+        late = {"status": exc.status_code, "message": str(exc)}
+    Path(task["late"]).write_text(json.dumps(late))
     return 1.0
+
+
+def exits_its_interpreter(task: dict, base_url: str, api_key: str) -> float:
+    if task["id"].endswith("-0"):
+        os._exit(7)
+    time.sleep(5)   # outlives the host: it goes with it
+    return 1.0
+
+
+def autologged(task: dict, base_url: str, api_key: str) -> float:
+    """An agent traced with MLflow's own tools: a root span of its own and OpenAI autologging (which
+    sends each call's trace context to the gateway as a `traceparent` header)."""
+    import mlflow
+    mlflow.openai.autolog()
+
+    @mlflow.trace(name="my agent", span_type="AGENT")
+    def solve() -> float:
+        client = _client(base_url, api_key)
+        messages = [{"role": "user", "content": task["prompt"]}]
+        for _ in range(2):
+            reply = client.chat.completions.create(model="policy", messages=messages)
+            messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Sure?"}]
+        return 1.0
+    return solve()
+
+
+def says_where_it_runs(task: dict, base_url: str, api_key: str) -> dict:
+    answers_once(task, base_url, api_key)
+    return {"reward": 1.0, "components": {"pid": os.getpid()}}
 
 
 def returns_what_the_task_says(task: dict, base_url: str, api_key: str):
@@ -504,14 +537,21 @@ def test_a_returned_dict_with_components_not_an_object_fails_its_episode_only(sc
 
 
 @pytest.fixture(scope="module")
-def timed_out(scripted, fmt, rows):
+def timed_out(scripted, fmt, rows, tmp_path_factory):
     """A program that never returns (timeout_s = 2), and what its call after the timeout got."""
+    import json
+    folder = tmp_path_factory.mktemp("timed_out")
+    task = dict(rows[0], release=str(folder / "release"), late=str(folder / "late.json"))
     start = time.perf_counter()
-    (t,) = scripted.runner.run(scripted.engine, rows[:1], _program(program=f"{HERE}:sleeps", timeout_s=2), fmt,
+    (t,) = scripted.runner.run(scripted.engine, [task], _program(program=f"{HERE}:sleeps", timeout_s=2), fmt,
                                _budgets())
     took = time.perf_counter() - start
-    RELEASE.set()
-    return SimpleNamespace(trajectory=t, took=took, late=LATE.get(timeout=20))
+    (folder / "release").touch()
+    for _ in range(200):
+        if (folder / "late.json").exists():
+            break
+        time.sleep(0.1)
+    return SimpleNamespace(trajectory=t, took=took, late=json.loads((folder / "late.json").read_text()))
 
 
 def test_a_program_past_its_timeout_is_an_env_error(timed_out):
@@ -522,9 +562,66 @@ def test_a_program_past_its_timeout_is_an_env_error(timed_out):
 
 
 def test_a_call_after_a_timeout_is_told_the_episode_ended(timed_out):
-    import openai
-    assert isinstance(timed_out.late, openai.APIStatusError), timed_out.late
-    assert timed_out.late.status_code == 410 and "ended" in str(timed_out.late)
+    assert timed_out.late["status"] == 410 and "ended" in timed_out.late["message"], timed_out.late
+
+
+def test_programs_run_in_a_process_of_their_own(scripted, fmt, rows):
+    trajs = scripted.runner.run(scripted.engine, rows, _program(program=f"{HERE}:says_where_it_runs"), fmt,
+                                _budgets(), n=2)
+    pids = {t.info["pid"] for t in trajs}
+    assert all(t.finish == "answer" and t.outcome == 1.0 for t in trajs)
+    assert len(pids) == 1 and pids != {os.getpid()}   # one host process, not the engine's
+
+
+def test_a_programs_own_mlflow_spans_are_joined_into_its_episodes_trace(scripted, fmt, rows, tmp_path, monkeypatch):
+    """Through a stage run as the train stage makes one: the program host logs the program's trace to
+    the run's store and experiment, and the rollout trace takes its spans in."""
+    import mlflow
+    from turnrl.config import Config
+    from turnrl.tracking import runs, traces
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DVC_ROOT", raising=False)
+    monkeypatch.setenv("TURNRL_PIPELINE_KEY", "unit:agent-traces")
+    for name in ("MLFLOW_TRACKING_URI", "TURNRL_MLFLOW_EXPERIMENT_ID"):   # restored after the test
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = Config.model_validate({"tracking": {"uri": store, "experiment": "agent-traces", "system_metrics": False}})
+    with runs.stage_run("train", cfg) as run:
+        (t,) = scripted.runner.run(scripted.engine, rows[:1], _program(program=f"{HERE}:autologged"), fmt, _budgets())
+        plan = traces.plan(t, name="rollout · step 1 · group 0", tags={"kind": "rollout"})
+        traces.log_traces(run, [plan])
+    assert t.finish == "answer" and t.info["calls"] == 2
+    assert all(call.get("traceparent") for call in t.info["gateway_calls"])   # sent by the autologged client
+    assert len(plan.program_traces) == 1 and plan.program_traces[0].startswith("tr-")
+
+    client = mlflow.MlflowClient(tracking_uri=store)
+    program_trace = client.get_trace(plan.program_traces[0])
+    assert program_trace.info.experiment_id == run.experiment_id            # the program logged beside the run
+    trace_id = program_trace.info.tags["turnrl.joined_into"]
+    spans = client.get_trace(trace_id).data.spans
+    by_id = {s.span_id: s for s in spans}
+    name_of_parent = {s.name: by_id[s.parent_id].name if s.parent_id else None for s in spans}
+    assert name_of_parent["my agent"] == "rollout · step 1 · group 0"          # the program's root, in ours
+    completions = sorted((s for s in spans if s.parent_id and by_id[s.parent_id].name == "my agent"),
+                         key=lambda s: s.start_time_ns)
+    assert [s.name for s in completions] == ["Completions", "Completions"]     # its autologged calls
+    turns = sorted((s for s in spans if s.name.startswith("turn ")), key=lambda s: s.name)
+    assert [s.parent_id for s in turns] == [c.span_id for c in completions]   # each call's record under the call
+    llm = [s for s in spans if s.parent_id in {turn.span_id for turn in turns}]
+    assert len(llm) == 2 and all(s.attributes["policy_version"] == 0 and s.attributes["tokens"] >= 1 for s in llm)
+    assert name_of_parent["reward"] == "rollout · step 1 · group 0"
+
+
+def test_a_program_that_ends_its_interpreter_fails_the_episodes_it_held_and_the_next_run_goes_on(scripted, fmt,
+                                                                                                   rows):
+    program = _program(program=f"{HERE}:exits_its_interpreter", timeout_s=30)
+    start = time.perf_counter()
+    trajs = scripted.runner.run(scripted.engine, rows, program, fmt, _budgets())
+    assert time.perf_counter() - start < 20   # the host's end fails its episodes at once, not at their timeout
+    assert [t.finish for t in trajs] == ["env_error", "env_error"]
+    assert "host process exited (code 7)" in trajs[0].info["env_error"], trajs[0].info["env_error"]
+    (t,) = scripted.runner.run(scripted.engine, rows[:1], _program(program=f"{HERE}:answers_once"), fmt, _budgets())
+    assert t.finish == "answer" and t.outcome == 0.5
 
 
 def test_an_async_program_past_its_timeout_says_so(scripted, fmt, rows):

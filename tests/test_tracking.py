@@ -585,3 +585,33 @@ def test_the_policy_is_a_transformers_model_that_loads_and_registers(store, requ
     assert version.name == f"turnrl-unit-{copy}" and version.tags["env"] == "code_tool" and \
         version.tags["algorithm"] == "grpo" and version.tags["accuracy"] == "0.7500"
     assert version.tags["accuracy_diff.task"] == "+0.5000" and version.tags["accuracy.math500"] == "0.1000"
+
+
+def test_a_programs_trace_context_is_read_from_its_traceparent_header():
+    tid, sid = "3a8043078fdce521be88f4f5f8358c86", "49292c844fc4f55f"
+    assert traces.program_context(f"00-{tid}-{sid}-03") == (f"tr-{tid}", sid)
+    assert traces.program_context(f" 00-{tid.upper()}-{sid}-01 ") == (f"tr-{tid}", sid)
+    for bad in ("", "garbage", f"00-{tid}-{sid}", f"00-{'0' * 32}-{sid}-01", f"00-{tid[:-1]}-{sid}-01"):
+        assert traces.program_context(bad) is None, bad
+
+
+def test_program_spans_join_with_each_call_record_under_the_span_that_made_it():
+    from types import SimpleNamespace as NS
+    ok = NS(status_code="OK", description="")
+    spans = {"tr-p": [NS(span_id="a", parent_id=None, name="agent", span_type="AGENT", start_time_ns=10, end_time_ns=90,
+                         inputs={"q": 1}, outputs=1.0, attributes={"mlflow.spanInputs": "x", "mine": 2}, status=ok),
+                      NS(span_id="c", parent_id="a", name="Completions", span_type="CHAT_MODEL", start_time_ns=20,
+                         end_time_ns=40, inputs=None, outputs=None, attributes={},
+                         status=NS(status_code="ERROR", description="boom"))]}
+    turn = traces.SpanPlan("turn 1", "CHAIN", 21, 39, under="c")
+    other = traces.SpanPlan("turn 2", "CHAIN", 50, 60, under="not-in-the-store")
+    reward = traces.SpanPlan("reward", "EVALUATOR", 60, 60)
+    root = traces.SpanPlan("rollout", "AGENT", 21, 60, attributes={"x": 1}, children=[turn, other, reward])
+    joined, names = traces.join_program_spans(root, spans)
+    assert names == ["tr-p"] and joined.attributes == {"x": 1, "program_traces": ["tr-p"]}
+    assert (joined.start_ns, joined.end_ns) == (10, 90) and root.start_ns == 21   # pure: the input is unchanged
+    assert [c.name for c in joined.children] == ["agent", "turn 2", "reward"]
+    agent = joined.children[0]
+    assert agent.attributes == {"program_span": True, "mine": 2} and agent.inputs == {"q": 1}
+    (completions,) = agent.children
+    assert completions.error == "boom" and completions.children == [turn]

@@ -128,8 +128,8 @@ class AgentProgram:
     def _command(self, example: dict, base_url: str, api_key: str) -> Any:
         argv = self.options.command if isinstance(self.options.command, list) else shlex.split(self.options.command)
         task = json.dumps(example, default=str)
-        env = {**os.environ, **self.options.env, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key,
-               "TURNRL_TASK": task}
+        env = {**os.environ, **tracking_env(), **self.options.env, "OPENAI_BASE_URL": base_url,
+               "OPENAI_API_KEY": api_key, "TURNRL_TASK": task}
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     env=env, text=True, start_new_session=True)
@@ -163,6 +163,17 @@ def _kill(proc: subprocess.Popen) -> None:
     except (ProcessLookupError, PermissionError):
         proc.kill()
     proc.communicate()
+
+
+def tracking_env() -> dict[str, str]:
+    """For a program's process: the run's MLflow experiment (MLFLOW_EXPERIMENT_ID) unless the
+    environment names one, so traces the program records itself (MLflow's autologging of its
+    OpenAI client) land where turnrl can join them into its trace of the episode. The store,
+    MLFLOW_TRACKING_URI, is inherited: the stage sets it (mlflow.set_tracking_uri does)."""
+    run_experiment = os.environ.get("TURNRL_MLFLOW_EXPERIMENT_ID")
+    if not run_experiment or os.environ.get("MLFLOW_EXPERIMENT_ID") or os.environ.get("MLFLOW_EXPERIMENT_NAME"):
+        return {}
+    return {"MLFLOW_EXPERIMENT_ID": run_experiment}
 
 
 def finite(value: Any, what: str) -> float:

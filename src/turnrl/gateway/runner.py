@@ -3,7 +3,8 @@ the agent environment, in synchronous and asynchronous training, evaluation and 
 
     for each episode (n per task row, at most env.options.max_concurrent at once):
         open an episode on the gateway (a key, its budgets)
-        run the program on a thread: fn(task, base_url=, api_key=) or the command
+        run the program: fn(task, base_url=, api_key=) in the program host (a process of its own,
+        turnrl.gateway.host), or the command
         end the episode (the program returned, failed or timed out: later calls get 410)
         its reward: returned, or posted to /turnrl/reward; its calls -> samples -> a Trajectory
 
@@ -18,11 +19,13 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Mapping, Sequence
 
 from turnrl.envs.base import RESERVED_INFO_KEYS
 from turnrl.envs.tools.parsers import resolve_parser
+from turnrl.gateway.host import ProgramHost
 from turnrl.gateway.program import AgentProgram, ProgramError, finite
 from turnrl.gateway.render import Renderer
 from turnrl.gateway.samples import episode_trajectory
@@ -111,6 +114,8 @@ class AgentRunner:
         self.gateways: dict[int, tuple[EngineLoop, Gateway]] = {}
         self.version = 0
         self._slots: threading.Semaphore | None = None
+        self._host: ProgramHost | None = None
+        self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- plumbing
     def gateway(self, engine: Any, fmt: ChatFormat, program: AgentProgram, version: int = 0) -> tuple[EngineLoop, Gateway]:
@@ -137,24 +142,41 @@ class AgentRunner:
         with self._slots:
             ep = gateway.open(example, limits, script)
             result: dict[str, Any] = {}
-
-            def target():
-                try:
-                    result["value"] = program.run(example, gateway.base_url, ep.key)
-                except BaseException as exc:   # noqa: BLE001 - the user's program
-                    result["error"] = exc
             started = time.time()
-            thread = threading.Thread(target=target, name="turnrl-agent-episode", daemon=True)
-            thread.start()
-            thread.join(timeout=program.options.timeout_s + 5.0)
-            if thread.is_alive():   # a sync function cannot be stopped: its later calls get 410
+            try:
+                result["value"] = self._start(program, example, gateway.base_url, ep.key).result(
+                    timeout=program.options.timeout_s + 5.0)
+            except FutureTimeout:   # a sync function cannot be stopped: its later calls get 410
                 result["error"] = TimeoutError(f"the program did not return within env.options.timeout_s = "
                                                f"{program.options.timeout_s:g} s")
+            except BaseException as exc:   # noqa: BLE001 - the user's program
+                result["error"] = exc
             gateway.close(ep, "the program failed" if "error" in result else "the program returned")
         try:
             return self._trajectory(ep, result, fmt, started)
         finally:
             gateway.forget(ep)
+
+    def _start(self, program: AgentProgram, example: dict, base_url: str, key: str) -> Future:
+        """The episode's program started: a function in the program host (a process of its own,
+        `turnrl.gateway.host`), a command as a child process waited on by a thread here."""
+        if program.options.program:
+            with self._lock:
+                if self._host is None or self._host.options != program.options:
+                    if self._host is not None:
+                        self._host.close()
+                    self._host = ProgramHost(program.options)
+                host = self._host
+            return host.submit(example, base_url, key)
+        future: Future = Future()
+
+        def target():
+            try:
+                future.set_result(program.run(example, base_url, key))
+            except BaseException as exc:   # noqa: BLE001 - the user's command
+                future.set_exception(exc)
+        threading.Thread(target=target, name="turnrl-agent-command", daemon=True).start()
+        return future
 
     def _trajectory(self, ep: Episode, result: dict, fmt: ChatFormat, started: float) -> Trajectory:
         fallback = fmt.prompt_ids("", str(ep.example.get("prompt", "")))
@@ -172,7 +194,7 @@ class AgentRunner:
             call.reward = ep.call_rewards.get(call.completion_id, 0.0)
         if error is not None:
             finish = ENV_ERROR
-            info.update(reason=ENV_ERROR, env_error=error_text(error))
+            info.update(reason=ENV_ERROR, env_error=getattr(error, "reason", None) or error_text(error))
             log.warning("agent episode of %r: %s", ep.example.get("id", str(ep.example.get("prompt", ""))[:40]),
                         info["env_error"])
             outcome = 0.0
@@ -251,6 +273,9 @@ class AgentRunner:
             gateway.shutdown()
             loop.stop()
         self.gateways.clear()
+        if self._host is not None:
+            self._host.close()
+            self._host = None
 
 
 class AgentStream:

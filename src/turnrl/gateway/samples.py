@@ -43,6 +43,7 @@ class Call:
     started: float = 0.0
     ended: float = 0.0
     reward: float = 0.0          # a per-call reward the program posted (0 if none)
+    traceparent: str = ""        # the W3C trace context the program sent (MLflow's autologging does)
 
     @property
     def sequence(self) -> list[int]:
@@ -124,7 +125,8 @@ def episode_trajectory(example: dict, calls: Sequence[Call], *, outcome: float, 
     t.info["gateway_calls"] = [   # for traces: what each call read and answered
         {"messages": c.messages, "tools": [tool.get("function", {}).get("name") for tool in c.tools],
          "message": c.message, "prompt_tokens": len(c.prompt_ids), "completion_tokens": len(c.completion_ids),
-         "version": c.version, "sample": sample_of[c.index], "id": c.completion_id, "finish": c.finish}
+         "version": c.version, "sample": sample_of[c.index], "id": c.completion_id, "finish": c.finish,
+         **({"traceparent": c.traceparent} if c.traceparent else {})}
         for c in calls]
     return t
 

@@ -323,6 +323,7 @@ class Gateway:
             finally:
                 with episode.lock:
                     episode.reserved_tokens -= max_tokens * n
+            meta["traceparent"] = request.headers.get("traceparent", "")[:128]
             response = self._record(episode, prompt_ids, results, meta, started)
         except HTTPError as exc:
             return self._error(exc)
@@ -416,7 +417,8 @@ class Gateway:
                 episode.calls.append(Call(index=index, prompt_ids=list(prompt_ids), completion_ids=list(sample.token_ids),
                                           logprobs=list(sample.logprobs), version=version, finish=sample.finish, text=text,
                                           messages=meta["messages"], tools=meta["tools"], message=message,
-                                          completion_id=call_ref, started=started, ended=ended))
+                                          completion_id=call_ref, started=started, ended=ended,
+                                          traceparent=meta.get("traceparent", "")))
                 episode.produced.append(Produced(list(sample.token_ids), message))
                 episode.sampled_tokens += len(sample.token_ids)
                 choice = {"index": k, "message": message, "finish_reason": finish}

@@ -152,6 +152,7 @@ class StageRun:
 
 
 FALLBACK_TAG = "turnrl.tracking_fallback"
+RUN_EXPERIMENT_ENV = "TURNRL_MLFLOW_EXPERIMENT_ID"   # the stage's experiment, for the processes it starts
 
 
 class TrackingUnavailable(RuntimeError):
@@ -171,8 +172,11 @@ class _Store:
 
 def _open(cfg: Config, uri: str) -> _Store:
     import mlflow
-    mlflow.set_tracking_uri(uri)
+    mlflow.set_tracking_uri(uri)   # also MLFLOW_TRACKING_URI, for the processes the stage starts
     experiment_id = ensure_experiment(mlflow, cfg.tracking.experiment)
+    # for an agent program's own traces (MLflow's autologging): they go to the run's experiment,
+    # to be joined into turnrl's trace of the episode (turnrl.gateway.program.tracking_env)
+    os.environ[RUN_EXPERIMENT_ENV] = experiment_id
     return _Store(uri, experiment_id, _parent_run_id(mlflow, experiment_id, pipeline_key()))
 
 

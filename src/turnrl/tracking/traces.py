@@ -9,7 +9,13 @@
 
 An agent program's episode (`env.name: agent`) has a turn per call of the program: its LLM span
 holds the request's messages and tools and the assistant message answered, the policy version
-that sampled it and the sample (of the episode's) it was trained in.
+that sampled it and the sample (of the episode's) it was trained in. A program that traces itself
+with MLflow (its own spans, autologging of its OpenAI client, which sends each call's W3C
+`traceparent` to the gateway) logs its trace to the run's store and experiment (the program's
+process inherits MLFLOW_TRACKING_URI and gets the run's experiment); that trace's spans are joined
+into the episode's trace when it is logged: the program's spans under the root, each call's turn
+span under the program's span that made the call, and the program's own trace tagged
+`turnrl.joined_into` with the id of the joined one.
 
 Everything comes from the `Trajectory` alone (turn texts and times, environment step times,
 observations, turn rewards, levels, info), so any environment traces the same way: the
@@ -55,6 +61,7 @@ class SpanPlan:
     attributes: dict = field(default_factory=dict)
     error: str | None = None
     children: list["SpanPlan"] = field(default_factory=list)
+    under: str = ""   # the span id of the program's own span this span goes under (a joined trace)
 
 
 @dataclass
@@ -62,6 +69,7 @@ class TracePlan:
     root: SpanPlan
     tags: dict[str, str]
     feedback: list[dict] = field(default_factory=list)   # {name, value, rationale}
+    program_traces: list[str] = field(default_factory=list)   # the agent program's own traces, joined in
 
     def spans(self) -> list[SpanPlan]:
         out, todo = [], [self.root]
@@ -201,6 +209,9 @@ def _turn_spans(t, now: float) -> list[SpanPlan]:
                                             "output_tokens": call["completion_tokens"],
                                             "total_tokens": call["prompt_tokens"] + call["completion_tokens"]}})
         spans = [generate]
+        under = ""
+        if k < len(calls) and program_context(calls[k].get("traceparent", "")):
+            under = program_context(calls[k]["traceparent"])[1]   # the program's span that made this call
         turn_end = g_end
         turn_reward = t.turn_rewards[k] if k < len(t.turn_rewards) else None
         if k < len(env_times):
@@ -208,9 +219,21 @@ def _turn_spans(t, now: float) -> list[SpanPlan]:
             turn_end = max(turn_end, env_times[k][1])
         children.append(SpanPlan(
             name=f"turn {k + 1}" + (" (high level)" if level == "high" else ""), span_type="CHAIN",
-            start_ns=_ns(g_start), end_ns=_ns(turn_end), children=spans,
+            start_ns=_ns(g_start), end_ns=_ns(turn_end), children=spans, under=under,
             attributes={"turn": k + 1, "level": level, "turn_reward": turn_reward, "tokens": out_tokens}))
     return children
+
+
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
+
+
+def program_context(traceparent: str) -> tuple[str, str] | None:
+    """(MLflow trace id, span id) of the program's span that made a call, from the W3C
+    `traceparent` header it sent (MLflow's OpenAI autologging sends one per call); None if none."""
+    match = _TRACEPARENT.match((traceparent or "").strip().lower())
+    if not match or set(match.group(1)) == {"0"}:
+        return None
+    return "tr-" + match.group(1), match.group(2)
 
 
 def plan(t, *, name: str, tags: dict[str, Any], attributes: dict[str, Any] | None = None,
@@ -251,7 +274,9 @@ def plan(t, *, name: str, tags: dict[str, Any], attributes: dict[str, Any] | Non
     if correct is not None:
         all_tags["correct"] = _tag(correct[0])
         feedback.append({"name": "correct", "value": bool(correct[0]), "rationale": str(correct[1])[:2000]})
-    return TracePlan(root=root, tags=all_tags, feedback=feedback)
+    calls = info.get("gateway_calls") or []
+    joined = sorted({context[0] for c in calls if (context := program_context(c.get("traceparent", "")))})
+    return TracePlan(root=root, tags=all_tags, feedback=feedback, program_traces=joined)
 
 
 def _tag(value: Any) -> str:
@@ -273,6 +298,9 @@ def log(client, trace: TracePlan, *, experiment_id: str, run_id: str | None) -> 
         return SpanStatus(SpanStatusCode.ERROR, span.error) if span.error else SpanStatus(SpanStatusCode.OK)
 
     r = trace.root
+    joined: list[str] = []
+    if trace.program_traces:
+        r, joined = join_program_spans(r, fetch_program_spans(client, trace.program_traces))
     root = client.start_trace(r.name, span_type=r.span_type, inputs=r.inputs, attributes=_attrs(r.attributes),
                               tags=trace.tags, experiment_id=experiment_id, start_time_ns=r.start_ns, run_id=run_id)
     trace_id = root.trace_id
@@ -287,11 +315,80 @@ def log(client, trace: TracePlan, *, experiment_id: str, run_id: str | None) -> 
     for child in r.children:
         write(child, root.span_id)
     client.end_trace(trace_id, outputs=r.outputs, status=status(r), end_time_ns=r.end_ns)
+    for program_trace in joined:   # the program's own trace points at the one it is joined into
+        client.set_trace_tag(program_trace, "turnrl.joined_into", trace_id)
     source = AssessmentSource(source_type="CODE", source_id=SOURCE_ID)
     for fb in trace.feedback:
         mlflow.log_feedback(trace_id=trace_id, name=fb["name"], value=fb["value"], rationale=fb["rationale"],
                             source=source)
     return trace_id
+
+
+# --------------------------------------------------------------------------- an agent program's own spans
+PROGRAM_TRACE_WAIT_S = 10.0   # how long a program's trace may take to reach the store (its export is asynchronous)
+_unfound_in_a_row = 0         # traces whose programs log elsewhere: after 3 unfound, stop waiting for them
+
+
+def fetch_program_spans(client, trace_ids: Sequence[str], wait_s: float = PROGRAM_TRACE_WAIT_S) -> dict[str, list]:
+    """The spans of each of an agent program's traces (MLflow `Span`s) found in the store, waiting
+    up to `wait_s` in all for them to arrive; a trace not found (the program logs elsewhere, or
+    not yet) is left out. After three traces in a row were not found, this process stops waiting."""
+    global _unfound_in_a_row
+    deadline = time.time() + (wait_s if _unfound_in_a_row < 3 else 0.0)
+    found: dict[str, list] = {}
+    for trace_id in trace_ids:
+        while True:
+            try:
+                found[trace_id] = list(client.get_trace(trace_id).data.spans)
+                break
+            except Exception:   # noqa: BLE001 - not (yet) in the store
+                if time.time() >= deadline:
+                    break
+                time.sleep(0.5)
+        _unfound_in_a_row = 0 if trace_id in found else _unfound_in_a_row + 1
+    return found
+
+
+_INTERNAL = ("mlflow.traceRequestId", "mlflow.spanType", "mlflow.spanInputs", "mlflow.spanOutputs",
+             "mlflow.spanFunctionName", "mlflow.trace.")
+
+
+def join_program_spans(root: SpanPlan, program_spans: dict[str, list]) -> tuple[SpanPlan, list[str]]:
+    """`root` with the program's own spans in it: each program trace's spans, their tree kept,
+    under the root; each turn span that names (`under`) the program span that made its call moved
+    under that span. Pure (builds a new root). Returns it and the program traces joined."""
+    plans: dict[str, SpanPlan] = {}
+    parents: dict[str, str | None] = {}
+    for spans in program_spans.values():
+        for span in spans:
+            status = getattr(span, "status", None)
+            failed = status is not None and str(getattr(status, "status_code", "")).endswith("ERROR")
+            plans[span.span_id] = SpanPlan(
+                name=span.name, span_type=str(span.span_type or "UNKNOWN"), start_ns=int(span.start_time_ns),
+                end_ns=int(span.end_time_ns or span.start_time_ns), inputs=span.inputs, outputs=span.outputs,
+                attributes={"program_span": True, **{k: v for k, v in (span.attributes or {}).items()
+                                                     if not k.startswith(_INTERNAL)}},
+                error=(getattr(status, "description", "") or "error") if failed else None)
+            parents[span.span_id] = span.parent_id
+    top: list[SpanPlan] = []
+    for span_id, plan_ in plans.items():
+        parent = parents[span_id]
+        (plans[parent].children if parent in plans else top).append(plan_)
+    kept = []
+    for child in root.children:
+        if child.under in plans:
+            plans[child.under].children.append(child)
+        else:
+            kept.append(child)
+    for plan_ in plans.values():
+        plan_.children.sort(key=lambda c: c.start_ns)
+    children = sorted(top + kept, key=lambda c: c.start_ns)
+    start = min([root.start_ns] + [c.start_ns for c in top])
+    end = max([root.end_ns] + [c.end_ns for c in top])
+    joined = sorted(program_spans)
+    attributes = {**root.attributes, **({"program_traces": joined} if joined else {})}
+    return (SpanPlan(name=root.name, span_type=root.span_type, start_ns=start, end_ns=end, inputs=root.inputs,
+                     outputs=root.outputs, attributes=attributes, error=root.error, children=children), joined)
 
 
 def _attrs(attributes: dict) -> dict:

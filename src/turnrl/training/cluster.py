@@ -384,8 +384,11 @@ def _start(cfg: Config, model_dir: str, data_dir: str, pg, slots: list[Slot], hi
         threads = str(threads_per_actor(cfg, slot))
         return {"num_cpus": slot.cpus, "num_gpus": slot.gpus, "scheduling_strategy": strategy(slot),
                 "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
-                                             "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), **env}}}
+                                             "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+                                             **tracking_env, **env}}}
 
+    # the run's store and experiment, for what actors start (an agent program's own MLflow traces)
+    tracking_env = {k: os.environ[k] for k in ("MLFLOW_TRACKING_URI", "TURNRL_MLFLOW_EXPERIMENT_ID") if os.environ.get(k)}
     address_task = ray.remote(num_cpus=0)(_free_port_here)
 
     def rendezvous(slot: Slot) -> tuple[str, int]:   # on the node of the slot's bundle
