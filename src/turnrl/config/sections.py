@@ -217,6 +217,15 @@ class LevelsCfg(_Section):
 
 
 # --------------------------------------------------------------------------- reward
+class OverlongCfg(_Section):
+    """DAPO's soft overlong penalty (turnrl.rewards.shaping): 0 up to rollout.max_tokens_total - buffer
+    response tokens, then falling linearly to -max_penalty at the budget; added to the reward and logged
+    as reward_overlong_mean."""
+    buffer: int = Field(0, ge=0, description=(
+        "response tokens before rollout.max_tokens_total over which the penalty grows; 0: no penalty"))
+    max_penalty: float = Field(1.0, ge=0, description="the penalty at (and past) the budget")
+
+
 class RewardCfg(_Section):
     """Reward functions added to the environment's outcome: plain callables
     `fn(prompt, completion, answer, **info) -> float`, by import path."""
@@ -227,6 +236,7 @@ class RewardCfg(_Section):
     on_error: Literal["fail", "zero"] = Field("fail", description=(
         "a function that raises or returns NaN, None or a non-number: fail stops the step naming it; zero "
         "scores it 0, counted (reward_<name>_errors) and logged"))
+    overlong: OverlongCfg = OverlongCfg()
 
     @model_validator(mode="after")
     def _check(self) -> "RewardCfg":
@@ -382,6 +392,10 @@ class TrainCfg(_Section):
         "instead of their sum, and the update is one step off-policy (its batch was sampled by the weights "
         "before the previous update; the importance ratio is taken to the engine's sampling logprobs)"))
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warmup over N optimizer steps; 0: none")
+    mask_truncated: bool = Field(False, description=(
+        "leave trajectories a token budget cut (finish truncated or token_budget) out of the loss: a cut-off "
+        "answer is not trained on as a wrong one. They still count in their group's reward statistics; counted "
+        "per step as truncated_masked"))
     micro_batch_rows: int = Field(16, ge=0, description=(
         "the most rows per forward pass of a trainer rank: scoring passes (reference, proximal, critic values) and "
         "the update's passes, whose gradients accumulate into one optimizer step per mini-batch; rows of like length "
@@ -623,6 +637,11 @@ class Config(_Section):
             raise ValueError(
                 f"rollout.max_tokens_total ({self.rollout.max_tokens_total}) must be at least "
                 f"rollout.max_tokens_per_turn ({self.rollout.max_tokens_per_turn})")
+        if self.reward.overlong.buffer >= self.rollout.max_tokens_total:
+            raise ValueError(
+                f"reward.overlong.buffer = {self.reward.overlong.buffer} must be below rollout.max_tokens_total = "
+                f"{self.rollout.max_tokens_total} (the penalty grows over the last `buffer` tokens of that budget); "
+                "DAPO used a buffer of about a fifth of the budget")
         return self
 
     def flat(self) -> dict[str, Any]:

@@ -180,7 +180,7 @@ class _Run:
     keep: dict | None = None   # block name -> its (sampled-decoding) trajectories, when given
 
     def __init__(self, cfg: Config, engine, tokenizer, data_dir: Path, out_dir: Path):
-        from turnrl.rewards.functions import RewardFunctions
+        from turnrl.rewards.functions import from_config as reward_functions
         self.cfg, self.engine, self.out_dir = cfg, engine, out_dir
         self.fmt = ChatFormat(tokenizer, cfg.model.template_type)
         self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
@@ -189,7 +189,7 @@ class _Run:
         self.context = getattr(solver, "max_model_len", 1 << 30)
         self.train_env = cfg.env.factory(max_turns=cfg.rollout.max_turns, seed=cfg.seed, data_dir=data_dir)
         self.runner = runner_for(envs.resolve(cfg.env.name))   # its episodes: the step loop, or the agent gateway
-        self.reward_functions = RewardFunctions(cfg.reward.functions, cfg.reward.weights, cfg.reward.on_error)
+        self.reward_functions = reward_functions(cfg.reward, cfg.rollout)
 
     def protocol(self, name: str, grader: str = "math") -> tuple[Callable[[], envs.Env], Budgets, dict]:
         """(environment factory, budgets, the block's protocol fields) for `single` or `multi`."""

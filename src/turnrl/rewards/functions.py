@@ -5,7 +5,10 @@ outcome:
 
 `completion` is the trajectory's response as text (policy turns and observations, special
 tokens removed); `info` holds the environment's info of the trajectory plus `turns` (the policy
-turns' texts), `observations`, `finish` (why it ended), `outcome` and `example` (the data row).
+turns' texts), `observations`, `finish` (why it ended), `outcome`, `example` (the data row),
+`response_tokens` (tokens after the prompt) and `policy_tokens` (those the policy sampled).
+Built-in shaping configured in params (`reward.overlong`: turnrl.rewards.shaping) is such a
+function too, given to `RewardFunctions` by name (`builtin`).
 A trajectory's reward is its outcome plus the weighted sum of the functions' values; each value
 is also logged per step as `reward_<name>_mean`. A function that raises or returns NaN, None or
 a non-number stops the step with a `RewardFunctionError` naming it, or, with
@@ -51,10 +54,22 @@ def resolve(name: str, key: str = "reward.functions") -> Callable[..., Any]:
     return _REGISTRY.resolve(name, key)
 
 
+def from_config(reward: Any, rollout: Any) -> "RewardFunctions":
+    """The scorer of params' `reward` section (`rollout`: its budgets, for length shaping)."""
+    builtin = {}
+    if reward.overlong.buffer > 0:
+        from turnrl.rewards.shaping import overlong_reward
+        builtin["overlong"] = overlong_reward(rollout.max_tokens_total, reward.overlong.buffer,
+                                              reward.overlong.max_penalty)
+    return RewardFunctions(reward.functions, reward.weights, reward.on_error, builtin=builtin)
+
+
 class RewardFunctions:
     """The functions of `reward.functions`, loaded and checked once per process."""
 
-    def __init__(self, paths: Sequence[str], weights: Sequence[float] = (), on_error: str = "fail"):
+    def __init__(self, paths: Sequence[str], weights: Sequence[float] = (), on_error: str = "fail",
+                 builtin: dict[str, Callable[..., Any]] | None = None):
+        """`builtin`: functions params configure (name -> function, weight 1), after the listed ones."""
         self.paths = list(paths)
         self.weights = list(weights) or [1.0] * len(self.paths)
         self.on_error = on_error
@@ -62,6 +77,11 @@ class RewardFunctions:
         for i, path in enumerate(self.paths):
             self.fns.append(resolve(path, f"reward.functions[{i}]"))
         self.names = _short_names(self.paths)
+        for name, fn in (builtin or {}).items():
+            self.paths.append(f"reward.{name}")
+            self.names.append(name)
+            self.fns.append(fn)
+            self.weights.append(1.0)
         self._warned: set[str] = set()
 
     def __bool__(self) -> bool:
@@ -74,7 +94,8 @@ class RewardFunctions:
         for t in trajs:
             completion = decode(t.response_ids)
             info = {**t.info, "turns": list(t.turn_texts), "observations": list(t.observations), "finish": t.finish,
-                    "outcome": t.outcome, "example": t.example}
+                    "outcome": t.outcome, "example": t.example, "response_tokens": len(t.response_ids),
+                    "policy_tokens": t.policy_tokens()}
             total = 0.0
             for name, path, fn, weight in zip(self.names, self.paths, self.fns, self.weights):
                 value = self._call(name, path, fn, t, completion, info)
@@ -90,7 +111,7 @@ class RewardFunctions:
             problem = f"raised {type(exc).__name__}: {exc}"
         if problem is None:
             return float(value)
-        message = (f"reward function {path} (reward.functions) {problem} on the trajectory of prompt "
+        message = (f"reward function {path}{'' if path.startswith('reward.') else ' (reward.functions)'} {problem} on the trajectory of prompt "
                    f"{t.example.get('id', t.example.get('prompt', ''))!r}")
         if self.on_error == "fail":
             raise RewardFunctionError(message + "; fix it, or set reward.on_error: zero to score such cases 0")

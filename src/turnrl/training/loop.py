@@ -47,6 +47,7 @@ from turnrl.algos.registry import resolve as resolve_algorithm
 from turnrl.config import AlgorithmCfg, Config, LevelsCfg, TrainCfg
 from turnrl.gateway.samples import episode_view, training_rows
 from turnrl.models.folders import high_level_folder
+from turnrl.rewards.shaping import cut_by_budget
 from turnrl.rollout.multi_turn import ENV_ERROR, Trajectory, tool_rates
 from turnrl.training.checkpoint import CheckpointStore, Resume, write_state
 from turnrl.training.health import HealthMonitor, UnhealthyTraining
@@ -430,7 +431,7 @@ def update_on(cfg: Config, workers: Workers, algorithm: Algorithm, trajs: Sequen
     model on its turns) and the critic. Returns (batch, stats, each trainer rank's busy seconds,
     the weight syncs to push, the time the advantages were ready). `version`: the policy
     version the update starts from (asynchronous rollouts: their turns' versions are beside it)."""
-    rows, _ = training_rows(trajs)     # an agent program's episode: its samples
+    rows, episode_of = training_rows(trajs)     # an agent program's episode: its samples
     batch = collate(rows, pad_id=0)    # any pad id: padding is outside the attention and loss masks
     if "versions" in batch:
         batch["trainer_version"] = torch.full_like(batch["versions"], version)
@@ -449,6 +450,9 @@ def update_on(cfg: Config, workers: Workers, algorithm: Algorithm, trajs: Sequen
             else None, eos_id=eos_id)
         extras, algo_stats = algorithm.prepare(trajs, batch, scorer, cfg.algorithm)
     batch["loss_mask"] *= level_mask(batch["high"], trained_level(cfg.levels, step))   # e.g. a frozen level
+    if cfg.train.mask_truncated:   # a cut-off answer is not trained on as a wrong one
+        mask_cut_rows(batch["loss_mask"], [trajs[e].finish for e in episode_of])
+        algo_stats["truncated_masked"] = float(sum(cut_by_budget([t.finish for t in trajs])))
     if algorithm.critic:   # PPO: the critic's values first; it is fitted on the returns below
         batch["values"] = workers.critic.values(batch)
     advantages = episode_advantages(cfg.algorithm, cfg.rollout.n, trajs, rows, batch, extras, algorithm)
@@ -462,6 +466,11 @@ def update_on(cfg: Config, workers: Workers, algorithm: Algorithm, trajs: Sequen
     stats, trainer_busy, pushes = train_levels(cfg.levels, workers, batch, step, scored, update)
     critic_stats = workers.critic.train(batch, step)[0] if algorithm.critic else {}
     return batch, {**stats, **critic_stats, **algo_stats}, trainer_busy, pushes, t_adv
+
+
+def mask_cut_rows(loss_mask: torch.Tensor, finishes: Sequence[str]) -> None:
+    """Zero the loss mask [rows, T] of the rows whose trajectory a token budget cut (in place)."""
+    loss_mask[torch.tensor(cut_by_budget(finishes), dtype=torch.bool)] = 0
 
 
 def step_timings(t_start: float, t_rollout: float, t_adv: float, t_train: float, t_sync: float,

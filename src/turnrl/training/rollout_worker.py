@@ -37,12 +37,11 @@ class RolloutWorker:
         self.engine = self.engines["low"]
         self.fmt = ChatFormat(AutoTokenizer.from_pretrained(model_dir), self.params.model.template_type)
         from turnrl import envs
-        from turnrl.rewards.functions import RewardFunctions
+        from turnrl.rewards.functions import from_config as reward_functions
         from turnrl.rollout.episodes import runner_for
         self.make_env = params.env.factory(max_turns=params.rollout.max_turns, seed=params.seed, data_dir=data_dir)
         self.runner = runner_for(envs.resolve(params.env.name))   # the step loop, or the agent gateway
-        rw = self.params.reward
-        self.reward_functions = RewardFunctions(rw.functions, rw.weights, rw.on_error)
+        self.reward_functions = reward_functions(self.params.reward, self.params.rollout)
         self.decode = lambda ids: self.fmt.tokenizer.decode(ids, skip_special_tokens=True)
         self.stream = None    # asynchronous training: the continuous rollouts (start_stream)
         self.pushes = 0       # weight pushes received: the policy version the engine will hold
