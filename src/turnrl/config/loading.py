@@ -145,7 +145,7 @@ def check_plugins(cfg: Config) -> list[str]:
     the reward functions and the benchmarks' graders. One fix-it line per problem."""
     from turnrl import envs
     from turnrl.plugins import PluginError
-    from turnrl.rewards.functions import RewardFunctions
+    from turnrl.rewards.functions import from_config as reward_functions
     from turnrl.rewards.graders import grader
 
     problems: list[str] = []
@@ -169,8 +169,20 @@ def check_plugins(cfg: Config) -> list[str]:
                             f"environment {cfg.env.name!r} gives none (EnvSpec.task with a demonstration hook); "
                             "add one, or set model.path to a checkpoint")
     attempt(cfg.algorithm.fill_options)        # the algorithm and its options, defaults filled in
+    if cfg.algorithm.dynamic_sampling.enabled:
+        from turnrl.algos.registry import resolve as resolve_algorithm
+        algorithm = attempt(resolve_algorithm, cfg.algorithm.name)
+        if algorithm is not None and (algorithm.critic or algorithm.prepare is not None):
+            problems.append(f"algorithm.dynamic_sampling.enabled with algorithm.name = {cfg.algorithm.name}: its "
+                            "advantages do not come from a group baseline (a critic, or MLMT's levels), so a group "
+                            "whose rewards are equal still has signal there; turn dynamic sampling off, or use a "
+                            "group-based algorithm (grpo, dr_grpo, rloo, mt_grpo, ms_grpo, ms_po)")
     attempt(cfg.algorithm.fill_loss_options)   # the policy loss and its options
-    attempt(RewardFunctions, cfg.reward.functions, cfg.reward.weights, cfg.reward.on_error)
+    scorer = attempt(reward_functions, cfg.reward, cfg.rollout)
+    signal = cfg.algorithm.dynamic_sampling.signal
+    if scorer is not None and cfg.algorithm.dynamic_sampling.enabled and signal not in ("reward", "outcome", *scorer.names):
+        problems.append(f"algorithm.dynamic_sampling.signal = {signal!r}: not reward, outcome or a reward function's "
+                        f"name ({', '.join(scorer.names) or 'none configured'})")
     for i, bench in enumerate(cfg.eval.benchmarks):
         attempt(grader, bench.grader, f"eval.benchmarks[{i}].grader")
     return problems

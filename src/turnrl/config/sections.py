@@ -259,6 +259,20 @@ _ALGORITHM_MOVED = {
 }
 
 
+class DynamicSamplingCfg(_Section):
+    """DAPO's dynamic sampling (turnrl.training.dynamic_sampling): groups whose rewards do not differ
+    teach a group baseline nothing; drop them and roll out new prompts in their place."""
+    enabled: bool = Field(False, description="drop groups without signal and refill the batch with new prompts")
+    signal: str = Field("reward", min_length=1, description=(
+        "what must differ within a group: reward (outcome + reward functions), outcome, or the name of a "
+        "reward function (reward.functions / reward.overlong)"))
+    min_std: float = Field(0.0, ge=0.0, description=(
+        "a group whose signal's standard deviation is at most this has no signal; 0: all equal"))
+    budget: float = Field(3.0, ge=1.0, description=(
+        "the most prompts a step may roll out, as a multiple of train.prompts_per_step; past it the step trains "
+        "on the groups with signal it has, made up to prompts_per_step with groups without (dynamic_budget_hit: 1)"))
+
+
 class AlgorithmCfg(_Section):
     name: str = Field("grpo", min_length=1, description=(
         "grpo, dr_grpo, rloo, mt_grpo, ms_grpo, ms_po, mlmt, ppo (a critic and GAE), or an import path to your "
@@ -288,6 +302,7 @@ class AlgorithmCfg(_Section):
     options: dict[str, Any] = Field(default_factory=dict, description=(
         "the algorithm's own settings (mlmt: stage, alpha, betas, context_coef, context_cap), checked by its "
         "registered options model; read by its advantage function as cfg.options"))
+    dynamic_sampling: DynamicSamplingCfg = DynamicSamplingCfg()
     epochs: int = Field(1, gt=0, description="passes over each rollout batch (PPO num_iterations)")
     mini_batches: int = Field(1, gt=0, description="optimizer steps per pass")
 

@@ -8,6 +8,9 @@ trains on it, and hands the weight pushes back; how rollouts and updates overlap
                    takes the first prompts_per_step groups that are done, drops (and rolls out
                    again) a group with a turn more than train.max_staleness versions old, and
                    pushes its weights after every update without waiting for the engines
+
+Both filter groups without signal when algorithm.dynamic_sampling is on
+(turnrl.training.dynamic_sampling): sync refills the batch in rounds, async as groups arrive.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from typing import Any, Protocol, Sequence
 from turnrl.config import Config
 from turnrl.rollout.multi_turn import Trajectory
 from turnrl.training.checkpoint import step_seed
+from turnrl.training.dynamic_sampling import StepFilter, fill_up, filter_batch
 from turnrl.training.cluster import RolloutGroup, wait_all
 
 
@@ -48,6 +52,7 @@ class SyncRollouts:
     def __init__(self, cfg: Config, rollout: RolloutGroup, sampler: SampleSource):
         self.rollout, self.sampler = rollout, sampler
         self.n, self.prompts, self.steps = cfg.rollout.n, cfg.train.prompts_per_step, cfg.train.steps
+        self.dynamic = cfg.algorithm.dynamic_sampling
         self.overlap = cfg.train.overlap_rollout
         self.next: list = []      # overlap: this step's rollout, started during the last step's update
         self.loading: list = []   # overlap: the last weight pushes, which the engines run after that rollout
@@ -60,7 +65,21 @@ class SyncRollouts:
         self.next, self.loading = [], []
         if self.overlap and step < self.steps:   # sampled during this step's update, by the weights before it
             self.next = self.rollout.submit(self.sampler.next(self.prompts), self.n, step + 1)
+        if self.dynamic.enabled:
+            return self.refilled(trajs, engine_busy, step)
         return trajs, engine_busy, {}
+
+    def refilled(self, trajs: list[Trajectory], engine_busy: list[float], step: int):
+        """Dynamic sampling: the batch's groups with signal, refilled with new prompts' groups
+        until there are prompts_per_step of them or the budget is spent."""
+        step_filter, kept = StepFilter(self.dynamic, self.prompts, self.n), []
+        filter_batch(trajs, step_filter, kept)
+        while len(kept) < self.prompts and step_filter.left() > 0:
+            more, busy = self.rollout.rollout(self.sampler.next(step_filter.refill_size(len(kept))), self.n, step)
+            engine_busy = [a + b for a, b in zip(engine_busy, busy)]
+            filter_batch(more, step_filter, kept)
+        batch = [t for group in fill_up(kept, step_filter) for t in group]
+        return batch, engine_busy, step_filter.metrics()
 
     def push(self, pushes: Sequence) -> None:
         for sync in pushes:   # with overlap, the engines load after the rollout in flight
@@ -89,6 +108,7 @@ class AsyncRollouts:
         t = cfg.train
         self.rollout, self.sampler, self.version = rollout, sampler, version
         self.prompts, self.max_staleness = t.prompts_per_step, t.max_staleness
+        self.n, self.dynamic = cfg.rollout.n, cfg.algorithm.dynamic_sampling
         self.budget = t.groups_in_flight or default_groups_in_flight(t.prompts_per_step)
         self.outstanding = 0      # groups fed and not yet taken
         self.buffer: list[list[Trajectory]] = []   # taken, fresh, beyond the last batch
@@ -119,6 +139,7 @@ class AsyncRollouts:
 
     def next_batch(self, step: int) -> tuple[list[Trajectory], list[float], dict[str, float]]:
         fresh, stale, waited, states = self.buffer, 0, time.perf_counter(), {}
+        step_filter = StepFilter(self.dynamic, self.prompts, self.n) if self.dynamic.enabled else None
         while len(fresh) < self.prompts:
             calls = [(name, h.take_groups.remote(self.prompts - len(fresh), self.POLL_S))
                      for name, h in zip(self.rollout.names, self.rollout.handles)]
@@ -129,8 +150,14 @@ class AsyncRollouts:
                     if self.staleness(group) > self.max_staleness:   # too old: its prompt rolls out again
                         stale += 1
                         self._feed([group[0].example])
-                    else:
+                    elif step_filter is None:
                         fresh.append(group)
+                    else:   # dynamic sampling, as groups arrive: one without signal gives way to a new prompt
+                        step_filter.rolled += 1
+                        if step_filter.keep(group):
+                            fresh.append(group)
+                        else:
+                            self._feed(self.sampler.next(1))
             self._top_up()
         batch, self.buffer = fresh[:self.prompts], fresh[self.prompts:]
         self._top_up()
@@ -146,7 +173,8 @@ class AsyncRollouts:
             "stale_groups_frac": stale / (stale + len(batch)),
             "queue_groups": float(len(self.buffer) + sum(s["finished"] for s in states.values())),
             "in_flight_groups": float(sum(s["in_flight"] + s["inbox"] for s in states.values())),
-            "batch_wait_s": time.perf_counter() - waited, "policy_version": float(self.version)}
+            "batch_wait_s": time.perf_counter() - waited, "policy_version": float(self.version),
+            **(step_filter.metrics(len(step_filter.dropped)) if step_filter is not None else {})}
         return [t for group in batch for t in group], engine_busy, metrics
 
     def push(self, pushes: Sequence) -> None:
