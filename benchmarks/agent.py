@@ -109,6 +109,15 @@ def report(results: list[dict], seeds: list[int]) -> str:
     return "\n".join(lines) + "\n"
 
 
+NOTES = "## What these numbers are"   # the report's hand-written part, kept when the script rewrites it
+
+
+def with_notes(report_text: str, path: Path) -> str:
+    """The generated report followed by the hand-written notes of the existing file, if any."""
+    old = path.read_text() if path.exists() else ""
+    return report_text + ("\n" + old[old.index(NOTES):] if NOTES in old else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -131,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{row.name} seed {seed} ...", flush=True)
             results.append(run(project, row, seed, args.set))
             args.results.write_text(json.dumps(results, indent=1) + "\n")
-            args.report.write_text(report(results, args.seeds))
+            args.report.write_text(with_notes(report(results, args.seeds), args.report))
             print(json.dumps({k: v for k, v in results[-1].items() if k != "curves"}), flush=True)
-    args.report.write_text(report(results, args.seeds))
+    args.report.write_text(with_notes(report(results, args.seeds), args.report))
     print(args.report.read_text())
     return 0
 

@@ -50,9 +50,27 @@ def test_an_openai_sdk_agent_through_the_pipeline_sync_and_async(tmp_path):
     rows = pd.read_parquet(project / "eval/final/task.parquet")
     assert len(rows) == 8 and rows["finish"].ne("env_error").all()
 
-    proc = run_dvc(project, "exp", "run", *_sets(*PRESET, "train.mode=async", "algorithm.policy_loss=decoupled"),
+    # async, with the same agent traced by MLflow (its own span, OpenAI autologging): examples/agents/traced_agent.py
+    traced = "++env.options.program=examples.agents.traced_agent:run"
+    proc = run_dvc(project, "exp", "run", *_sets(*PRESET, traced, "train.mode=async", "algorithm.policy_loss=decoupled"),
                    timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     curve = pd.read_csv(project / "plots/train.csv")
     assert len(curve) == 2 and "staleness_mean" in curve and curve["finish_env_error_frac"].max() == 0.0
     assert curve["calls_per_episode"].max() > 1.0 and math.isfinite(curve["loss"].iloc[-1])
+    _assert_the_agents_spans_joined_its_rollout_traces(project)
+
+
+def _assert_the_agents_spans_joined_its_rollout_traces(project) -> None:
+    """The program host logged the agent's own traces to the run's store; turnrl's rollout traces
+    took their spans in, each call's turn under the autologged call that made it."""
+    import mlflow
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("turnrl").experiment_id
+    joined = [t for t in client.search_traces(locations=[experiment], max_results=200)
+              if t.info.tags.get("kind") == "rollout" and any(s.name == "calculator agent" for s in t.data.spans)]
+    assert joined, "no rollout trace holds the agent's own spans"
+    for trace in joined:
+        by_id = {s.span_id: s for s in trace.data.spans}
+        turns = [s for s in trace.data.spans if s.name.startswith("turn ")]
+        assert turns and all(by_id[s.parent_id].name == "Completions" for s in turns)
