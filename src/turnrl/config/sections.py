@@ -226,6 +226,41 @@ class OverlongCfg(_Section):
     max_penalty: float = Field(1.0, ge=0, description="the penalty at (and past) the budget")
 
 
+class JudgeCfg(_Section):
+    """A model that scores trajectories (turnrl.rewards.judge), served behind an OpenAI-compatible
+    endpoint; its score (times its weight) is added to the reward and logged as reward_<name>_mean."""
+    name: str = Field("judge", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="the score's name in metrics")
+    base_url: str = Field(..., min_length=1, description="the judge's OpenAI-compatible endpoint, e.g. http://host:8000/v1")
+    model: str = Field("judge", min_length=1)
+    api_key_env: str = Field("", description="the environment variable holding its API key; empty: none")
+    template: str = Field(..., min_length=1, description=(
+        "the judge's prompt; {question} (the row's prompt), {response} (the trajectory's last turn), "
+        "{transcript} (the whole response), {reference} (the row's answer) and any other field of the row "
+        "by name, e.g. {rubric}"))
+    score: str = Field("number", description=(
+        "how its answer becomes a score: number (the last number in it), json:<field> (a number in its JSON "
+        "answer), or labels (the first of `labels` it says)"))
+    range: tuple[float, float] = Field((0.0, 1.0), description=(
+        "number / json: the scale the judge answers on; the score is mapped onto [0, 1], outside it is a "
+        "parse failure"))
+    labels: dict[str, float] = Field(default_factory=dict, description="labels: label -> score, e.g. {yes: 1, no: 0}")
+    weight: float = 1.0
+    max_concurrency: int = Field(8, gt=0, description="requests in flight to the judge at once")
+    timeout_s: float = Field(60.0, gt=0, description="seconds one request may take")
+    retries: int = Field(2, ge=0, description="more tries after a timeout, a connection error or a 429/5xx")
+    max_tokens: int = Field(256, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "JudgeCfg":
+        if not (self.score in ("number", "labels") or (self.score.startswith("json:") and len(self.score) > 5)):
+            raise ValueError(f"score = {self.score!r}: number, labels or json:<field>")
+        if self.score == "labels" and not self.labels:
+            raise ValueError("score = labels needs `labels` (label -> score)")
+        if self.range[1] <= self.range[0]:
+            raise ValueError(f"range = {list(self.range)}: the first must be below the second")
+        return self
+
+
 class RewardCfg(_Section):
     """Reward functions added to the environment's outcome: plain callables
     `fn(prompt, completion, answer, **info) -> float`, by import path."""
@@ -237,9 +272,14 @@ class RewardCfg(_Section):
         "a function that raises or returns NaN, None or a non-number: fail stops the step naming it; zero "
         "scores it 0, counted (reward_<name>_errors) and logged"))
     overlong: OverlongCfg = OverlongCfg()
+    judges: list[JudgeCfg] = Field(default_factory=list, description=(
+        "models that score trajectories through an OpenAI-compatible endpoint (turnrl.rewards.judge)"))
 
     @model_validator(mode="after")
     def _check(self) -> "RewardCfg":
+        names = [j.name for j in self.judges]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two judges share a name ({names}): give each its own `name`")
         if self.weights and len(self.weights) != len(self.functions):
             raise ValueError(f"weights has {len(self.weights)} entries for {len(self.functions)} functions: give one "
                              "weight per function, or none (all 1.0)")

@@ -189,7 +189,7 @@ class _Run:
         self.context = getattr(solver, "max_model_len", 1 << 30)
         self.train_env = cfg.env.factory(max_turns=cfg.rollout.max_turns, seed=cfg.seed, data_dir=data_dir)
         self.runner = runner_for(envs.resolve(cfg.env.name))   # its episodes: the step loop, or the agent gateway
-        self.reward_functions = reward_functions(cfg.reward, cfg.rollout)
+        self.reward_functions = reward_functions(cfg.reward, cfg.rollout, judges=False)
 
     def protocol(self, name: str, grader: str = "math") -> tuple[Callable[[], envs.Env], Budgets, dict]:
         """(environment factory, budgets, the block's protocol fields) for `single` or `multi`."""

@@ -54,13 +54,18 @@ def resolve(name: str, key: str = "reward.functions") -> Callable[..., Any]:
     return _REGISTRY.resolve(name, key)
 
 
-def from_config(reward: Any, rollout: Any) -> "RewardFunctions":
-    """The scorer of params' `reward` section (`rollout`: its budgets, for length shaping)."""
-    builtin = {}
+def from_config(reward: Any, rollout: Any, judges: bool = True) -> "RewardFunctions":
+    """The scorer of params' `reward` section (`rollout`: its budgets, for length shaping);
+    `judges`: with reward.judges (evaluation grades with the benchmark's grader and asks no judge)."""
+    builtin: dict[str, Callable[..., Any]] = {}
     if reward.overlong.buffer > 0:
         from turnrl.rewards.shaping import overlong_reward
         builtin["overlong"] = overlong_reward(rollout.max_tokens_total, reward.overlong.buffer,
                                               reward.overlong.max_penalty)
+    if reward.judges and judges:
+        from turnrl.rewards.judge import Judge
+        for k, judge in enumerate(reward.judges):
+            builtin[judge.name] = Judge(judge, key=f"reward.judges[{k}] ({judge.name})")
     return RewardFunctions(reward.functions, reward.weights, reward.on_error, builtin=builtin)
 
 
@@ -69,7 +74,9 @@ class RewardFunctions:
 
     def __init__(self, paths: Sequence[str], weights: Sequence[float] = (), on_error: str = "fail",
                  builtin: dict[str, Callable[..., Any]] | None = None):
-        """`builtin`: functions params configure (name -> function, weight 1), after the listed ones."""
+        """`builtin`: scorers params configure (name -> a function, or a batch scorer with
+        `batch = True` and `score_batch(trajs, decode) -> [value or Exception]`; its `weight`
+        and `key` attributes, if any, are its weight and the params key errors name)."""
         self.paths = list(paths)
         self.weights = list(weights) or [1.0] * len(self.paths)
         self.on_error = on_error
@@ -78,10 +85,10 @@ class RewardFunctions:
             self.fns.append(resolve(path, f"reward.functions[{i}]"))
         self.names = _short_names(self.paths)
         for name, fn in (builtin or {}).items():
-            self.paths.append(f"reward.{name}")
+            self.paths.append(getattr(fn, "key", f"reward.{name}"))
             self.names.append(name)
             self.fns.append(fn)
-            self.weights.append(1.0)
+            self.weights.append(float(getattr(fn, "weight", 1.0)))
         self._warned: set[str] = set()
 
     def __bool__(self) -> bool:
@@ -91,28 +98,34 @@ class RewardFunctions:
         """Set each trajectory's `rewards` (name -> value) and `extra_reward` (their weighted sum)."""
         if not self.fns:
             return
-        for t in trajs:
+        batched = {name: fn.score_batch(trajs, decode) for name, fn in zip(self.names, self.fns)
+                   if getattr(fn, "batch", False)}
+        for k, t in enumerate(trajs):
             completion = decode(t.response_ids)
             info = {**t.info, "turns": list(t.turn_texts), "observations": list(t.observations), "finish": t.finish,
                     "outcome": t.outcome, "example": t.example, "response_tokens": len(t.response_ids),
                     "policy_tokens": t.policy_tokens()}
             total = 0.0
             for name, path, fn, weight in zip(self.names, self.paths, self.fns, self.weights):
-                value = self._call(name, path, fn, t, completion, info)
+                if name in batched:
+                    value = self._checked(name, path, t, lambda v=batched[name][k]: _given(v))
+                else:
+                    value = self._checked(name, path, t, lambda fn=fn: fn(
+                        str(t.example.get("prompt", "")), completion, str(t.example.get("answer", "")), **info))
                 t.rewards[name] = value
                 total += weight * value
             t.extra_reward = total
 
-    def _call(self, name: str, path: str, fn: Callable, t: Any, completion: str, info: dict) -> float:
+    def _checked(self, name: str, path: str, t: Any, compute: Callable[[], Any]) -> float:
         try:
-            value = fn(str(t.example.get("prompt", "")), completion, str(t.example.get("answer", "")), **info)
+            value = compute()
             problem = _not_a_number(value)
         except Exception as exc:   # noqa: BLE001 - the user's function: name it, never a bare traceback
             problem = f"raised {type(exc).__name__}: {exc}"
         if problem is None:
             return float(value)
-        message = (f"reward function {path}{'' if path.startswith('reward.') else ' (reward.functions)'} {problem} on the trajectory of prompt "
-                   f"{t.example.get('id', t.example.get('prompt', ''))!r}")
+        where = path if path.startswith("reward.") else f"reward function {path} (reward.functions)"
+        message = f"{where} {problem} on the trajectory of prompt {t.example.get('id', t.example.get('prompt', ''))!r}"
         if self.on_error == "fail":
             raise RewardFunctionError(message + "; fix it, or set reward.on_error: zero to score such cases 0")
         t.rewards[f"{name}_errors"] = t.rewards.get(f"{name}_errors", 0.0) + 1.0
@@ -120,6 +133,13 @@ class RewardFunctions:
             self._warned.add(name)
             log.warning("%s; scored 0 (reward.on_error: zero), counted as reward_%s_errors", message, name)
         return 0.0
+
+
+def _given(value: Any) -> Any:
+    """A batch scorer's value for one trajectory (an Exception it got is raised here)."""
+    if isinstance(value, Exception):
+        raise value
+    return value
 
 
 def _not_a_number(value: Any) -> str | None:

@@ -47,6 +47,7 @@ from turnrl.algos.registry import resolve as resolve_algorithm
 from turnrl.config import AlgorithmCfg, Config, LevelsCfg, TrainCfg
 from turnrl.gateway.samples import episode_view, training_rows
 from turnrl.models.folders import high_level_folder
+from turnrl.rewards.judge import check_rows as check_judge_rows
 from turnrl.rewards.shaping import cut_by_budget
 from turnrl.rollout.multi_turn import ENV_ERROR, Trajectory, tool_rates
 from turnrl.training.checkpoint import CheckpointStore, Resume, write_state
@@ -288,6 +289,7 @@ def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], ou
     step 1 (a resumed run's earlier steps come from the checkpoint). `info`, if given, gets
     where the actors ran (ranks, engines, nodes). `heldout_rows`: what `train.eval_every` scores."""
     check_cluster(cfg)
+    check_judge_rows(cfg.reward.judges, train_rows, "the training rows")   # before any work
     # Actors run elsewhere (other nodes, other working directories): absolute local paths.
     model_dir, data_dir, out_dir = (str(Path(p).resolve()) if Path(p).exists() or p == out_dir else p
                                     for p in (model_dir, data_dir, out_dir))

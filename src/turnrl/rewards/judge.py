@@ -1,0 +1,214 @@
+"""LLM judges as rewards (`reward.judges`): a model behind an OpenAI-compatible endpoint scores
+each trajectory from a prompt template; the score, mapped onto [0, 1], is one more named reward
+(`reward_<name>_mean`, times its weight in the reward), scored through the same door as the
+reward functions (turnrl.rewards.functions), as a batch.
+
+    reward:
+      judges:
+        - name: helpful
+          base_url: http://judge-host:8000/v1       # vLLM, SGLang, a hosted API: any Chat Completions server
+          model: Qwen/Qwen3-8B
+          template: "Question: {question}\\nAnswer: {response}\\nReference: {reference}\\nScore 0-10:"
+          score: number                            # or json:<field>, or labels
+          range: [0, 10]
+          max_concurrency: 8                       # requests in flight at once
+          timeout_s: 60
+          retries: 2
+
+A batch's judge calls run concurrently (at most max_concurrency in flight), after the batch's
+rollouts: the engines are not held while the judge thinks. Identical prompts within a batch are
+asked once. A request that times out, cannot connect or gets 429 / 5xx is retried (`retries`
+more times, backing off); an answer with no score in it, or one outside `range`, is a parse
+failure. A failure goes to the reward functions' `reward.on_error`: fail stops the step naming
+the judge; zero scores it 0, counted as reward_<name>_errors. Each trajectory's verdict is in
+its info (`judge_<name>`: the prompt, the judge's answer, the score, seconds, whether cached,
+the error) and so in its MLflow trace; `judge_<name>_s` is the seconds its verdict took.
+
+A template field that is neither built in (question, response, transcript, reference) nor a
+field of every row is an error before any rollout (`missing_fields`).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import re
+import string
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+BUILT_IN_FIELDS = ("question", "response", "transcript", "reference")
+_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
+_RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}
+
+
+class JudgeError(RuntimeError):
+    """The judge gave no score for a trajectory (down, timed out, unparsable, out of range)."""
+
+
+def template_fields(template: str) -> list[str]:
+    """The `{field}` names a template uses."""
+    return [name for _, name, _, _ in string.Formatter().parse(template) if name]
+
+
+def missing_fields(template: str, rows: Sequence[dict]) -> tuple[str, int] | None:
+    """(a field the template needs, the first row without it), or None when every row has them."""
+    for field in template_fields(template):
+        if field in BUILT_IN_FIELDS:
+            continue
+        for i, row in enumerate(rows):
+            if field not in row:
+                return field, i
+    return None
+
+
+def check_rows(judges: Sequence[Any], rows: Sequence[dict], what: str) -> None:
+    """Raise ValueError naming the judge, the field and the row when a template needs a field
+    the rows (`what`: e.g. "the training rows") do not all have."""
+    for k, judge in enumerate(judges):
+        missing = missing_fields(judge.template, rows)
+        if missing is not None:
+            field, i = missing
+            raise ValueError(f"reward.judges[{k}] ({judge.name}): the template uses {{{field}}}, and row {i} of {what} "
+                             f"(id {rows[i].get('id', '?')!r}) has no field {field!r}; its fields: "
+                             f"{', '.join(sorted(rows[i]))}. Built-in fields: {', '.join(BUILT_IN_FIELDS)}")
+
+
+def parse_score(text: str, cfg: Any) -> float:
+    """The judge's answer as a score in [0, 1]; ValueError saying why not."""
+    if cfg.score == "labels":
+        lowered = text.lower()
+        found = [(lowered.find(label.lower()), -len(label), label) for label in cfg.labels
+                 if label.lower() in lowered]
+        if not found:
+            raise ValueError(f"none of the labels {sorted(cfg.labels)} in the answer")
+        return float(cfg.labels[min(found)[2]])
+    if cfg.score.startswith("json:"):
+        field = cfg.score[5:]
+        start, end = text.find("{"), text.rfind("}")
+        try:
+            value = json.loads(text[start:end + 1])[field] if start >= 0 else None
+        except (json.JSONDecodeError, KeyError, TypeError):
+            value = None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"no number in the JSON field {field!r} of the answer")
+    else:
+        numbers = _NUMBER.findall(text)
+        if not numbers:
+            raise ValueError("no number in the answer")
+        value = float(numbers[-1])
+    low, high = cfg.range
+    if not math.isfinite(value) or not low <= value <= high:
+        raise ValueError(f"the score {value:g} is outside range [{low:g}, {high:g}]")
+    return (value - low) / (high - low)
+
+
+@dataclass
+class Verdict:
+    score: float | None
+    answer: str
+    seconds: float
+    error: str = ""
+    tries: int = 1
+    cached: bool = False
+
+    def record(self, prompt: str) -> dict:
+        return {"prompt": prompt, "answer": self.answer, "score": self.score, "seconds": round(self.seconds, 4),
+                "tries": self.tries, "cached": self.cached, **({"error": self.error} if self.error else {})}
+
+
+class Judge:
+    """One `reward.judges` entry (its checked params, turnrl.config JudgeCfg): a batch scorer for
+    turnrl.rewards.functions.RewardFunctions."""
+    batch = True
+
+    def __init__(self, cfg: Any, key: str = "reward.judges"):
+        self.cfg, self.key, self.weight = cfg, key, cfg.weight
+        self.api_key = os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
+
+    def prompt(self, t: Any, decode: Callable[[list[int]], str]) -> str:
+        example = t.example or {}
+        fields = {**{k: v for k, v in example.items() if isinstance(k, str)},
+                  "question": example.get("prompt", ""), "reference": example.get("answer", ""),
+                  "response": t.turn_texts[-1] if t.turn_texts else "", "transcript": decode(t.response_ids)}
+        return self.cfg.template.format_map(fields)
+
+    def score_batch(self, trajs: Sequence[Any], decode: Callable[[list[int]], str]) -> list[float | Exception]:
+        """Each trajectory's score, or the JudgeError it got; its verdict goes in its info."""
+        prompts = [self.prompt(t, decode) for t in trajs]
+        unique = list(dict.fromkeys(prompts))
+        verdicts = dict(zip(unique, _run(self._ask_all(unique))))
+        out: list[float | Exception] = []
+        seen: set[str] = set()
+        for t, prompt in zip(trajs, prompts):
+            verdict = verdicts[prompt]
+            if prompt in seen:   # asked once for the batch: the others read the same verdict
+                verdict = Verdict(verdict.score, verdict.answer, 0.0, verdict.error, 0, cached=True)
+            seen.add(prompt)
+            t.info[f"judge_{self.cfg.name}"] = verdict.record(prompt)
+            t.info[f"judge_{self.cfg.name}_s"] = verdict.seconds
+            out.append(JudgeError(f"judge {self.cfg.name!r} at {self.cfg.base_url}: {verdict.error}")
+                       if verdict.score is None else verdict.score)
+        return out
+
+    async def _ask_all(self, prompts: list[str]) -> list[Verdict]:
+        import httpx
+        limit = asyncio.Semaphore(self.cfg.max_concurrency)
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        async with httpx.AsyncClient(timeout=self.cfg.timeout_s, headers=headers) as client:
+            return list(await asyncio.gather(*(self._ask(client, limit, p) for p in prompts)))
+
+    async def _ask(self, client, limit: asyncio.Semaphore, prompt: str) -> Verdict:
+        import httpx
+        url = self.cfg.base_url.rstrip("/") + "/chat/completions"
+        body = {"model": self.cfg.model, "messages": [{"role": "user", "content": prompt}], "temperature": 0.0,
+                "max_tokens": self.cfg.max_tokens}
+        start, error, answer, tries = time.perf_counter(), "", "", 0
+        for attempt in range(self.cfg.retries + 1):
+            tries = attempt + 1
+            if attempt:
+                await asyncio.sleep(min(8.0, 0.5 * 2 ** (attempt - 1)))
+            async with limit:
+                try:
+                    reply = await client.post(url, json=body)
+                except httpx.TimeoutException:
+                    error = f"no answer within timeout_s = {self.cfg.timeout_s:g} s"
+                    continue
+                except httpx.HTTPError as exc:
+                    error = f"could not reach it ({type(exc).__name__}: {exc})"
+                    continue
+            if reply.status_code != 200:
+                error = f"HTTP {reply.status_code}: {reply.text[:200]}"
+                if reply.status_code in _RETRY_STATUS:
+                    continue
+                break
+            try:
+                answer = reply.json()["choices"][0]["message"]["content"] or ""
+            except (ValueError, KeyError, IndexError, TypeError):
+                error = f"not a chat completion: {reply.text[:200]}"
+                break
+            try:
+                return Verdict(parse_score(answer, self.cfg), answer, time.perf_counter() - start, tries=attempt + 1)
+            except ValueError as exc:   # a parse failure is the judge's answer, not a fault to retry
+                return Verdict(None, answer, time.perf_counter() - start, f"unparsable: {exc}: {answer[:200]!r}",
+                               tries=attempt + 1)
+        return Verdict(None, answer, time.perf_counter() - start, error, tries=tries)
+
+
+def _run(coroutine):
+    """Run a coroutine to its end from sync code, also where an event loop already runs here."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    result: dict = {}
+
+    def target():
+        result["value"] = asyncio.run(coroutine)
+    thread = threading.Thread(target=target, name="turnrl-judge")
+    thread.start()
+    thread.join()
+    return result["value"]
