@@ -127,8 +127,9 @@ class RolloutWorker:
         """Up to `max_groups` finished groups (scored by the reward functions), and the stream's
         state: the engine's busy seconds so far, its queue counts and weight version."""
         groups = self.stream.take_groups(max_groups, timeout_s)
-        for group in groups:
-            self.reward_functions.score(group, self.decode)
+        # one batch for the scorers (a judge's calls run concurrently across the groups); the
+        # engine's thread goes on generating meanwhile
+        self.reward_functions.score([t for group in groups for t in group], self.decode)
         return groups, {"busy_s": self.stream.busy_s, "version": self.stream.version, **self.stream.counts()}
 
     def stop_stream(self) -> None:
