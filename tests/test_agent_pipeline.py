@@ -28,7 +28,8 @@ def test_an_openai_sdk_agent_through_the_pipeline_sync_and_async(tmp_path):
     project.mkdir()
     copy_project(project)
     params = yaml.safe_load((project / "params.yaml").read_text())
-    params["model"]["warmstart"].update(demonstrations=200, skill_steps=150, prior_steps=10)
+    params["model"]["warmstart"].update(demonstrations=200, skill_steps=150, prior_steps=10,
+                                         good_fraction=0.9)   # mostly tool-calling: episodes of several calls
     params["data"].update(train_examples=32, heldout_examples=8)
     params["train"].update(steps=2, prompts_per_step=4)
     params["rollout"].update(n=4, max_turns=3, max_tokens_per_turn=48, max_tokens_total=160)
