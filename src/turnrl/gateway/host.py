@@ -50,7 +50,7 @@ class ProgramHost:
     def __init__(self, options: AgentOptions):
         self.options = options
         self._lock = threading.Lock()
-        self._pending: dict[int, Future] = {}
+        self._pending: dict[int, Future] = {}   # the current host process's episodes, by job
         self._jobs = 0
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
@@ -96,19 +96,20 @@ class ProgramHost:
             pass_fds=[theirs.fileno()], env=env, cwd=os.getcwd())
         theirs.close()
         self._conn = Connection(ours.detach())
-        threading.Thread(target=self._read, args=(self._proc, self._conn), name="turnrl-program-host",
+        self._pending = {}   # a host that went keeps its own: its reader fails them, not the new host's
+        threading.Thread(target=self._read, args=(self._proc, self._conn, self._pending), name="turnrl-program-host",
                          daemon=True).start()
         log.info("agent program host started (pid %d) for %s", self._proc.pid, self.options.program)
 
-    def _read(self, proc: subprocess.Popen, conn: Connection) -> None:
-        """Resolve futures as the host answers; when it goes, fail what it still held."""
+    def _read(self, proc: subprocess.Popen, conn: Connection, pending: dict[int, Future]) -> None:
+        """Resolve the host's futures as it answers; when it goes, fail what it still held."""
         while True:
             try:
                 job, ok, value = conn.recv()
             except (EOFError, OSError):
                 break
             with self._lock:
-                future = self._pending.pop(job, None)
+                future = pending.pop(job, None)
             if future is None:
                 continue
             if ok:
@@ -117,11 +118,11 @@ class ProgramHost:
                 future.set_exception(HostedFailure(value))
         code = proc.wait()
         with self._lock:
-            lost = [self._pending.pop(job) for job in list(self._pending)]
+            lost = [pending.pop(job) for job in list(pending)]
         for future in lost:
             future.set_exception(HostedFailure(
-                f"ProgramError: the program's host process exited (code {code}) while this episode ran: the program ended its "
-                "interpreter (os._exit, a crash, out of memory); the next episodes start a new one"))
+                f"ProgramError: the program's host process exited (code {code}) while this episode ran: the program "
+                "ended its interpreter (os._exit, a crash, out of memory); the next episodes start a new one"))
 
 
 # ---------------------------------------------------------------------- the host's side
