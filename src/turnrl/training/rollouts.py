@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+from itertools import zip_longest
 from typing import Any, Protocol, Sequence
 
 from turnrl.config import Config
@@ -76,7 +77,8 @@ class SyncRollouts:
         filter_batch(trajs, step_filter, kept)
         while len(kept) < self.prompts and step_filter.left() > 0:
             more, busy = self.rollout.rollout(self.sampler.next(step_filter.refill_size(len(kept))), self.n, step)
-            engine_busy = [a + b for a, b in zip(engine_busy, busy)]
+            # (a refill of fewer prompts than engines leaves some engines out: their busy time adds 0)
+            engine_busy = [a + b for a, b in zip_longest(engine_busy, busy, fillvalue=0.0)]
             filter_batch(more, step_filter, kept)
         batch = [t for group in fill_up(kept, step_filter) for t in group]
         return batch, engine_busy, step_filter.metrics()
