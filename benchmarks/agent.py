@@ -24,7 +24,6 @@ both paths; the gateway's cost per step under 1.2x the built-in's.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.learning import Row, copy_project, flags_text, mean_sd, run_one  # noqa: E402
+from benchmarks.learning import Row, flags_text, mean_sd, run_one, run_rows  # noqa: E402
 
 FUNCTIONS = "[examples.agents.calculator_agent:calculator,examples.agents.calculator_agent:count_digits]"
 ROWS = [
@@ -127,21 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", type=Path, default=ROOT / "benchmarks/AGENT.md")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
-    results = json.loads(args.results.read_text()) if args.results.exists() else []
-    done = {(r["row"], r["seed"]) for r in results}
-    for seed in args.seeds:
-        for row in ROWS:
-            if (args.rows and row.name not in args.rows) or (row.name, seed) in done:
-                continue
-            project = args.work_dir / row.name
-            if not (project / "dvc.yaml").exists():
-                project.mkdir(parents=True, exist_ok=True)
-                copy_project(project)
-            print(f"{row.name} seed {seed} ...", flush=True)
-            results.append(run(project, row, seed, args.set))
-            args.results.write_text(json.dumps(results, indent=1) + "\n")
-            args.report.write_text(with_notes(report(results, args.seeds), args.report))
-            print(json.dumps({k: v for k, v in results[-1].items() if k != "curves"}), flush=True)
+    rows = [row for row in ROWS if not args.rows or row.name in args.rows]
+    results = run_rows(rows, args.seeds, lambda row: args.work_dir / row.name, args.results, run, args.set,
+                       lambda done: args.report.write_text(with_notes(report(done, args.seeds), args.report)))
     args.report.write_text(with_notes(report(results, args.seeds), args.report))
     print(args.report.read_text())
     return 0

@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,6 +139,30 @@ def run_one(project: Path, row: Row, seed: int, extra: list[str]) -> dict:
     }
 
 
+def run_rows(rows: list[Row], seeds: list[int], project_of: Callable[[Row], Path], results_path: Path,
+             run: Callable[[Path, Row, int, list[str]], dict], extra: list[str],
+             write_report: Callable[[list[dict]], Any]) -> list[dict]:
+    """Every (row, seed) not yet in the results file, seed-major (a partial run has every row's
+    first seed), in the row's scratch copy of the project (`project_of`, made on first use); the
+    results file and the report rewritten after every run, so an interrupted benchmark resumes."""
+    results = json.loads(results_path.read_text()) if results_path.exists() else []
+    done = {(r["row"], r["seed"]) for r in results}
+    for seed in seeds:
+        for row in rows:
+            if (row.name, seed) in done:
+                continue
+            project = project_of(row)
+            if not (project / "dvc.yaml").exists():
+                project.mkdir(parents=True, exist_ok=True)
+                copy_project(project)
+            print(f"{row.name} seed {seed} ...", flush=True)
+            results.append(run(project, row, seed, extra))
+            results_path.write_text(json.dumps(results, indent=1) + "\n")
+            write_report(results)
+            print(json.dumps({k: v for k, v in results[-1].items() if k != "curves"}), flush=True)
+    return results
+
+
 # --------------------------------------------------------------------------- report
 def mean_sd(values: list[float], fmt: str = "{:+.1f}") -> str:
     if not values:
@@ -221,22 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown rows {sorted(unknown)}; rows: {', '.join(r.name for r in rows)}")
     chosen = [r for r in rows if not args.rows or r.name in args.rows]
     results = json.loads(args.results.read_text()) if args.results.exists() else []
-    done = {(r["row"], r["seed"]) for r in results}
     if not args.report_only:
-        for seed in args.seeds:          # seed-major: a partial run has every row's first seed
-            for row in chosen:
-                if (row.name, seed) in done:
-                    continue
-                project = args.work_dir / row.env
-                if not (project / "dvc.yaml").exists():
-                    project.mkdir(parents=True, exist_ok=True)
-                    copy_project(project)
-                print(f"{row.name} seed {seed} ...", flush=True)
-                result = run_one(project, row, seed, args.set)
-                results.append(result)
-                args.results.write_text(json.dumps(results, indent=1) + "\n")
-                args.report.write_text(report(results, rows, args.seeds))
-                print(json.dumps({k: v for k, v in result.items() if k != "curves"}), flush=True)
+        results = run_rows(chosen, args.seeds, lambda row: args.work_dir / row.env, args.results, run_one, args.set,
+                           lambda done: args.report.write_text(report(done, rows, args.seeds)))
     args.report.write_text(report(results, rows, args.seeds))
     print(args.report.read_text())
     return 0
