@@ -2,8 +2,8 @@
 `agent` preset (examples/agents/calculator_agent.py, the openai SDK only) from a clean copy of the
 project. The tiny model is warm-started on the conversations the real program builds when the
 gateway answers it with the demonstration hook's replies, trained two steps through the gateway
-(sync, then `train.mode: async` as a second experiment that reuses the cached stages), and
-evaluated through the program."""
+(sync, then `train.mode: async` as a second experiment that reuses the cached stages, with a
+judge on loopback in `reward.judges`), and evaluated through the program."""
 import json
 import math
 
@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from conftest import copy_project, run_dvc
+from judge_server import ReferenceJudge
 
 PRESET = ["env.name=agent", "++env.options.program=examples.agents.calculator_agent:run",
           "++env.options.demonstration=examples.agents.calculator_agent:demonstrate",
@@ -51,14 +52,26 @@ def test_an_openai_sdk_agent_through_the_pipeline_sync_and_async(tmp_path):
     rows = pd.read_parquet(project / "eval/final/task.parquet")
     assert len(rows) == 8 and rows["finish"].ne("env_error").all()
 
-    # async, with the same agent traced by MLflow (its own span, OpenAI autologging): examples/agents/traced_agent.py
+    # async, with the same agent traced by MLflow (its own span, OpenAI autologging): examples/agents/traced_agent.py,
+    # and a judge on loopback rewarding the episodes beside the program's outcome (reward.judges in params.yaml)
+    judge = ReferenceJudge()
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["reward"]["judges"] = [{"name": "reference", "base_url": judge.url, "range": [0, 10], "weight": 0.5,
+                                   "template": "Reference: {reference}\nAnswer: {response}"}]
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     traced = "++env.options.program=examples.agents.traced_agent:run"
-    proc = run_dvc(project, "exp", "run", *_sets(*PRESET, traced, "train.mode=async", "algorithm.policy_loss=decoupled"),
-                   timeout=1500)
+    try:
+        proc = run_dvc(project, "exp", "run", *_sets(*PRESET, traced, "train.mode=async",
+                                                     "algorithm.policy_loss=decoupled"), timeout=1500)
+    finally:
+        judge.close()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     curve = pd.read_csv(project / "plots/train.csv")
     assert len(curve) == 2 and "staleness_mean" in curve and curve["finish_env_error_frac"].max() == 0.0
     assert curve["calls_per_episode"].max() > 1.0 and math.isfinite(curve["loss"].iloc[-1])
+    assert judge.calls >= 2 and curve["judge_reference_calls"].min() > 0     # every step's batch was judged
+    assert (curve["judge_reference_failures"] == 0).all() and (curve["judge_reference_latency_p50_s"] > 0).all()
+    assert curve["reward_reference_mean"].between(0, 1).all()
     _assert_the_agents_spans_joined_its_rollout_traces(project)
 
 
@@ -75,3 +88,8 @@ def _assert_the_agents_spans_joined_its_rollout_traces(project) -> None:
         by_id = {s.span_id: s for s in trace.data.spans}
         turns = [s for s in trace.data.spans if s.name.startswith("turn ")]
         assert turns and all(by_id[s.parent_id].name == "Completions" for s in turns)
+    judged = [t for t in client.search_traces(locations=[experiment], max_results=200)
+              if t.info.tags.get("kind") == "rollout" and any(s.name == "judge reference" for s in t.data.spans)]
+    assert judged, "no rollout trace holds the judge's call"
+    span = next(s for s in judged[0].data.spans if s.name == "judge reference")
+    assert span.inputs["prompt"].startswith("Reference: ") and 0 <= span.outputs["score"] <= 1

@@ -3,9 +3,7 @@ scripted answers, latency, failures): scores, parse failures, timeouts, retries,
 requests in flight, and a batch's identical prompts asked once."""
 from __future__ import annotations
 
-import asyncio
 import socket
-import threading
 import time
 
 import pytest
@@ -13,8 +11,10 @@ import pytest
 from turnrl.config import Config
 from turnrl.config.sections import JudgeCfg
 from turnrl.rewards.functions import RewardFunctionError, from_config
-from turnrl.rewards.judge import Judge, check_rows, parse_score
+from turnrl.rewards.judge import Judge, check_rows, judge_metrics, parse_score
 from turnrl.rollout.multi_turn import Trajectory
+
+from judge_server import JudgeServer, ReferenceJudge
 
 
 def _cfg(**kw) -> JudgeCfg:
@@ -53,55 +53,6 @@ def test_a_template_field_the_rows_lack_is_named_before_any_work():
         _cfg(score="labels")
 
 
-# --------------------------------------------------------------------------- the judge server
-def serve(chat) -> tuple:
-    """A Starlette app answering POST /v1/chat/completions with `chat`, on uvicorn on a free
-    loopback port, on a thread: (the server, its thread, its URL)."""
-    import uvicorn
-    from starlette.applications import Starlette
-    from starlette.routing import Route
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])]),
-                                           host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    return server, thread, f"http://127.0.0.1:{port}/v1"
-
-
-def answer(text: str):
-    from starlette.responses import JSONResponse
-    return JSONResponse({"choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                      "finish_reason": "stop"}]})
-
-
-class JudgeServer:
-    """Answers by the prompt: 'score N' -> 'N', 'babble' -> no number, 'slow N' -> N after 3 s,
-    'flaky N' -> 503 on its first request then N; counts requests and the most in flight."""
-
-    def __init__(self, delay_s: float = 0.05):
-        from starlette.responses import JSONResponse
-        self.delay_s, self.in_flight, self.most_in_flight, self.requests = delay_s, 0, 0, {}
-
-        async def chat(request):
-            prompt = (await request.json())["messages"][0]["content"]
-            self.requests[prompt] = self.requests.get(prompt, 0) + 1
-            self.in_flight += 1
-            self.most_in_flight = max(self.most_in_flight, self.in_flight)
-            try:
-                word, _, value = prompt.partition(" ")
-                await asyncio.sleep(3.0 if word == "slow" else self.delay_s)
-                if word == "flaky" and self.requests[prompt] == 1:
-                    return JSONResponse({"error": "overloaded"}, status_code=503)
-                return answer("I would rather not say" if word == "babble" else f"Score: {value}")
-            finally:
-                self.in_flight -= 1
-        self.server, self.thread, self.url = serve(chat)
-
-
 @pytest.fixture
 def server():
     s = JudgeServer()
@@ -125,11 +76,57 @@ def test_scores_retries_timeouts_and_parse_failures_against_a_real_server(server
     trajs = _trajs("score 7", "flaky 8", "babble", "slow 9", "score 11")
     out = judge.score_batch(trajs, decode=lambda ids: "")
     assert out[0] == pytest.approx(0.7) and out[1] == pytest.approx(0.8)
-    assert server.requests["flaky 8"] == 2 and trajs[1].info["judge_judge"]["tries"] == 2   # 503, then retried
+    assert server.requests["flaky 8"] == 2 and trajs[1].info["judge_judge"][0]["tries"] == 2   # 503, then retried
     assert "unparsable: no number" in str(out[2]) and server.requests["babble"] == 1      # not retried
     assert "no answer within timeout_s = 1 s" in str(out[3]) and server.requests["slow 9"] == 2
     assert "outside range" in str(out[4])
-    assert trajs[0].info["judge_judge"]["answer"] == "Score: 7" and trajs[0].info["judge_judge_s"] > 0
+    assert trajs[0].info["judge_judge"][0]["answer"] == "Score: 7" and trajs[0].info["judge_judge"][0]["seconds"] > 0
+    metrics = judge_metrics(trajs)   # the step's view of these five calls
+    assert metrics["judge_judge_calls"] == 5 and metrics["judge_judge_retries"] == 2   # flaky and slow retried once
+    assert metrics["judge_judge_unparsable"] == 2 and metrics["judge_judge_failures"] == 1   # babble, 11; slow
+    assert 2.0 <= metrics["judge_judge_latency_p99_s"] and metrics["judge_judge_latency_p50_s"] < 1.0
+
+
+def test_latency_quantiles_and_cache_share_by_hand():
+    def traj(*calls):
+        t = _trajs("x")[0]
+        t.info["judge_j"] = [{"prompt": "p", "answer": "", "score": s, "seconds": sec, "tries": 1, "cached": c,
+                              "unparsable": False} for s, sec, c in calls]
+        return t
+    trajs = [traj((1.0, 1.0, False)), traj((0.0, 2.0, False)), traj((0.5, 3.0, False)), traj((None, 5.0, False)),
+             traj((1.0, 0.0, True))]
+    metrics = judge_metrics(trajs)
+    assert metrics["judge_j_calls"] == 4 and metrics["judge_j_cached_frac"] == pytest.approx(0.2)
+    assert metrics["judge_j_latency_p50_s"] == pytest.approx(2.5)          # between 2 and 3
+    assert metrics["judge_j_latency_p99_s"] == pytest.approx(3 + 0.97 * 2)  # 99% of the way from 3 to 5
+    assert metrics["judge_j_failures"] == 1 and metrics["judge_j_unparsable"] == 0
+
+
+def test_scope_turn_asks_every_turn_and_adds_its_score_to_that_turns_reward(server):
+    judge = Judge(_cfg(base_url=server.url, range=[0, 10], scope="turn", weight=2.0,
+                       template="{history} || {turn} || {response}"))   # the server answers its last number
+    t = Trajectory(example={"id": "row", "prompt": "q", "answer": "a"}, prompt_ids=[1])
+    t.add_turn(0, [2], [0.0], "score 2")
+    t.add_observation(0, [3], "tool said 4")
+    t.add_turn(1, [4], [0.0], "score 8")
+    t.turn_rewards = [0.0, 1.0]
+    (out,) = judge.score_batch([t], decode=lambda ids: "")
+    assert out == pytest.approx(0.5)                       # the mean of 0.2 and 0.8
+    assert t.turn_rewards == pytest.approx([0.4, 2.6])     # + weight x each turn's score
+    first, second = t.info["judge_judge"]
+    assert first["prompt"] == " || 1 || score 2" and first["turn"] == 1
+    assert second["prompt"] == "score 2\ntool said 4 || 2 || score 8" and second["score"] == pytest.approx(0.8)
+    from turnrl.tracking import traces
+    names = [s.name for s in traces.plan(t, name="r", tags={}).spans()]
+    assert "judge judge turn 1" in names and "judge judge turn 2" in names
+
+    broken = Trajectory(example={"id": "b", "prompt": "q", "answer": "a"}, prompt_ids=[1])
+    broken.add_turn(0, [2], [0.0], "score 3")
+    broken.add_turn(1, [2], [0.0], "babble")
+    broken.turn_rewards = [0.0, 0.0]
+    judge = Judge(_cfg(base_url=server.url, range=[0, 10], scope="turn", weight=2.0))
+    (out,) = judge.score_batch([broken], decode=lambda ids: "")
+    assert "unparsable" in str(out) and broken.turn_rewards == pytest.approx([0.6, 0.0])   # the scored turn kept
 
 
 def test_requests_in_flight_never_exceed_max_concurrency_and_a_batch_asks_a_prompt_once(server):
@@ -139,7 +136,7 @@ def test_requests_in_flight_never_exceed_max_concurrency_and_a_batch_asks_a_prom
     out = judge.score_batch(trajs, decode=lambda ids: "")
     assert server.most_in_flight == 3
     fives = [t for t in trajs if t.turn_texts[-1] == "score 5"]   # rows 5, 12 and 13
-    assert server.requests["score 5"] == 1 and [t.info["judge_judge"]["cached"] for t in fives] == [False, True, True]
+    assert server.requests["score 5"] == 1 and [t.info["judge_judge"][0]["cached"] for t in fives] == [False, True, True]
     assert out[-1] == out[-2] == pytest.approx(0.5)
 
 
@@ -171,23 +168,6 @@ def test_a_judge_that_is_down_is_a_counted_failure_not_a_hang():
     assert "could not reach it" in str(out) and time.perf_counter() - start < 10
 
 
-class ReferenceJudge:
-    """A judge that knows the truth, as the issue's benchmark wants one: 'Reference: R\nAnswer: A'
-    scores 10 when A holds R, else 0, after a judge-like latency."""
-
-    def __init__(self):
-        import re
-        self.calls = 0
-
-        async def chat(request):
-            prompt = (await request.json())["messages"][0]["content"]
-            self.calls += 1
-            reference = re.search(r"Reference: (.*)", prompt).group(1).strip()
-            await asyncio.sleep(0.02)
-            return answer(f"Score: {10 if reference and reference in prompt.split('Answer:', 1)[1] else 0}")
-        self.server, self.thread, self.url = serve(chat)
-
-
 @pytest.mark.slow
 def test_a_judge_rewards_two_steps_through_the_real_loop(tiny_model_dir, tmp_path):
     """The rollout actors (Ray) ask the judge for every trajectory of both steps."""
@@ -201,5 +181,20 @@ def test_a_judge_rewards_two_steps_through_the_real_loop(tiny_model_dir, tmp_pat
         judge.server.should_exit = True
     assert judge.calls >= len(history)   # every step's batch (identical prompts within one are asked once)
     for h in history:
-        assert 0.0 <= h["reward_judge_mean"] <= 1.0 and h["env_judge_judge_s_mean"] > 0.0
+        assert 0.0 <= h["reward_judge_mean"] <= 1.0 and h["judge_judge_latency_p50_s"] > 0.0
         assert "reward_judge_errors_mean" not in h
+
+
+def test_outcome_weight_zero_makes_the_judge_the_whole_reward(server):
+    cfg = Config.model_validate({"reward": {"outcome_weight": 0.0, "judges": [
+        {"name": "quality", "base_url": server.url, "template": "{response}", "range": [0, 10]}]}})
+    scorer = from_config(cfg.reward, cfg.rollout)
+    right, wrong = _trajs("score 2", "score 9")
+    right.outcome = 1.0   # the environment says right; the judge thinks little of it
+    scorer.score([right, wrong], decode=lambda ids: "")
+    assert right.reward == pytest.approx(0.2) and wrong.reward == pytest.approx(0.9)
+    assert right.outcome == 1.0   # still there for the metrics and evaluation
+    half = Config.model_validate({"reward": {"outcome_weight": 0.5}})
+    assert from_config(half.reward, half.rollout)   # a scorer, with no function: it weights the outcome
+    with pytest.raises(ValueError, match="every reward\nwould be 0|every reward would be 0"):
+        Config.model_validate({"reward": {"outcome_weight": 0.0}})

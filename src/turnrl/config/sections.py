@@ -234,9 +234,10 @@ class JudgeCfg(_Section):
     model: str = Field("judge", min_length=1)
     api_key_env: str = Field("", description="the environment variable holding its API key; empty: none")
     template: str = Field(..., min_length=1, description=(
-        "the judge's prompt; {question} (the row's prompt), {response} (the trajectory's last turn), "
-        "{transcript} (the whole response), {reference} (the row's answer) and any other field of the row "
-        "by name, e.g. {rubric}"))
+        "the judge's prompt; {question} (the row's prompt), {response} (the trajectory's last turn, or the "
+        "turn judged), {transcript} (the whole response), {reference} (the row's answer), {history} (the "
+        "turns and observations before {response}), {turn} (its number) and any other field of the row by "
+        "name, e.g. {rubric}"))
     score: str = Field("number", description=(
         "how its answer becomes a score: number (the last number in it), json:<field> (a number in its JSON "
         "answer), or labels (the first of `labels` it says)"))
@@ -245,6 +246,10 @@ class JudgeCfg(_Section):
         "parse failure"))
     labels: dict[str, float] = Field(default_factory=dict, description="labels: label -> score, e.g. {yes: 1, no: 0}")
     weight: float = 1.0
+    scope: Literal["episode", "turn"] = Field("episode", description=(
+        "episode: one call per trajectory, about its last turn; turn: one per policy turn ({response} that "
+        "turn, {turn} its number, {history} what came before), each turn's score x weight added to its turn "
+        "reward (what mt_grpo, ms_grpo, ms_po and mlmt train on), the trajectory's score their mean"))
     max_concurrency: int = Field(8, gt=0, description="requests in flight to the judge at once")
     timeout_s: float = Field(60.0, gt=0, description="seconds one request may take")
     retries: int = Field(2, ge=0, description="more tries after a timeout, a connection error or a 429/5xx")
@@ -271,6 +276,10 @@ class RewardCfg(_Section):
     on_error: Literal["fail", "zero"] = Field("fail", description=(
         "a function that raises or returns NaN, None or a non-number: fail stops the step naming it; zero "
         "scores it 0, counted (reward_<name>_errors) and logged"))
+    outcome_weight: float = Field(1.0, ge=0, description=(
+        "the environment's outcome's weight in the reward; 0: the reward functions and judges are the whole "
+        "reward (a judge-rewarded task: the outcome is still logged, and evaluation still grades by it; the "
+        "environment's turn rewards are not scaled)"))
     overlong: OverlongCfg = OverlongCfg()
     judges: list[JudgeCfg] = Field(default_factory=list, description=(
         "models that score trajectories through an OpenAI-compatible endpoint (turnrl.rewards.judge)"))
@@ -285,6 +294,9 @@ class RewardCfg(_Section):
                              "weight per function, or none (all 1.0)")
         if len(set(self.functions)) != len(self.functions):
             raise ValueError("a reward function is listed twice")
+        if self.outcome_weight == 0 and not (self.functions or self.judges or self.overlong.buffer):
+            raise ValueError("outcome_weight = 0 and no reward function, judge or overlong penalty: every reward "
+                             "would be 0; add reward.functions or reward.judges, or set outcome_weight above 0")
         return self
 
 

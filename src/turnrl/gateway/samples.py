@@ -170,6 +170,6 @@ def episode_view(trajs: Sequence[Trajectory]) -> tuple[list[Trajectory], list[tu
         view.turn_texts, view.turn_rewards = list(t.turn_texts), list(t.turn_rewards)
         view.levels, view.turn_versions = list(t.levels), list(t.turn_versions)
         view.outcome, view.finish, view.info = t.outcome, t.finish, t.info
-        view.rewards, view.extra_reward = t.rewards, t.extra_reward
+        view.rewards, view.extra_reward, view.outcome_weight = t.rewards, t.extra_reward, t.outcome_weight
         views.append(view)
     return views, placement

@@ -9,7 +9,8 @@ turns' texts), `observations`, `finish` (why it ended), `outcome`, `example` (th
 `response_tokens` (tokens after the prompt) and `policy_tokens` (those the policy sampled).
 Built-in shaping configured in params (`reward.overlong`: turnrl.rewards.shaping) is such a
 function too, given to `RewardFunctions` by name (`builtin`).
-A trajectory's reward is its outcome plus the weighted sum of the functions' values; each value
+A trajectory's reward is its outcome (times `reward.outcome_weight`, 1 by default; 0 where a
+judge or the functions are the whole reward) plus the weighted sum of the functions' values; each value
 is also logged per step as `reward_<name>_mean`. A function that raises or returns NaN, None or
 a non-number stops the step with a `RewardFunctionError` naming it, or, with
 `reward.on_error: zero`, scores 0 and is counted (`reward_<name>_errors`).
@@ -66,17 +67,20 @@ def from_config(reward: Any, rollout: Any, judges: bool = True) -> "RewardFuncti
         from turnrl.rewards.judge import Judge
         for k, judge in enumerate(reward.judges):
             builtin[judge.name] = Judge(judge, key=f"reward.judges[{k}] ({judge.name})")
-    return RewardFunctions(reward.functions, reward.weights, reward.on_error, builtin=builtin)
+    return RewardFunctions(reward.functions, reward.weights, reward.on_error, builtin=builtin,
+                           outcome_weight=reward.outcome_weight)
 
 
 class RewardFunctions:
     """The functions of `reward.functions`, loaded and checked once per process."""
 
     def __init__(self, paths: Sequence[str], weights: Sequence[float] = (), on_error: str = "fail",
-                 builtin: dict[str, Callable[..., Any]] | None = None):
+                 builtin: dict[str, Callable[..., Any]] | None = None, outcome_weight: float = 1.0):
         """`builtin`: scorers params configure (name -> a function, or a batch scorer with
         `batch = True` and `score_batch(trajs, decode) -> [value or Exception]`; its `weight`
-        and `key` attributes, if any, are its weight and the params key errors name)."""
+        and `key` attributes, if any, are its weight and the params key errors name).
+        `outcome_weight`: the environment's outcome's weight in the reward."""
+        self.outcome_weight = float(outcome_weight)
         self.paths = list(paths)
         self.weights = list(weights) or [1.0] * len(self.paths)
         self.on_error = on_error
@@ -92,10 +96,13 @@ class RewardFunctions:
         self._warned: set[str] = set()
 
     def __bool__(self) -> bool:
-        return bool(self.fns)
+        return bool(self.fns) or self.outcome_weight != 1.0
 
     def score(self, trajs: Sequence, decode: Callable[[list[int]], str]) -> None:
-        """Set each trajectory's `rewards` (name -> value) and `extra_reward` (their weighted sum)."""
+        """Set each trajectory's `rewards` (name -> value), `extra_reward` (their weighted sum)
+        and `outcome_weight`."""
+        for t in trajs:
+            t.outcome_weight = self.outcome_weight
         if not self.fns:
             return
         batched = {name: fn.score_batch(trajs, decode) for name, fn in zip(self.names, self.fns)

@@ -11,6 +11,7 @@ reward functions (turnrl.rewards.functions), as a batch.
           template: "Question: {question}\\nAnswer: {response}\\nReference: {reference}\\nScore 0-10:"
           score: number                            # or json:<field>, or labels
           range: [0, 10]
+          scope: episode                           # or turn: each policy turn asked, its score a turn reward
           max_concurrency: 8                       # requests in flight at once
           timeout_s: 60
           retries: 2
@@ -20,12 +21,19 @@ rollouts: the engines are not held while the judge thinks. Identical prompts wit
 asked once. A request that times out, cannot connect or gets 429 / 5xx is retried (`retries`
 more times, backing off); an answer with no score in it, or one outside `range`, is a parse
 failure. A failure goes to the reward functions' `reward.on_error`: fail stops the step naming
-the judge; zero scores it 0, counted as reward_<name>_errors. Each trajectory's verdict is in
-its info (`judge_<name>`: the prompt, the judge's answer, the score, seconds, whether cached,
-the error) and so in its MLflow trace; `judge_<name>_s` is the seconds its verdict took.
+the judge; zero scores it 0, counted as reward_<name>_errors. Each trajectory's verdicts are in
+its info (`judge_<name>`: per call the prompt, the judge's answer, the score, seconds, tries,
+whether cached, the error) and so in its MLflow trace, one span per call; `judge_metrics` sums
+a batch's calls into the step's metrics (latency p50/p99, retries, unparsable answers, failures,
+cache hits).
 
-A template field that is neither built in (question, response, transcript, reference) nor a
-field of every row is an error before any rollout (`missing_fields`).
+`scope: turn` asks about every policy turn ({response} is that turn, {turn} its number,
+{history} the turns and observations before it); each turn's score times the weight is added to
+its turn reward, which the turn-level algorithms (mt_grpo, ms_grpo, ms_po, mlmt) train on, and
+the trajectory's score is the mean over its turns.
+
+A template field that is neither built in (question, response, transcript, reference, history,
+turn) nor a field of every row is an error before any rollout (`missing_fields`).
 """
 from __future__ import annotations
 
@@ -40,7 +48,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-BUILT_IN_FIELDS = ("question", "response", "transcript", "reference")
+BUILT_IN_FIELDS = ("question", "response", "transcript", "reference", "history", "turn")
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 _RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}
 
@@ -114,10 +122,51 @@ class Verdict:
     error: str = ""
     tries: int = 1
     cached: bool = False
+    unparsable: bool = False   # the judge answered, without a score in range
 
-    def record(self, prompt: str) -> dict:
+    def record(self, prompt: str, turn: int | None = None) -> dict:
         return {"prompt": prompt, "answer": self.answer, "score": self.score, "seconds": round(self.seconds, 4),
-                "tries": self.tries, "cached": self.cached, **({"error": self.error} if self.error else {})}
+                "tries": self.tries, "cached": self.cached, "unparsable": self.unparsable,
+                **({"turn": turn + 1} if turn is not None else {}), **({"error": self.error} if self.error else {})}
+
+
+def verdicts(info: dict) -> list[tuple[str, dict]]:
+    """(judge name, verdict record) for every call recorded in a trajectory's info."""
+    return [(key[6:], record) for key, records in sorted(info.items())
+            if key.startswith("judge_") and isinstance(records, list)
+            for record in records if isinstance(record, dict) and "prompt" in record]
+
+
+def judge_metrics(trajs: Sequence[Any]) -> dict[str, float]:
+    """Per judge, over a batch's verdicts: `judge_<name>_calls` (requests answered or failed, not
+    cached), `_latency_p50_s` / `_latency_p99_s` (their seconds, retries included), `_retries`,
+    `_unparsable` (answers with no score in range), `_failures` (no answer: down, timeouts, HTTP
+    errors) and `_cached_frac` (verdicts read from an identical prompt's)."""
+    by_judge: dict[str, list[dict]] = {}
+    for t in trajs:
+        for name, record in verdicts(t.info or {}):
+            by_judge.setdefault(name, []).append(record)
+    out: dict[str, float] = {}
+    for name, records in by_judge.items():
+        asked = [r for r in records if not r.get("cached")]
+        seconds = sorted(float(r["seconds"]) for r in asked)
+        out[f"judge_{name}_calls"] = float(len(asked))
+        if seconds:
+            out[f"judge_{name}_latency_p50_s"] = _quantile(seconds, 0.50)
+            out[f"judge_{name}_latency_p99_s"] = _quantile(seconds, 0.99)
+        out[f"judge_{name}_retries"] = float(sum(max(0, int(r.get("tries", 1)) - 1) for r in asked))
+        out[f"judge_{name}_unparsable"] = float(sum(bool(r.get("unparsable")) for r in asked))
+        out[f"judge_{name}_failures"] = float(sum(r["score"] is None and not r.get("unparsable") for r in asked))
+        out[f"judge_{name}_cached_frac"] = 1.0 - len(asked) / len(records)
+    return out
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """The q-quantile of sorted values, linearly interpolated."""
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 class Judge:
@@ -129,29 +178,51 @@ class Judge:
         self.cfg, self.key, self.weight = cfg, key, cfg.weight
         self.api_key = os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
 
-    def prompt(self, t: Any, decode: Callable[[list[int]], str]) -> str:
+    def prompt(self, t: Any, decode: Callable[[list[int]], str], turn: int | None = None) -> str:
+        """The template filled for trajectory `t`: about its last turn, or about policy turn
+        `turn` (0-based) with {history} the turns and observations before it."""
         example = t.example or {}
-        fields = {**{k: v for k, v in example.items() if isinstance(k, str)},
+        k = len(t.turn_texts) - 1 if turn is None else turn
+        before = [text for i in range(max(k, 0)) for text in (t.turn_texts[i], *t.observations[i:i + 1])]
+        fields = {**{name: v for name, v in example.items() if isinstance(name, str)},
                   "question": example.get("prompt", ""), "reference": example.get("answer", ""),
-                  "response": t.turn_texts[-1] if t.turn_texts else "", "transcript": decode(t.response_ids)}
+                  "response": t.turn_texts[k] if t.turn_texts else "", "transcript": decode(t.response_ids),
+                  "history": "\n".join(before), "turn": k + 1}
         return self.cfg.template.format_map(fields)
 
     def score_batch(self, trajs: Sequence[Any], decode: Callable[[list[int]], str]) -> list[float | Exception]:
-        """Each trajectory's score, or the JudgeError it got; its verdict goes in its info."""
-        prompts = [self.prompt(t, decode) for t in trajs]
-        unique = list(dict.fromkeys(prompts))
+        """Each trajectory's score, or the JudgeError it got; its verdict goes in its info. With
+        `scope: turn` each policy turn is asked: its score times the weight is added to that
+        turn's turn reward (the turn-level algorithms' signal) and the trajectory's score is
+        the mean of its turns'."""
+        asks = [(i, k, self.prompt(t, decode, k)) for i, t in enumerate(trajs)
+                for k in (range(t.num_turns) if self.cfg.scope == "turn" else [None])]
+        unique = list(dict.fromkeys(prompt for _, _, prompt in asks))
         verdicts = dict(zip(unique, _run(self._ask_all(unique))))
-        out: list[float | Exception] = []
         seen: set[str] = set()
-        for t, prompt in zip(trajs, prompts):
+        for t in trajs:
+            t.info[f"judge_{self.cfg.name}"] = []
+        records: list[list[tuple[int | None, Verdict]]] = [[] for _ in trajs]
+        for i, k, prompt in asks:
             verdict = verdicts[prompt]
             if prompt in seen:   # asked once for the batch: the others read the same verdict
-                verdict = Verdict(verdict.score, verdict.answer, 0.0, verdict.error, 0, cached=True)
+                verdict = Verdict(verdict.score, verdict.answer, 0.0, verdict.error, 0, cached=True,
+                                  unparsable=verdict.unparsable)
             seen.add(prompt)
-            t.info[f"judge_{self.cfg.name}"] = verdict.record(prompt)
-            t.info[f"judge_{self.cfg.name}_s"] = verdict.seconds
-            out.append(JudgeError(f"judge {self.cfg.name!r} at {self.cfg.base_url}: {verdict.error}")
-                       if verdict.score is None else verdict.score)
+            records[i].append((k, verdict))
+            trajs[i].info[f"judge_{self.cfg.name}"].append(verdict.record(prompt, k))
+        out: list[float | Exception] = []
+        for t, asked in zip(trajs, records):
+            failed = [v.error for _, v in asked if v.score is None]
+            for k, verdict in asked:
+                if k is not None and verdict.score is not None and k < len(t.turn_rewards):
+                    t.turn_rewards[k] += self.weight * verdict.score
+            if failed:
+                out.append(JudgeError(f"judge {self.cfg.name!r} at {self.cfg.base_url}: {failed[0]}"))
+            elif not asked:   # no policy turn to judge (scope: turn)
+                out.append(JudgeError(f"judge {self.cfg.name!r}: the trajectory has no turn to score"))
+            else:
+                out.append(sum(v.score for _, v in asked) / len(asked))
         return out
 
     async def _ask_all(self, prompts: list[str]) -> list[Verdict]:
@@ -194,7 +265,7 @@ class Judge:
                 return Verdict(parse_score(answer, self.cfg), answer, time.perf_counter() - start, tries=attempt + 1)
             except ValueError as exc:   # a parse failure is the judge's answer, not a fault to retry
                 return Verdict(None, answer, time.perf_counter() - start, f"unparsable: {exc}: {answer[:200]!r}",
-                               tries=attempt + 1)
+                               tries=attempt + 1, unparsable=True)
         return Verdict(None, answer, time.perf_counter() - start, error, tries=tries)
 
 

@@ -136,6 +136,7 @@ class Trajectory:
     info: dict = field(default_factory=dict)
     rewards: dict[str, float] = field(default_factory=dict)     # reward functions' values, by name
     extra_reward: float = 0.0                                   # their weighted sum
+    outcome_weight: float = 1.0                                 # reward.outcome_weight: the outcome's in the reward
     # wall-clock (time.time()) start and end of each policy turn's generation and of each
     # environment step, for traces and timing metrics
     turn_times: list[tuple[float, float]] = field(default_factory=list)
@@ -153,8 +154,9 @@ class Trajectory:
     @property
     def reward(self) -> float:
         """What training maximizes: the environment's outcome (or, where its grader gives partial
-        credit, `info["partial_credit"]`: reasoning-gym's score_answer) plus the reward functions'."""
-        return float(self.info.get("partial_credit", self.outcome)) + self.extra_reward
+        credit, `info["partial_credit"]`: reasoning-gym's score_answer), times reward.outcome_weight,
+        plus the reward functions'."""
+        return self.outcome_weight * float(self.info.get("partial_credit", self.outcome)) + self.extra_reward
 
     @property
     def first_observation(self) -> int:

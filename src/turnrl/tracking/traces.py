@@ -44,6 +44,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from turnrl.rewards.judge import verdicts
+
 SOURCE_ID = "turnrl"
 _TRAILING_SPECIAL = re.compile(r"(\s|<\|[^|<>]{1,40}\|>|</s>|<eos>|<end_of_turn>)+$")
 _CLOSING = re.compile(r"</([A-Za-z_][\w\-]{0,40})>")
@@ -253,14 +255,14 @@ def plan(t, *, name: str, tags: dict[str, Any], attributes: dict[str, Any] | Non
         reward["advantage"] = advantage
     if correct is not None:
         reward["correct"], reward["reason"] = correct
-    for key, verdict in sorted(info.items()):   # reward.judges: what each judge was asked and answered
-        if key.startswith("judge_") and isinstance(verdict, dict) and "prompt" in verdict:
-            children.append(SpanPlan(
-                name=f"judge {key[6:]}", span_type="LLM", start_ns=end, end_ns=end + _ns(verdict.get("seconds", 0.0)),
-                inputs={"prompt": _clip(verdict["prompt"])}, outputs={"answer": _clip(verdict["answer"]),
-                                                                      "score": verdict["score"]},
-                attributes={"seconds": verdict.get("seconds"), "tries": verdict.get("tries"),
-                            "cached": verdict.get("cached")}, error=verdict.get("error")))
+    for judge, verdict in verdicts(info):   # reward.judges: what each judge was asked and answered
+        turn = f" turn {verdict['turn']}" if "turn" in verdict else ""
+        children.append(SpanPlan(
+            name=f"judge {judge}{turn}", span_type="LLM", start_ns=end, end_ns=end + _ns(verdict.get("seconds", 0.0)),
+            inputs={"prompt": _clip(verdict["prompt"])}, outputs={"answer": _clip(verdict["answer"]),
+                                                                  "score": verdict["score"]},
+            attributes={"seconds": verdict.get("seconds"), "tries": verdict.get("tries"),
+                        "cached": verdict.get("cached")}, error=verdict.get("error")))
     children.append(SpanPlan(name="reward", span_type="EVALUATOR", start_ns=end, end_ns=end,
                              inputs={"finish": t.finish, "answer": answer}, outputs=reward))
     root_attributes = {"finish": t.finish, "reward": t.reward, "outcome": t.outcome, "turns": t.num_turns,

@@ -47,7 +47,7 @@ from turnrl.algos.registry import resolve as resolve_algorithm
 from turnrl.config import AlgorithmCfg, Config, LevelsCfg, TrainCfg
 from turnrl.gateway.samples import episode_view, training_rows
 from turnrl.models.folders import high_level_folder
-from turnrl.rewards.judge import check_rows as check_judge_rows
+from turnrl.rewards.judge import check_rows as check_judge_rows, judge_metrics
 from turnrl.rewards.shaping import cut_by_budget
 from turnrl.rollout.multi_turn import ENV_ERROR, Trajectory, tool_rates
 from turnrl.training.checkpoint import CheckpointStore, Resume, write_state
@@ -218,6 +218,7 @@ def rollout_metrics(trajs: Sequence[Trajectory], n: int) -> dict[str, float]:
         out[f"finish_{reason}_frac"] = sum(t.finish == reason for t in trajs) / count
     for name in sorted({name for t in trajs for name in t.rewards}):   # reward functions, by name
         out[f"reward_{name}_mean"] = sum(t.rewards.get(name, 0.0) for t in trajs) / count
+    out.update(judge_metrics(trajs))   # reward.judges: their calls' latency, retries, failures
     return out
 
 

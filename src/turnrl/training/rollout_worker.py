@@ -119,21 +119,22 @@ class RolloutWorker:
                                          env_workers=self.params.env.workers, version=self.pushes)
         self._stream_thread = threading.Thread(target=self.stream.run, name="turnrl-stream", daemon=True)
         self._stream_thread.start()
+        # each finished group is scored on a thread of its own as it comes (a judge's seconds overlap generation)
+        from turnrl.rollout.scored import ScoredStream
+        self.scored = ScoredStream(self.stream, lambda trajs: self.reward_functions.score(trajs, self.decode))
 
     def feed(self, examples: list[dict]) -> None:
         self.stream.feed(examples)
 
     def take_groups(self, max_groups: int, timeout_s: float) -> tuple[list[list], dict[str, float]]:
-        """Up to `max_groups` finished groups (scored by the reward functions), and the stream's
+        """Up to `max_groups` finished groups, scored by the reward functions, and the stream's
         state: the engine's busy seconds so far, its queue counts and weight version."""
-        groups = self.stream.take_groups(max_groups, timeout_s)
-        # one batch for the scorers (a judge's calls run concurrently across the groups); the
-        # engine's thread goes on generating meanwhile
-        self.reward_functions.score([t for group in groups for t in group], self.decode)
-        return groups, {"busy_s": self.stream.busy_s, "version": self.stream.version, **self.stream.counts()}
+        groups = self.scored.take_groups(max_groups, timeout_s)
+        return groups, {"busy_s": self.stream.busy_s, "version": self.stream.version, **self.scored.counts()}
 
     def stop_stream(self) -> None:
         if self.stream is not None:
+            self.scored.stop()
             self.stream.stop()
             self._stream_thread.join(timeout=60)
             self.stream = None

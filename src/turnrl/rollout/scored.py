@@ -1,0 +1,77 @@
+"""Groups scored as they finish, for asynchronous training.
+
+    stream (Stream, or an agent runner's)  --each finished group-->  scoring thread  -->  scored
+    take_groups()  <--  scored
+
+The reward functions (a judge among them: seconds of HTTP per batch) run on a thread of their
+own as groups come out of the stream, while the engine goes on generating: a slow judge holds
+no engine slot and no trainer wait, unless the trainer has caught up with it. What is finished
+when the thread looks is scored as one batch (a judge's calls run concurrently over it).
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Any, Callable
+
+from turnrl.rollout.multi_turn import Trajectory
+
+
+class ScoredStream:
+    """`stream`'s finished groups, each passed through `score` (sets the trajectories' rewards)
+    before `take_groups` hands it out. A failure of the stream or of `score` (e.g. a
+    RewardFunctionError with reward.on_error: fail) is raised by the next `take_groups`."""
+
+    def __init__(self, stream: Any, score: Callable[[list[Trajectory]], None], poll_s: float = 0.25):
+        self.stream, self.score, self.poll_s = stream, score, poll_s
+        self._scored: deque = deque()
+        self._scoring = 0              # groups taken from the stream, their scores not yet back
+        self._cond = threading.Condition()
+        self._stopped = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="turnrl-scoring", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped:
+            try:
+                groups = self.stream.take_groups(1 << 30, self.poll_s)
+                if not groups:
+                    continue
+                with self._cond:
+                    self._scoring = len(groups)
+                self.score([t for group in groups for t in group])
+            except BaseException as exc:   # noqa: BLE001 - handed to the trainer's next take
+                with self._cond:
+                    self.error, self._scoring = exc, 0
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._scored.extend(groups)
+                self._scoring = 0
+                self._cond.notify_all()
+
+    def take_groups(self, max_groups: int, timeout_s: float) -> list[list[Trajectory]]:
+        """Up to `max_groups` scored groups, waiting at most `timeout_s` for the first."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._scored or self.error is not None or self._stopped, timeout=timeout_s)
+            if not self._scored and self.error is not None:
+                raise self.error
+            out = []
+            while self._scored and len(out) < max_groups:
+                out.append(self._scored.popleft())
+            return out
+
+    def counts(self) -> dict[str, int]:
+        """The stream's counts; `finished` includes the groups being scored or scored, not yet taken."""
+        counts = dict(self.stream.counts())
+        with self._cond:
+            counts["scoring"] = self._scoring
+            counts["finished"] = counts.get("finished", 0) + len(self._scored) + self._scoring
+        return counts
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._thread.join(timeout=self.poll_s * 4 + 1)

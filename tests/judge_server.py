@@ -1,0 +1,77 @@
+"""Judges on loopback for the tests: real OpenAI-compatible HTTP servers (Starlette on uvicorn,
+on a thread) that answer like a judge, count their requests and the most in flight."""
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import threading
+import time
+
+
+def serve(chat) -> tuple:
+    """A Starlette app answering POST /v1/chat/completions with `chat`, on uvicorn on a free
+    loopback port, on a thread: (the server, its thread, its URL)."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])]),
+                                           host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    return server, thread, f"http://127.0.0.1:{port}/v1"
+
+
+def answer(text: str):
+    from starlette.responses import JSONResponse
+    return JSONResponse({"choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                      "finish_reason": "stop"}]})
+
+
+class JudgeServer:
+    """Answers by the prompt: 'score N' -> 'N', 'babble' -> no number, 'slow N' -> N after 3 s,
+    'flaky N' -> 503 on its first request then N; counts requests and the most in flight."""
+
+    def __init__(self, delay_s: float = 0.05):
+        from starlette.responses import JSONResponse
+        self.delay_s, self.in_flight, self.most_in_flight, self.requests = delay_s, 0, 0, {}
+
+        async def chat(request):
+            prompt = (await request.json())["messages"][0]["content"]
+            self.requests[prompt] = self.requests.get(prompt, 0) + 1
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            try:
+                word, _, value = prompt.partition(" ")
+                await asyncio.sleep(3.0 if word == "slow" else self.delay_s)
+                if word == "flaky" and self.requests[prompt] == 1:
+                    return JSONResponse({"error": "overloaded"}, status_code=503)
+                return answer("I would rather not say" if word == "babble" else f"Score: {value}")
+            finally:
+                self.in_flight -= 1
+        self.server, self.thread, self.url = serve(chat)
+
+
+class ReferenceJudge:
+    """A judge that knows the truth, as the issue's benchmark wants one: 'Reference: R\nAnswer: A'
+    scores 10 when A holds R, else 0, after a judge-like latency."""
+
+    def __init__(self):
+        self.calls = 0
+
+        async def chat(request):
+            prompt = (await request.json())["messages"][0]["content"]
+            self.calls += 1
+            reference = re.search(r"Reference: (.*)", prompt).group(1).strip()
+            await asyncio.sleep(0.02)
+            return answer(f"Score: {10 if reference and reference in prompt.split('Answer:', 1)[1] else 0}")
+        self.server, self.thread, self.url = serve(chat)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=5)

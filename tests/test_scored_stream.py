@@ -1,0 +1,82 @@
+"""Asynchronous training's scoring (turnrl.rollout.scored): each group is scored on a thread of
+its own as it leaves the stream, so the trainer takes groups already scored. The stream here is a
+scripted one (groups released on a clock), the code under test is the real ScoredStream."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from turnrl.rollout.multi_turn import Trajectory
+from turnrl.rollout.scored import ScoredStream
+
+
+class ScriptedStream:
+    """Releases group k (two trajectories) at `times[k]` seconds after it is made."""
+
+    def __init__(self, times: list[float]):
+        self.start, self.times, self.given = time.perf_counter(), times, 0
+        self.cond = threading.Condition()
+
+    def take_groups(self, max_groups: int, timeout_s: float) -> list[list[Trajectory]]:
+        deadline = time.perf_counter() + timeout_s
+        out = []
+        while not out and time.perf_counter() < deadline:
+            now = time.perf_counter() - self.start
+            while self.given < len(self.times) and self.times[self.given] <= now and len(out) < max_groups:
+                out.append([Trajectory(example={"id": f"g{self.given}"}, prompt_ids=[1]) for _ in range(2)])
+                self.given += 1
+            if not out:
+                time.sleep(0.01)
+        return out
+
+    def counts(self) -> dict[str, int]:
+        return {"inbox": 0, "in_flight": len(self.times) - self.given, "finished": 0}
+
+    def stop(self) -> None:
+        pass
+
+
+def test_groups_are_scored_as_they_finish_not_when_the_trainer_takes_them():
+    scored_at: dict[str, float] = {}
+
+    def score(trajs):
+        time.sleep(0.3)   # a judge's latency
+        for t in trajs:
+            t.rewards["judge"] = 1.0
+            scored_at[t.example["id"]] = time.perf_counter()
+
+    stream = ScoredStream(ScriptedStream([0.0, 0.1, 0.2]), score, poll_s=0.05)
+    time.sleep(1.5)   # the trainer is busy updating; the judge works meanwhile
+    taken_at = time.perf_counter()
+    groups = stream.take_groups(3, timeout_s=0.01)
+    assert [g[0].example["id"] for g in groups] == ["g0", "g1", "g2"]
+    assert all(t.rewards == {"judge": 1.0} for g in groups for t in g)
+    assert max(scored_at.values()) < taken_at     # scored before the trainer asked
+    stream.stop()
+
+
+def test_a_take_waits_for_the_score_and_counts_what_is_being_scored():
+    release = threading.Event()
+
+    def score(trajs):
+        release.wait(5)
+    stream = ScoredStream(ScriptedStream([0.0]), score, poll_s=0.05)
+    time.sleep(0.3)
+    assert stream.counts()["scoring"] == 1 and stream.counts()["finished"] == 1   # taken from the stream, not scored
+    assert stream.take_groups(1, timeout_s=0.2) == []                           # not handed out unscored
+    release.set()
+    assert len(stream.take_groups(1, timeout_s=2.0)) == 1
+    assert stream.counts()["finished"] == 0
+    stream.stop()
+
+
+def test_a_scoring_failure_reaches_the_trainers_next_take():
+    def score(trajs):
+        raise RuntimeError("reward function my.rewards:strict raised ValueError")
+    stream = ScoredStream(ScriptedStream([0.0]), score, poll_s=0.05)
+    with pytest.raises(RuntimeError, match="my.rewards:strict"):
+        for _ in range(20):
+            stream.take_groups(1, timeout_s=0.1)
+    stream.stop()
