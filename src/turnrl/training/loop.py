@@ -50,6 +50,7 @@ from turnrl.models.folders import high_level_folder
 from turnrl.rewards.judge import check_rows as check_judge_rows, judge_metrics
 from turnrl.rewards.shaping import cut_by_budget
 from turnrl.rollout.multi_turn import ENV_ERROR, Trajectory, tool_rates
+from turnrl.training import served_judges
 from turnrl.training.checkpoint import CheckpointStore, Resume, write_state
 from turnrl.training.health import HealthMonitor, UnhealthyTraining
 from turnrl.training.rollouts import Rollouts, make_rollouts
@@ -297,7 +298,14 @@ def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], ou
     high_dir = str(Path(high_level_folder(cfg.levels.high_model_path, model_dir)).resolve()) if two_models(cfg) else None
     start_ray(cfg)
     t0 = time.perf_counter()
-    workers = start_workers(cfg, model_dir, data_dir, high_dir)
+    judges = served_judges.launch(cfg)   # judges turnrl serves start beside the workers
+    cfg = judges.cfg                     # ... their addresses in reward.judges
+    try:
+        workers = start_workers(cfg, model_dir, data_dir, high_dir)
+        judges.wait_ready()
+    except BaseException:
+        judges.stop()
+        raise
     log.info("workers ready in %.1fs", time.perf_counter() - t0)
     if info is not None:
         info.update(trainer_ranks=cfg.cluster.trainer_ranks, rollout_engines=cfg.cluster.rollout_engines,
@@ -307,6 +315,7 @@ def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], ou
                       high_dir, heldout_rows or [])
     finally:
         workers.shutdown()
+        judges.stop()
 
 
 def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict], out_dir: str,
