@@ -80,3 +80,47 @@ def test_a_scoring_failure_reaches_the_trainers_next_take():
         for _ in range(20):
             stream.take_groups(1, timeout_s=0.1)
     stream.stop()
+
+
+def test_a_sync_batch_is_scored_group_by_group_while_the_rest_generates():
+    """scored_as_they_finish with a runner that reports groups at 0.0, 0.3 and 0.6 s: the first
+    groups are scored before the runner returns; a group it never reported is scored at the end."""
+    from turnrl.rollout.scored import scored_as_they_finish
+    scored_at: dict[str, float] = {}
+
+    def score(trajs):
+        for t in trajs:
+            scored_at[t.example["id"]] = time.perf_counter()
+            t.rewards["r"] = 1.0
+
+    groups = [[Trajectory(example={"id": f"g{k}"}, prompt_ids=[1]) for _ in range(2)] for k in range(4)]
+    returned_at = {}
+
+    def roll_out(on_group_done):
+        for group in groups[:3]:
+            on_group_done(group)
+            time.sleep(0.3)
+        returned_at["t"] = time.perf_counter()
+        return [t for g in groups for t in g]   # g3: never reported
+    trajs = scored_as_they_finish(roll_out, score)
+    assert len(trajs) == 8 and all(t.rewards == {"r": 1.0} for t in trajs)
+    assert scored_at["g0"] < returned_at["t"] and scored_at["g1"] < returned_at["t"]
+    assert scored_at["g3"] >= returned_at["t"]
+
+
+def test_the_step_loop_reports_each_group_as_it_ends(tiny_model_dir):
+    """run_rollouts' on_group_done on a real engine: every group reported once, whole."""
+    from transformers import AutoTokenizer
+    from turnrl import envs
+    from turnrl.rollout.chat import ChatFormat
+    from turnrl.rollout.engines import make_engine
+    from turnrl.rollout.multi_turn import Budgets, run_rollouts
+    from turnrl.data.synthetic import product_rows
+    engine = make_engine("hf", str(tiny_model_dir))
+    fmt = ChatFormat(AutoTokenizer.from_pretrained(tiny_model_dir))
+    reported = []
+    rows = product_rows(3, seed=0, split="train", exclude=set())
+    trajs = run_rollouts(engine, rows, lambda: envs.make("code_tool"), fmt, Budgets(2, 8, 32, 1024), n=2,
+                         on_group_done=lambda group: reported.append([id(t) for t in group]))
+    by_id = {id(t): k for k, t in enumerate(trajs)}
+    assert sorted(sorted(by_id[i] for i in group) for group in reported) == [[0, 1], [2, 3], [4, 5]]

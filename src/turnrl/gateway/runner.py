@@ -207,17 +207,31 @@ class AgentRunner:
     # ---------------------------------------------------------------- EpisodeRunner
     def run(self, engine, examples: Sequence[dict], make_env: Callable[[], AgentProgram], fmt: ChatFormat,
             budgets: Budgets, *, n: int = 1, temperature: float = 1.0, top_p: float = 1.0, progress: bool = False,
-            desc: str = "rollout", **_: Any) -> list[Trajectory]:
+            desc: str = "rollout", on_group_done: Callable[[list[Trajectory]], None] | None = None,
+            **_: Any) -> list[Trajectory]:
         """n episodes per example, in order (episode i of example i // n). The seed, rejoin and
-        observation-lag options of the step loop do not apply: programs run on their own clocks."""
+        observation-lag options of the step loop do not apply: programs run on their own clocks.
+        `on_group_done(group)` is called as each example's n episodes have ended (on the thread
+        that ran the last of them)."""
         program = make_env()
         _, gateway = self.gateway(engine, fmt, program, self.version)
         limits = self.limits(program, budgets, temperature, top_p)
         jobs = [example for example in examples for _ in range(n)]
+        left, lock = [n] * len(examples), threading.Lock()
         from tqdm.auto import tqdm
         with ThreadPoolExecutor(max_workers=max(1, program.options.max_concurrent)) as pool, \
                 tqdm(total=len(jobs), desc=desc, unit="episode", disable=not progress, leave=False) as bar:
             futures = [pool.submit(self.episode, gateway, program, example, limits, fmt) for example in jobs]
+
+            def ended(k: int, _future) -> None:
+                with lock:
+                    left[k // n] -= 1
+                    done = not left[k // n]
+                group = futures[k // n * n:(k // n + 1) * n]
+                if done and on_group_done is not None and all(f.exception() is None for f in group):
+                    on_group_done([f.result() for f in group])
+            for k, future in enumerate(futures):
+                future.add_done_callback(lambda f, k=k: ended(k, f))
             out = []
             for future in futures:
                 out.append(future.result())

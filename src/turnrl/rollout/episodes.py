@@ -9,7 +9,9 @@ the warm start's replays) asks the environment's runner, never a loop directly:
     t      = runner.replay(make_env, fmt, example, turns)       # a scripted episode (warm start)
 
 `run` returns n trajectories per example, trajectory i of example i // n, as `run_rollouts`
-does. A trajectory may carry `samples` (an agent program's episode of several samples): the
+does; the option `on_group_done(group)`, where given, is called as each example's n have ended
+(the training actor scores a group then, while the rest of the batch generates; a runner that
+ignores it has its groups scored when `run` returns). A trajectory may carry `samples` (an agent program's episode of several samples): the
 trainer trains those (`turnrl.gateway.samples.training_rows`), everything else reads the episode.
 
 `StepRunner` is the built-in: environments with `reset`/`step` in the multi-turn loop

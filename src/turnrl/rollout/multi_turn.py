@@ -305,8 +305,11 @@ def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict]
                  fmt: ChatFormat, budgets: Budgets, *, n: int = 1, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int | None = None, env_workers: int = 2,
                  observation_lag: int = 0, rejoin: str = "lag", progress: bool = False,
-                 desc: str = "rollout") -> list[Trajectory]:
+                 desc: str = "rollout", on_group_done: Callable[[list[Trajectory]], None] | None = None
+                 ) -> list[Trajectory]:
     """Roll out `n` trajectories per example; trajectory i belongs to group i // n.
+    `on_group_done(group)` is called (on this thread) as each group's n trajectories have ended,
+    e.g. to score it while the others generate (turnrl.rollout.scored).
 
     `engine` is one engine for every turn, or one per level ({"low": solver, "high": feedback
     model}) when two models share a conversation: each turn goes to the engine of its level
@@ -329,9 +332,12 @@ def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict]
             envs.append(env)
             trajs.append(t)
     if not any(e is not None for e in envs):
+        for g in range(len(examples)) if on_group_done is not None else ():
+            on_group_done(trajs[g * n:(g + 1) * n])
         return trajs
     rollout = _Rollout(engine, envs, trajs, fmt, budgets, temperature=temperature, top_p=top_p, seed=seed,
-                       observation_lag=observation_lag, rejoin=rejoin, progress=progress, desc=desc)
+                       observation_lag=observation_lag, rejoin=rejoin, progress=progress, desc=desc,
+                       group_size=n, on_group_done=on_group_done)
     with ThreadPoolExecutor(max_workers=env_workers) as pool:
         rollout.run(pool)
     return trajs
@@ -346,8 +352,11 @@ class _Rollout:
 
     def __init__(self, engine: Engine | Mapping[str, Engine], envs: list[Env | None], trajs: list[Trajectory],
                  fmt: ChatFormat, budgets: Budgets, *, temperature: float, top_p: float, seed: int | None,
-                 observation_lag: int, rejoin: str, progress: bool, desc: str):
+                 observation_lag: int, rejoin: str, progress: bool, desc: str, group_size: int = 1,
+                 on_group_done: Callable[[list[Trajectory]], None] | None = None):
         self.envs, self.trajs, self.fmt, self.budgets, self.seed = envs, trajs, fmt, budgets, seed
+        self.group_size, self.on_group_done = group_size, on_group_done
+        self.left_in_group = [group_size] * (len(trajs) // group_size)   # trajectories not yet ended
         self.observation_lag, self.rejoin = observation_lag, rejoin
         live = [e for e in envs if e is not None]
         options = dict(stop=tuple(live[0].stop), temperature=temperature, top_p=top_p)
@@ -373,7 +382,7 @@ class _Rollout:
                 if self.envs[i] is not None:
                     self.start_turn(i)
                 else:             # its environment failed to start
-                    self.bar.update()
+                    self.end(i)
             while True:
                 self.take_answers()
                 busy = [s for s in self.steppers.values() if s.busy()]
@@ -401,6 +410,10 @@ class _Rollout:
         if finish is not None:
             self.trajs[i].finish = finish
         self.bar.update()
+        group = i // self.group_size
+        self.left_in_group[group] -= 1
+        if not self.left_in_group[group] and self.on_group_done is not None:
+            self.on_group_done(self.trajs[group * self.group_size:(group + 1) * self.group_size])
 
     def start_turn(self, i: int) -> None:
         t, turn, b = self.trajs[i], self.turn_of[i], self.budgets

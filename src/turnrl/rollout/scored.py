@@ -1,4 +1,4 @@
-"""Groups scored as they finish, for asynchronous training.
+"""Groups scored as they finish.
 
     stream (Stream, or an agent runner's)  --each finished group-->  scoring thread  -->  scored
     take_groups()  <--  scored
@@ -7,6 +7,10 @@ The reward functions (a judge among them: seconds of HTTP per batch) run on a th
 own as groups come out of the stream, while the engine goes on generating: a slow judge holds
 no engine slot and no trainer wait, unless the trainer has caught up with it. What is finished
 when the thread looks is scored as one batch (a judge's calls run concurrently over it).
+
+Asynchronous training wraps its stream in a `ScoredStream`; a synchronous batch goes through
+`scored_as_they_finish`: the runner reports each group as it ends (`on_group_done`) into a
+`GroupQueue`, the same thread scores it while the rest of the batch generates.
 """
 from __future__ import annotations
 
@@ -75,3 +79,56 @@ class ScoredStream:
             self._stopped = True
             self._cond.notify_all()
         self._thread.join(timeout=self.poll_s * 4 + 1)
+
+
+class GroupQueue:
+    """Groups pushed as they finish (a runner's `on_group_done`), taken like a stream's."""
+
+    def __init__(self):
+        self._groups: deque = deque()
+        self._cond = threading.Condition()
+        self.pushed = 0
+
+    def put(self, group: list[Trajectory]) -> None:
+        with self._cond:
+            self._groups.append(list(group))
+            self.pushed += 1
+            self._cond.notify_all()
+
+    def take_groups(self, max_groups: int, timeout_s: float) -> list[list[Trajectory]]:
+        with self._cond:
+            self._cond.wait_for(lambda: self._groups, timeout=timeout_s)
+            out = []
+            while self._groups and len(out) < max_groups:
+                out.append(self._groups.popleft())
+            return out
+
+    def counts(self) -> dict[str, int]:
+        with self._cond:
+            return {"finished": len(self._groups)}
+
+    def stop(self) -> None:
+        pass
+
+
+def scored_as_they_finish(roll_out: Callable[[Callable[[list[Trajectory]], None]], list[Trajectory]],
+                          score: Callable[[list[Trajectory]], None]) -> list[Trajectory]:
+    """`roll_out(on_group_done)`'s trajectories, every group scored on a thread of its own as
+    soon as the runner reports it done; groups it never reported (a runner without the hook)
+    are scored when it returns. A scoring failure is raised here."""
+    queue = GroupQueue()
+    scored = ScoredStream(queue, score, poll_s=0.05)
+    done: set[int] = set()
+    try:
+        trajs = roll_out(queue.put)
+        taken = 0
+        while taken < queue.pushed:
+            groups = scored.take_groups(1 << 30, timeout_s=1.0)
+            taken += len(groups)
+            done.update(id(t) for group in groups for t in group)
+    finally:
+        scored.stop()
+    rest = [t for t in trajs if id(t) not in done]
+    if rest:
+        score(rest)
+    return trajs

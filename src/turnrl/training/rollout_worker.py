@@ -68,12 +68,15 @@ class RolloutWorker:
             torch.manual_seed(generator_seed)
             random.seed(generator_seed)
         r = self.params.rollout
-        trajs = self.runner.run(self.engines if len(self.engines) > 1 else self.engine, examples, self.make_env,
-                                self.fmt, self.budgets(), n=n, temperature=r.temperature if temperature is None else
-                                temperature, top_p=r.top_p, seed=seed, env_workers=self.params.env.workers,
-                                observation_lag=r.observation_lag, rejoin=r.rejoin)
-        self.reward_functions.score(trajs, self.decode)
-        return trajs
+        from turnrl.rollout.scored import scored_as_they_finish
+        # each group scored on a thread as it ends (a judge's seconds overlap the rest of the batch)
+        return scored_as_they_finish(
+            lambda on_group_done: self.runner.run(
+                self.engines if len(self.engines) > 1 else self.engine, examples, self.make_env, self.fmt,
+                self.budgets(), n=n, temperature=r.temperature if temperature is None else temperature, top_p=r.top_p,
+                seed=seed, env_workers=self.params.env.workers, observation_lag=r.observation_lag, rejoin=r.rejoin,
+                on_group_done=on_group_done),
+            lambda trajs: self.reward_functions.score(trajs, self.decode))
 
     def budgets(self):
         from turnrl.rollout.multi_turn import Budgets
