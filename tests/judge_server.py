@@ -9,8 +9,8 @@ import threading
 import time
 
 
-def serve(chat) -> tuple:
-    """A Starlette app answering POST /v1/chat/completions with `chat`, on uvicorn on a free
+def serve(chat, path: str = "/v1/chat/completions") -> tuple:
+    """A Starlette app answering POST `path` with `chat`, on uvicorn on a free
     loopback port, on a thread: (the server, its thread, its URL)."""
     import uvicorn
     from starlette.applications import Starlette
@@ -18,7 +18,7 @@ def serve(chat) -> tuple:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])]),
+    server = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route(path, chat, methods=["POST"])]),
                                            host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -71,6 +71,29 @@ class ReferenceJudge:
             await asyncio.sleep(0.02)
             return answer(f"Score: {10 if reference and reference in prompt.split('Answer:', 1)[1] else 0}")
         self.server, self.thread, self.url = serve(chat)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=5)
+
+
+class TeacherServer:
+    """vLLM's /v1/completions with prompt_logprobs as a teacher answers: log p(token) = -token / 100
+    (position 0: null). 'down' mode answers 503 always; 'bare' answers without prompt_logprobs."""
+
+    def __init__(self, mode: str = "ok"):
+        from starlette.responses import JSONResponse
+        self.mode, self.requests = mode, 0
+
+        async def completions(request):
+            body = await request.json()
+            self.requests += 1
+            if self.mode == "down":
+                return JSONResponse({"error": "overloaded"}, status_code=503)
+            entries = [None] + [{str(tok): {"logprob": -tok / 100, "rank": 1}} for tok in body["prompt"][1:]]
+            choice = {"index": 0, "text": "x", **({"prompt_logprobs": entries} if self.mode == "ok" else {})}
+            return JSONResponse({"choices": [choice]})
+        self.server, self.thread, self.url = serve(completions, path="/v1/completions")
 
     def close(self) -> None:
         self.server.should_exit = True

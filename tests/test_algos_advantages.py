@@ -101,7 +101,7 @@ def _multi_turn_inputs():
 
 
 # the outcome-reward algorithms; mlmt (turn-structured rewards) and ppo (a critic) have their own tests
-ALL_ESTIMATOR_NAMES = sorted(set(registry.names()) - {"mlmt", "ppo"})
+ALL_ESTIMATOR_NAMES = sorted(set(registry.names()) - {"mlmt", "ppo", "opd"})   # reward estimators (opd: below)
 
 
 def compute_advantages(name, *, rewards, mask, group_ids, turn_rewards=None, first_obs_pos=None,
@@ -382,3 +382,25 @@ def test_gae_on_an_untrained_critic_is_unit_scale_noise_where_grpo_is_zero():
     assert torch.allclose(adv.pow(2).mean(), torch.tensor(1.0), atol=0.02)          # unit scale
     assert torch.corrcoef(torch.stack([adv.flatten(), -noise_values.flatten()]))[0, 1] > 0.99   # = -V, whitened
     assert compute_advantages("grpo", rewards=rewards, mask=mask, group_ids=contiguous_group_ids(B, 4)).abs().max() == 0
+
+
+def test_on_policy_distillation_is_the_teachers_log_ratio_on_every_sampled_token_by_hand():
+    """A_t = log pi_T(x_t) - log pi(x_t) on the mask; + w x GRPO with reward_weight."""
+    mask = t([[1, 1, 0, 1], [1, 0, 0, 0]])
+    student = t([[-1.0, -2.0, 0.0, -0.5], [-3.0, 0.0, 0.0, 0.0]])
+    teacher = t([[-0.5, -2.5, -7.0, -0.5], [-1.0, -9.0, 0.0, 0.0]])   # -7, -9: off the mask, ignored
+    inputs = registry.AdvantageInputs(
+        rewards=t([1.0, 0.0]), turn_rewards=torch.zeros(2, 1), mask=mask, turn_ids=torch.zeros(2, 4, dtype=torch.long),
+        high=torch.zeros(2, 4, dtype=torch.bool), group_ids=torch.tensor([0, 0]), first_obs_pos=torch.full((2,), 4),
+        logprobs=student, teacher_logprobs=teacher)
+    opd = registry.resolve("opd")
+    assert opd.teacher
+    adv = opd.advantages(inputs, SimpleNamespace(options={}))
+    assert torch.allclose(adv, t([[0.5, -0.5, 0.0, 0.0], [2.0, 0.0, 0.0, 0.0]]))
+    mixed = opd.advantages(inputs, SimpleNamespace(options={"reward_weight": 0.5}))
+    grpo = registry.resolve("grpo").advantages(inputs, SimpleNamespace())
+    assert grpo[0, 0] > 0 > grpo[1, 0]   # the right answer above its group's mean
+    assert torch.allclose(mixed - adv, 0.5 * grpo) and torch.all(mixed[mask == 0] == 0)
+    without = registry.AdvantageInputs(**{**inputs.__dict__, "teacher_logprobs": None})
+    with pytest.raises(ValueError, match="reward.teacher.serve"):
+        opd.advantages(without, SimpleNamespace(options={}))

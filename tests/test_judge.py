@@ -240,21 +240,3 @@ def test_scope_group_asks_once_per_group_and_gives_each_response_its_score():
     with pytest.raises(ValueError, match="must show the group's"):
         _cfg(scope="group", score="json:scores")
 
-
-@pytest.mark.slow
-def test_a_judge_turnrl_serves_from_a_checkpoint_rewards_two_steps(tiny_model_dir, tmp_path):
-    """reward.judges[*].serve: the checkpoint behind vLLM's OpenAI server, in a Ray actor of its
-    own, asked by the rollout actors; stopped with the run. The untrained tiny model answers in
-    its own words: the labels read what they can, the rest are counted as unparsable."""
-    import subprocess
-    from conftest import train_two_steps
-    history = train_two_steps(tiny_model_dir, tmp_path, {"name": "code_tool"}, {"name": "grpo"}, reward={
-        "on_error": "zero",
-        "judges": [{"name": "served", "serve": str(tiny_model_dir), "max_model_len": 1024, "max_tokens": 8,
-                    "score": "labels", "labels": {"answer": 1.0, "code": 0.0, "output": 0.5},
-                    "template": "Question: {question}\nResponse: {response}"}]})
-    for h in history:
-        assert h["judge_served_calls"] > 0 and h["judge_served_failures"] == 0   # the server answered every call
-        assert h["judge_served_unparsable"] <= h["judge_served_calls"] and 0.0 <= h["reward_served_mean"] <= 1.0
-    left = subprocess.run(["pgrep", "-f", f"api_server --model {tiny_model_dir}"], capture_output=True, text=True)
-    assert not left.stdout.strip(), "the judge's server outlived the run"

@@ -253,6 +253,26 @@ def per_turn_grpo(
 # ----------------------------------------------------------------- PPO with a critic
 
 
+def on_policy_distillation(
+    *,
+    logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    rewards: torch.Tensor | None = None,
+    group_ids: torch.Tensor | None = None,
+    reward_weight: float = 0.0,
+) -> torch.Tensor:
+    """On-policy distillation: A_t = log pi_T(x_t) - log pi(x_t) on every sampled token x_t
+    (the negative per-token reverse KL to the teacher, estimated on the policy's own sample:
+    top-1), plus `reward_weight` x GRPO's group-normalised reward. All [B, T] (rewards, group_ids
+    [B]); 0 off the mask. Not whitened: a token the teacher agrees with more than the policy
+    does is pushed up by exactly that log-ratio."""
+    out = (teacher_logprobs.double() - logprobs.double()) * mask
+    if reward_weight:
+        out = out + reward_weight * grpo(rewards=rewards, mask=mask, group_ids=group_ids).double()
+    return out.to(logprobs.dtype)
+
+
 def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """rewards [B], mask [B, T] -> [B, T]: each trajectory's reward on its last policy token
     (mask 1), 0 elsewhere: the sparse token rewards GAE takes. A row with no policy token

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Mapping
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from turnrl.algos import advantages as adv
 from turnrl.algos import hierarchy
@@ -59,6 +60,25 @@ def mlmt(x: AdvantageInputs, cfg) -> torch.Tensor:
                     turn_ids=hierarchy.mlmt_slots(x.turn_ids, x.high), mask=x.mask, group_ids=x.group_ids,
                     mlmt_stage=opts.stage, alpha=opts.alpha, turn_kl=x.extras.get("turn_kl"),
                     betas=x.extras.get("betas", (0.0, 0.0, 0.0)), refine_bonus=x.extras.get("refine_bonus"))
+
+
+class OpdOptions(BaseModel):
+    """`algorithm.options` of opd."""
+    model_config = ConfigDict(extra="forbid")
+    reward_weight: float = Field(0.0, ge=0, description=(
+        "x GRPO's group-normalised reward added to the distillation signal (0: the teacher alone)"))
+
+
+@register("opd", options=OpdOptions, teacher=True)
+def opd(x: AdvantageInputs, cfg) -> torch.Tensor:
+    """On-policy distillation (the policy samples, reward.teacher scores every sampled token):
+    A_t = log pi_T - log pi_engine per token, + reward_weight x GRPO (advantages.on_policy_distillation)."""
+    if x.teacher_logprobs is None:
+        raise ValueError("algorithm.name = opd needs the teacher's logprobs: set reward.teacher.serve (a checkpoint) "
+                         "or reward.teacher.base_url (a vLLM server)")
+    opts = OpdOptions.model_validate(cfg.options or {})
+    return adv.on_policy_distillation(logprobs=x.logprobs, teacher_logprobs=x.teacher_logprobs, mask=x.mask,
+                                      rewards=x.rewards, group_ids=x.group_ids, reward_weight=opts.reward_weight)
 
 
 @register("ppo", critic=True, options=NoOptions)

@@ -20,6 +20,8 @@ algorithm. Optional, declared on an `Algorithm`:
 - `prepare(trajs, batch, scorer, cfg) -> (extras, metrics)`: inputs that need the models
   (MLMT's per-turn KL and context-utilization reward), computed before the advantages through
   a `Scorer`; `extras` arrive as `inputs.extras`, `metrics` are logged.
+- `teacher=True`: it reads `inputs.teacher_logprobs` (reward.teacher's logprob of every sampled
+  token, on-policy distillation); params without a teacher are refused when checked.
 - `options`: a pydantic model of the algorithm's keys under `algorithm.options` (unknown keys
   and bad values are params errors before any work); none: any keys, passed as given.
 
@@ -64,6 +66,8 @@ class AdvantageInputs:
     first_obs_pos  [B]     index of the first observation token in the response (T if none)
     values         [B, T]  the critic's values (algorithms with critic=True), else None
     extras         dict    the algorithm's `prepare` results
+    logprobs       [B, T]  the sampling engine's logprob of each sampled token (0 off the mask)
+    teacher_logprobs [B, T] reward.teacher's logprob of each sampled token (opd), else None
     """
     rewards: "torch.Tensor"
     turn_rewards: "torch.Tensor"
@@ -74,6 +78,8 @@ class AdvantageInputs:
     first_obs_pos: "torch.Tensor"
     values: "torch.Tensor | None" = None
     extras: dict[str, Any] = field(default_factory=dict)
+    logprobs: "torch.Tensor | None" = None
+    teacher_logprobs: "torch.Tensor | None" = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,7 @@ class Algorithm:
     prepare: Callable[..., tuple[dict, dict]] | None = None
     name: str = ""
     options: type[BaseModel] | None = None
+    teacher: bool = False   # reads inputs.teacher_logprobs: params must name reward.teacher
 
 
 @dataclass(frozen=True)
@@ -158,7 +165,7 @@ def _as_algorithm(obj: Any, name: str, key: str) -> Algorithm:
     _check_model(obj.options, where)
     return Algorithm(_with_options(obj.advantages, obj.options, "options", "algorithm.options"), obj.critic,
                      _with_options(obj.prepare, obj.options, "options", "algorithm.options"),
-                     obj.name or name, obj.options)
+                     obj.name or name, obj.options, obj.teacher)
 
 
 def _as_loss(obj: Any, name: str, key: str) -> PolicyLoss:
@@ -187,15 +194,15 @@ _LOSSES = Registry("policy loss", "my_algos.module:loss", _as_loss, builtins="tu
 
 
 def register(name: str, algorithm: Algorithm | Callable | str | None = None, *, critic: bool = False,
-             prepare: Callable | None = None, options: type[BaseModel] | None = None) -> Any:
+             prepare: Callable | None = None, options: type[BaseModel] | None = None, teacher: bool = False) -> Any:
     """Add an algorithm under `name`: an Algorithm, a bare advantage function or an import path;
-    without one, a decorator for the advantage function (`critic`, `prepare`, `options` as on
-    Algorithm), which returns it unchanged."""
+    without one, a decorator for the advantage function (`critic`, `prepare`, `options`,
+    `teacher` as on Algorithm), which returns it unchanged."""
     if algorithm is not None:
         return _ALGORITHMS.register(name, algorithm)
 
     def decorate(fn: Callable) -> Callable:
-        declared = Algorithm(fn, critic=critic, prepare=prepare, name=name, options=options)
+        declared = Algorithm(fn, critic=critic, prepare=prepare, name=name, options=options, teacher=teacher)
         _ALGORITHMS.register(name, declared)
         setattr(fn, _DECLARED, declared)
         return fn

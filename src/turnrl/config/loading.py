@@ -169,10 +169,21 @@ def check_plugins(cfg: Config) -> list[str]:
                             f"environment {cfg.env.name!r} gives none (EnvSpec.task with a demonstration hook); "
                             "add one, or set model.path to a checkpoint")
     attempt(cfg.algorithm.fill_options)        # the algorithm and its options, defaults filled in
+    from turnrl.algos.registry import resolve as resolve_algorithm
+    try:
+        algorithm = resolve_algorithm(cfg.algorithm.name)
+    except Exception:   # noqa: BLE001 - fill_options has said what is wrong with the name
+        algorithm = None
+    if algorithm is not None and algorithm.teacher and not cfg.reward.teacher.enabled:
+        problems.append(f"algorithm.name = {cfg.algorithm.name} learns from a teacher's logprobs: set "
+                        "reward.teacher.serve (a checkpoint turnrl serves, same tokenizer as the policy) or "
+                        "reward.teacher.base_url (a vLLM server)")
     if cfg.algorithm.dynamic_sampling.enabled:
-        from turnrl.algos.registry import resolve as resolve_algorithm
-        algorithm = attempt(resolve_algorithm, cfg.algorithm.name)
-        if algorithm is not None and (algorithm.critic or algorithm.prepare is not None):
+        if algorithm is not None and algorithm.teacher:
+            problems.append(f"algorithm.dynamic_sampling.enabled with algorithm.name = {cfg.algorithm.name}: its "
+                            "signal is the teacher's per-token logprobs, which a group of equal rewards still has; "
+                            "turn dynamic sampling off")
+        elif algorithm is not None and (algorithm.critic or algorithm.prepare is not None):
             problems.append(f"algorithm.dynamic_sampling.enabled with algorithm.name = {cfg.algorithm.name}: its "
                             "advantages do not come from a group baseline (a critic, or MLMT's levels), so a group "
                             "whose rewards are equal still has signal there; turn dynamic sampling off, or use a "

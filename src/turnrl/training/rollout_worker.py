@@ -42,6 +42,8 @@ class RolloutWorker:
         self.make_env = params.env.factory(max_turns=params.rollout.max_turns, seed=params.seed, data_dir=data_dir)
         self.runner = runner_for(envs.resolve(params.env.name))   # the step loop, or the agent gateway
         self.reward_functions = reward_functions(self.params.reward, self.params.rollout)
+        from turnrl.rewards.teacher import Teacher
+        self.teacher = Teacher(params.reward.teacher) if params.reward.teacher.enabled else None
         self.decode = lambda ids: self.fmt.tokenizer.decode(ids, skip_special_tokens=True)
         self.stream = None    # asynchronous training: the continuous rollouts (start_stream)
         self.pushes = 0       # weight pushes received: the policy version the engine will hold
@@ -76,7 +78,13 @@ class RolloutWorker:
                 self.budgets(), n=n, temperature=r.temperature if temperature is None else temperature, top_p=r.top_p,
                 seed=seed, env_workers=self.params.env.workers, observation_lag=r.observation_lag, rejoin=r.rejoin,
                 on_group_done=on_group_done),
-            lambda trajs: self.reward_functions.score(trajs, self.decode))
+            self.score)
+
+    def score(self, trajs: list) -> None:
+        """The reward functions' (judges') scores and the teacher's logprobs, where configured."""
+        self.reward_functions.score(trajs, self.decode)
+        if self.teacher is not None:
+            self.teacher.annotate(trajs)
 
     def budgets(self):
         from turnrl.rollout.multi_turn import Budgets
@@ -124,7 +132,7 @@ class RolloutWorker:
         self._stream_thread.start()
         # each finished group is scored on a thread of its own as it comes (a judge's seconds overlap generation)
         from turnrl.rollout.scored import ScoredStream
-        self.scored = ScoredStream(self.stream, lambda trajs: self.reward_functions.score(trajs, self.decode))
+        self.scored = ScoredStream(self.stream, self.score)
 
     def feed(self, examples: list[dict]) -> None:
         self.stream.feed(examples)

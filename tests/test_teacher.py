@@ -1,0 +1,98 @@
+"""On-policy distillation's teacher (turnrl.rewards.teacher): logprobs of the policy's sampled
+tokens in their full context, from a vLLM-style completions server on loopback; what the opd
+algorithm needs from params; a served teacher through the real loop (slow)."""
+from __future__ import annotations
+
+import pytest
+
+from turnrl.config import Config
+from turnrl.config.loading import check_plugins
+from turnrl.config.sections import TeacherCfg
+from turnrl.rewards.teacher import Teacher, TeacherError, prompt_logprobs, tokenizer_mismatch
+from turnrl.rollout.multi_turn import Trajectory
+
+from judge_server import TeacherServer
+
+
+def _trajectory() -> Trajectory:
+    t = Trajectory(example={"id": "row-0", "prompt": "q", "answer": "a"}, prompt_ids=[1, 2])
+    t.add_turn(0, [10, 20], [-0.3, -0.4], "call")
+    t.add_observation(0, [30], "tool says")   # not the policy's: no teacher signal
+    t.add_turn(1, [40], [-0.5], "answer")
+    return t
+
+
+def test_the_teacher_scores_every_sampled_token_in_its_full_context():
+    server = TeacherServer()
+    try:
+        t = _trajectory()
+        Teacher(TeacherCfg(base_url=server.url)).annotate([t])
+    finally:
+        server.close()
+    # the whole sequence went out (prompt, turns, observation); the policy's tokens keep their logprob
+    assert t.teacher_logprobs == pytest.approx([-0.10, -0.20, 0.0, -0.40])
+    assert server.requests == 1
+
+
+def test_a_teacher_that_is_down_or_gives_no_logprobs_is_an_error_naming_it():
+    for mode, why in (("down", "HTTP 503"), ("bare", "no prompt_logprobs for every token")):
+        server = TeacherServer(mode)
+        try:
+            with pytest.raises(TeacherError, match=f"reward.teacher .* gave no logprobs .*'row-0'.*{why}"):
+                Teacher(TeacherCfg(base_url=server.url, retries=1)).annotate([_trajectory()])
+        finally:
+            server.close()
+        assert server.requests == (2 if mode == "down" else 1)   # a 503 is retried, a bare answer is final
+
+
+def test_prompt_logprobs_reads_each_tokens_entry_by_id():
+    body = {"choices": [{"prompt_logprobs": [None, {"7": {"logprob": -1.5}, "9": {"logprob": -0.1}},
+                                             {"8": {"logprob": -2.0}}]}]}
+    assert prompt_logprobs(body, [5, 7, 8]) == [0.0, -1.5, -2.0]
+    with pytest.raises(ValueError, match="no logprob for token 8 at position 2"):
+        prompt_logprobs({"choices": [{"prompt_logprobs": [None, {"7": {"logprob": -1.5}}, {"6": {"logprob": -1}}]}]},
+                        [5, 7, 8])
+
+
+def test_opd_without_a_teacher_is_refused_when_params_are_checked():
+    cfg = Config.model_validate({"algorithm": {"name": "opd"}})
+    assert any("reward.teacher.serve" in p for p in check_plugins(cfg))
+    with_teacher = Config.model_validate({"algorithm": {"name": "opd"},
+                                          "reward": {"teacher": {"base_url": "http://t:8000/v1"}}})
+    assert not any("teacher" in p for p in check_plugins(with_teacher))
+    both = {"algorithm": {"name": "opd", "dynamic_sampling": {"enabled": True}},
+            "reward": {"teacher": {"base_url": "http://t:8000/v1"}}}
+    assert any("turn dynamic sampling off" in p for p in check_plugins(Config.model_validate(both)))
+    with pytest.raises(ValueError, match="not both"):
+        TeacherCfg(base_url="http://t/v1", serve="some/model")
+
+
+def test_a_teacher_with_another_tokenizer_is_named(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+    assert tokenizer_mismatch(str(tiny_model_dir), str(tiny_model_dir)) is None
+    other = AutoTokenizer.from_pretrained(tiny_model_dir)
+    other.add_tokens(["<extra_token_a>", "<extra_token_b>"])
+    other.save_pretrained(tmp_path / "other")
+    assert "differs from the policy's" in tokenizer_mismatch(str(tmp_path / "other"), str(tiny_model_dir))
+
+
+@pytest.mark.slow
+def test_opd_learns_from_a_teacher_turnrl_serves_beside_a_served_judge(tiny_model_dir, tmp_path):
+    """reward.teacher.serve and reward.judges[*].serve: two checkpoints behind vLLM's OpenAI
+    server, each in a Ray actor of its own; opd trains on the teacher's logprobs. The teacher is
+    the policy's own start, so at step 1 the per-token signal is only the engines' numerics."""
+    import subprocess
+    from conftest import train_two_steps
+    history = train_two_steps(tiny_model_dir, tmp_path, {"name": "code_tool"}, {"name": "opd"}, reward={
+        "on_error": "zero",
+        "teacher": {"serve": str(tiny_model_dir), "max_model_len": 1024},
+        "judges": [{"name": "served", "serve": str(tiny_model_dir), "max_model_len": 1024, "max_tokens": 8,
+                    "score": "labels", "labels": {"answer": 1.0, "code": 0.0, "output": 0.5},
+                    "template": "Question: {question}\nResponse: {response}"}]})
+    assert len(history) == 2
+    assert history[0]["advantage_abs_mean"] < 0.01   # the same weights: log pi_T - log pi ~ 0
+    for h in history:
+        assert h["judge_served_calls"] > 0 and h["judge_served_failures"] == 0   # the judge answered every call
+        assert 0.0 <= h["reward_served_mean"] <= 1.0
+    left = subprocess.run(["pgrep", "-f", f"api_server --model {tiny_model_dir}"], capture_output=True, text=True)
+    assert not left.stdout.strip(), "a served model outlived the run"
