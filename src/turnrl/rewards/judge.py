@@ -7,18 +7,20 @@ reward functions (turnrl.rewards.functions), as a batch.
       judges:
         - name: helpful
           base_url: http://judge-host:8000/v1       # vLLM, SGLang, a hosted API: any Chat Completions server
+                                                   # (or serve: CHECKPOINT, turnrl.training.served_models)
           model: Qwen/Qwen3-8B
           template: "Question: {question}\\nAnswer: {response}\\nReference: {reference}\\nScore 0-10:"
           score: number                            # or json:<field>, or labels
           range: [0, 10]
-          scope: episode                           # or turn: each policy turn asked, its score a turn reward
+          scope: episode                           # or turn (each policy turn), or group (RULER-style)
           max_concurrency: 8                       # requests in flight at once
           timeout_s: 60
           retries: 2
 
-A batch's judge calls run concurrently (at most max_concurrency in flight), after the batch's
-rollouts: the engines are not held while the judge thinks. Identical prompts within a batch are
-asked once. A request that times out, cannot connect or gets 429 / 5xx is retried (`retries`
+The rollout actor scores each group as it finishes, on a thread of its own, while the rest of
+the batch (or, in async training, the stream) generates (turnrl.rollout.scored): the engines are
+not held while the judge thinks. What is finished at once is one batch here: its calls run
+concurrently (at most max_concurrency in flight), identical prompts asked once. A request that times out, cannot connect or gets 429 / 5xx is retried (`retries`
 more times, backing off); an answer with no score in it, or one outside `range`, is a parse
 failure. A failure goes to the reward functions' `reward.on_error`: fail stops the step naming
 the judge; zero scores it 0, counted as reward_<name>_errors. Each trajectory's verdicts are in
@@ -50,6 +52,8 @@ import string
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from turnrl.rewards import endpoint
 
@@ -175,24 +179,16 @@ def judge_metrics(trajs: Sequence[Any]) -> dict[str, float]:
     for name, records in by_judge.items():
         records = [r for r in records if not r.get("shared")]   # scope group: the group's call once
         asked = [r for r in records if not r.get("cached")]
-        seconds = sorted(float(r["seconds"]) for r in asked)
+        seconds = [float(r["seconds"]) for r in asked]
         out[f"judge_{name}_calls"] = float(len(asked))
-        if seconds:
-            out[f"judge_{name}_latency_p50_s"] = _quantile(seconds, 0.50)
-            out[f"judge_{name}_latency_p99_s"] = _quantile(seconds, 0.99)
+        if seconds:   # linearly interpolated quantiles
+            out[f"judge_{name}_latency_p50_s"] = float(np.quantile(seconds, 0.50))
+            out[f"judge_{name}_latency_p99_s"] = float(np.quantile(seconds, 0.99))
         out[f"judge_{name}_retries"] = float(sum(max(0, int(r.get("tries", 1)) - 1) for r in asked))
         out[f"judge_{name}_unparsable"] = float(sum(bool(r.get("unparsable")) for r in asked))
         out[f"judge_{name}_failures"] = float(sum(r["score"] is None and not r.get("unparsable") for r in asked))
         out[f"judge_{name}_cached_frac"] = 1.0 - len(asked) / len(records)
     return out
-
-
-def _quantile(ordered: list[float], q: float) -> float:
-    """The q-quantile of sorted values, linearly interpolated."""
-    position = q * (len(ordered) - 1)
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 class Judge:
