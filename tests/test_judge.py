@@ -169,6 +169,7 @@ def test_a_judge_that_is_down_is_a_counted_failure_not_a_hang():
 
 
 @pytest.mark.slow
+@pytest.mark.long   # covered in CI by test_teacher's served judge (sync) and test_agent_pipeline's (async)
 def test_a_judge_rewards_two_steps_through_the_real_loop(tiny_model_dir, tmp_path):
     """The rollout actors (Ray) ask the judge for every trajectory of both steps."""
     from conftest import train_two_steps
