@@ -275,3 +275,32 @@ def test_tree_cpu_seconds_counts_this_process_and_reaped_children():
     subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"],
                    check=True)
     assert tree_cpu_seconds() - start >= 0.25
+
+
+def test_the_noisy_judge_knows_the_truth_and_errs_at_its_rate():
+    """benchmarks/noisy_judge.py: right answers score 8-10, wrong 0-2; --flip inverts that
+    share of verdicts; the template's fields are where it reads them."""
+    import random
+    import re
+    from benchmarks.noisy_judge import TEMPLATE, verdict
+    right = TEMPLATE.format(question="What is 6 * 7?", reference="42", response="<answer>42")   # cut at its stop
+    wrong = TEMPLATE.format(question="What is 6 * 7?", reference="42", response="<answer>41</answer>")
+    score = lambda text: int(re.search(r"Score: (\d+)", text).group(1))  # noqa: E731
+    rng = random.Random(0)
+    assert all(score(verdict(right, rng, 0.0, 0.0)) >= 8 and score(verdict(wrong, rng, 0.0, 0.0)) <= 2
+               for _ in range(20))
+    flipped = [score(verdict(right, rng, 0.25, 0.0)) <= 2 for _ in range(2000)]
+    assert 0.22 < sum(flipped) / len(flipped) < 0.28
+    assert "Score" not in verdict(right, rng, 0.0, 1.0)   # babble: no score to parse
+
+
+def test_the_judge_report_pairs_each_judge_run_with_its_programmatic_run():
+    from benchmarks.judge import report
+    base = [{"row": "sync", "seed": 0, "gain_pts": 70.0, "baseline": 0.2, "trained": 0.9, "train_s": 100.0,
+             "steps": 20, "commit": "a"}]
+    judged = [{"row": "sync_judge", "seed": 0, "gain_pts": 60.0, "baseline": 0.2, "trained": 0.8, "step_s": 6.0,
+               "train_s": 120.0, "steps": 20, "judge_calls": 100, "judge_latency_p50_s": 0.5,
+               "judge_latency_p99_s": 2.0, "judge_retries": 1.0, "judge_unparsable": 1.0, "commit": "b"}]
+    text = report(judged, [0], 8731, base)
+    assert "- sync: seed 0: 1.20 (against dynamic_sampling.json's run)" in text   # 6.0 s against 100 / 20
+    assert "| sync_judge | +60.0 (1 seed) | +60.0 | 0.800 | 6.00 | 100 | 0.50 / 2.00 | 1.0 | 1.0 |" in text
