@@ -309,10 +309,13 @@ def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], ou
     t0 = time.perf_counter()
     served = served_models.launch(cfg)   # judges and a teacher turnrl serves start beside the workers
     cfg = served.cfg                     # ... their addresses in params
+    workers = None
     try:
         workers = start_workers(cfg, model_dir, data_dir, high_dir)
         served.wait_ready()
-    except BaseException:
+    except BaseException:   # e.g. a served model that never answered: nothing left running
+        if workers is not None:
+            workers.shutdown()
         served.stop()
         raise
     log.info("workers ready in %.1fs", time.perf_counter() - t0)
