@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.learning import Row, flags_text, mean_sd, run_one, run_rows  # noqa: E402
+from benchmarks.learning import Row, flags_text, mean_sd, run_one, run_rows, with_notes  # noqa: E402
 
 FUNCTIONS = "[examples.agents.calculator_agent:calculator,examples.agents.calculator_agent:count_digits]"
 ROWS = [
@@ -106,15 +106,6 @@ def report(results: list[dict], seeds: list[int]) -> str:
     commits = sorted({r.get("commit", "unknown") for r in results})
     lines += ["", f"Measured at commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}."]
     return "\n".join(lines) + "\n"
-
-
-NOTES = "## What these numbers are"   # the report's hand-written part, kept when the script rewrites it
-
-
-def with_notes(report_text: str, path: Path) -> str:
-    """The generated report followed by the hand-written notes of the existing file, if any."""
-    old = path.read_text() if path.exists() else ""
-    return report_text + ("\n" + old[old.index(NOTES):] if NOTES in old else "")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.learning import Row, flags_text, mean_sd, run_one, run_rows  # noqa: E402
+from benchmarks.learning import Row, commits_line, flags_text, mean_sd, run_one, run_rows, with_notes  # noqa: E402
 from benchmarks.noisy_judge import TEMPLATE  # noqa: E402
 
 STEPS = ["train.steps=20"]
@@ -118,8 +118,7 @@ def report(results: list[dict], seeds: list[int], port: int, baselines: list[dic
             continue
         lines.append(f"| {r['row']} | {r['seed']} | {r['baseline']:.3f} | {r['trained']:.3f} | {r['gain_pts']:+.1f} | "
                      f"{r['step_s']:.2f} | {flags_text(r.get('health', {}))} |")
-    commits = sorted({r.get("commit", "unknown") for r in results})
-    return "\n".join(lines + ["", f"Measured at commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}."]) + "\n"
+    return "\n".join(lines + ["", commits_line(results)]) + "\n"
 
 
 def serve_judge(port: int, seed: int) -> subprocess.Popen:
@@ -160,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for todo, seeds in plan:
             run_rows(todo, seeds, lambda row: args.work_dir, args.results, run, args.set,
-                     lambda done: args.report.write_text(report(done, args.seeds, args.port, baselines)))
+                     lambda done: args.report.write_text(with_notes(report(done, args.seeds, args.port, baselines),
+                                                                args.report)))
     finally:
         judge.terminate()
         judge.wait(timeout=30)

@@ -164,6 +164,20 @@ def run_rows(rows: list[Row], seeds: list[int], project_of: Callable[[Row], Path
 
 
 # --------------------------------------------------------------------------- report
+NOTES = "## What these numbers are"   # a report's hand-written part, kept when its script rewrites it
+
+
+def with_notes(report_text: str, path: Path) -> str:
+    """The generated report followed by the hand-written notes of the existing file, if any."""
+    old = path.read_text() if path.exists() else ""
+    return report_text + ("\n" + old[old.index(NOTES):] if NOTES in old else "")
+
+
+def commits_line(results: list[dict]) -> str:
+    commits = sorted({r.get("commit", "unknown") for r in results})
+    return f"Measured at commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}."
+
+
 def mean_sd(values: list[float], fmt: str = "{:+.1f}") -> str:
     if not values:
         return "-"

@@ -104,11 +104,7 @@ def parse_score(text: str, cfg: Any) -> float:
         return float(cfg.labels[min(found)[2]])
     if cfg.score.startswith("json:"):
         field = cfg.score[5:]
-        start, end = text.find("{"), text.rfind("}")
-        try:
-            value = json.loads(text[start:end + 1])[field] if start >= 0 else None
-        except (json.JSONDecodeError, KeyError, TypeError):
-            value = None
+        value = _json_field(text, field)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"no number in the JSON field {field!r} of the answer")
     else:
@@ -122,15 +118,20 @@ def parse_score(text: str, cfg: Any) -> float:
     return (value - low) / (high - low)
 
 
+def _json_field(text: str, field: str) -> Any:
+    """`field` of the JSON object in a judge's answer (from its first "{" to its last "}"), or None."""
+    start, end = text.find("{"), text.rfind("}")
+    try:
+        return json.loads(text[start:end + 1])[field] if start >= 0 else None
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return None
+
+
 def parse_scores(text: str, cfg: Any, count: int) -> list[float]:
     """`scope: group`: the JSON field `cfg.score` names (json:<field>) as `count` scores in [0, 1];
     ValueError saying why not."""
     field = cfg.score[5:]
-    start, end = text.find("{"), text.rfind("}")
-    try:
-        values = json.loads(text[start:end + 1])[field] if start >= 0 else None
-    except (json.JSONDecodeError, KeyError, TypeError):
-        values = None
+    values = _json_field(text, field)
     if not isinstance(values, list) or len(values) != count:
         raise ValueError(f"no list of {count} scores in the JSON field {field!r} of the answer")
     low, high = cfg.range
