@@ -118,6 +118,12 @@ def parse_score(text: str, cfg: Any) -> float:
     return (value - low) / (high - low)
 
 
+def _row_fields(example: dict) -> dict:
+    """A row's fields for a template: its own by name, and {question} / {reference}."""
+    return {**{name: v for name, v in example.items() if isinstance(name, str)},
+            "question": example.get("prompt", ""), "reference": example.get("answer", "")}
+
+
 def _json_field(text: str, field: str) -> Any:
     """`field` of the JSON object in a judge's answer (from its first "{" to its last "}"), or None."""
     start, end = text.find("{"), text.rfind("}")
@@ -207,8 +213,7 @@ class Judge:
         example = t.example or {}
         k = len(t.turn_texts) - 1 if turn is None else turn
         before = [text for i in range(max(k, 0)) for text in (t.turn_texts[i], *t.observations[i:i + 1])]
-        fields = {**{name: v for name, v in example.items() if isinstance(name, str)},
-                  "question": example.get("prompt", ""), "reference": example.get("answer", ""),
+        fields = {**_row_fields(example),
                   "response": t.turn_texts[k] if t.turn_texts else "", "transcript": decode(t.response_ids),
                   "history": "\n".join(before), "turn": k + 1}
         return self.cfg.template.format_map(fields)
@@ -279,9 +284,7 @@ class Judge:
         example = group[0].example or {}
         responses = "\n\n".join(f"Response {k + 1}:\n{t.turn_texts[-1] if t.turn_texts else ''}"
                                  for k, t in enumerate(group))
-        fields = {**{name: v for name, v in example.items() if isinstance(name, str)},
-                  "question": example.get("prompt", ""), "reference": example.get("answer", ""),
-                  "responses": responses, "count": len(group)}
+        fields = {**_row_fields(example), "responses": responses, "count": len(group)}
         return self.cfg.template.format_map(fields)
 
     async def _ask_all(self, prompts: list[str], parsers: Sequence[Callable[[str], Any]] | None = None) -> list[Verdict]:
