@@ -54,9 +54,10 @@ VARIANTS = {
 
 
 def prepare(scratch: Path, steps: int, model: Path | None) -> Path:
-    """data/processed and a warm-started models/initial, made once (preprocess + prepare_model)."""
+    """data/processed and a warm-started models/initial, made once (preprocess + prepare_model),
+    as models/sft too (what the train stage reads; the sft stage passes it through by default)."""
     base = scratch / "base"
-    if (base / "models/initial/config.json").exists():
+    if (base / "models/sft/config.json").exists():
         return base
     base.mkdir(parents=True, exist_ok=True)
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
@@ -69,6 +70,7 @@ def prepare(scratch: Path, steps: int, model: Path | None) -> Path:
         shutil.copytree(model, base / "models/initial")
     else:
         subprocess.run([sys.executable, str(ROOT / "stages/prepare_model.py")], cwd=base, env=env, check=True)
+    shutil.copytree(base / "models/initial", base / "models/sft")
     return base
 
 

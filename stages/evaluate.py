@@ -1,6 +1,6 @@
 """DVC stages `baseline_eval` and `eval`: the same evaluation, before and after training.
 
-    python stages/evaluate.py baseline   # models/initial -> metrics/baseline.json, eval/baseline/
+    python stages/evaluate.py baseline   # models/sft -> metrics/baseline.json, eval/baseline/
     python stages/evaluate.py final      # models/final   -> metrics/eval.json,     eval/final/
 
 With levels.high_model: separate the high-level turns are played by the second model: its
@@ -20,7 +20,7 @@ from turnrl.pipeline.stage import run_stage, write_json
 
 DATA = Path("data/processed")
 WHICH = {
-    "baseline": ("baseline_eval", Path("models/initial"), Path("metrics/baseline.json"), Path("eval/baseline")),
+    "baseline": ("baseline_eval", Path("models/sft"), Path("metrics/baseline.json"), Path("eval/baseline")),
     "final": ("eval", Path("models/final"), Path("metrics/eval.json"), Path("eval/final")),
 }
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from turnrl.pipeline.stage import run_stage, write_json
 
-DATA, INITIAL, FINAL = Path("data/processed"), Path("models/initial"), Path("models/final")
+DATA, START, FINAL = Path("data/processed"), Path("models/sft"), Path("models/final")
 _checkpoints = {}   # the store and the checkpoint to resume from, found once per process
 
 
@@ -21,7 +21,7 @@ def checkpoints(cfg):
         from turnrl.models.folders import model_dir
         from turnrl.training.checkpoint import CheckpointStore, fingerprint
         high = cfg.levels.high_model_path   # a second model for the high level, from its own folder
-        key = fingerprint(cfg, [Path(model_dir(INITIAL)), DATA / "train.parquet", *([Path(high)] if high else [])])
+        key = fingerprint(cfg, [Path(model_dir(START)), DATA / "train.parquet", *([Path(high)] if high else [])])
         store = CheckpointStore(cfg.train.checkpoint_dir, key, keep=cfg.train.keep_checkpoints)
         _checkpoints.update(store=store, resume=store.resumable(cfg.train.steps))
     return _checkpoints["store"], _checkpoints["resume"]
@@ -48,7 +48,7 @@ def main(cfg):
 
     start = time.perf_counter()
     run = runs.current_run()
-    source = model_dir(INITIAL)
+    source = model_dir(START)
     tokenizer = AutoTokenizer.from_pretrained(source)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
     artifacts.log_datasets(run, {"train": (DATA / "train.parquet", "training")})

@@ -86,7 +86,7 @@ def test_a_killed_async_train_stage_resumes_from_its_checkpoint(tiny_model_dir, 
     root.mkdir()
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     preprocess(Config.model_validate(params), root / "data" / "processed")
-    shutil.copytree(tiny_model_dir, root / "models" / "initial")
+    shutil.copytree(tiny_model_dir, root / "models" / "sft")
 
     code, out = _run_train_stage(root, kill_when="checkpoint saved at step 2")
     assert code == -signal.SIGKILL, out[-3000:]

@@ -28,7 +28,7 @@ from conftest import copy_project  # noqa: E402
 from flows import pipeline as pl  # noqa: E402
 from turnrl.config import ConfigError  # noqa: E402
 
-STAGES = ["preprocess", "prepare_model", "baseline_eval", "train", "eval", "report"]
+STAGES = ["preprocess", "prepare_model", "sft", "baseline_eval", "train", "eval", "report"]
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ SHORT = {
     "train": {"steps": 3, "prompts_per_step": 4},
     "rollout": {"n": 4},
 }
-STAGES = ["preprocess", "prepare_model", "baseline_eval", "train", "eval", "report"]
+STAGES = ["preprocess", "prepare_model", "sft", "baseline_eval", "train", "eval", "report"]
 
 
 def _merge(base: dict, extra: dict) -> None:

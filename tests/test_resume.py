@@ -112,12 +112,12 @@ TIMING = ("rollout_s", "advantage_s", "train_s", "sync_s", "step_s", "gen_tokens
 
 
 def _project(root: Path, model_dir: Path) -> Path:
-    """What the train stage reads: params.yaml, data/processed, models/initial."""
+    """What the train stage reads: params.yaml, data/processed, models/sft."""
     from turnrl.pipeline.preprocess import preprocess
     root.mkdir()
     (root / "params.yaml").write_text(yaml.safe_dump(PARAMS))
     preprocess(Config.model_validate(PARAMS), root / "data" / "processed")
-    shutil.copytree(model_dir, root / "models" / "initial")
+    shutil.copytree(model_dir, root / "models" / "sft")
     return root
 
 

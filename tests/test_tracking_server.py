@@ -41,7 +41,7 @@ def _project(root: Path, model_dir: Path, uri: str) -> Path:
     params = {**PARAMS, "tracking": {**PARAMS["tracking"], "uri": uri}}
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     preprocess(Config.model_validate(params), root / "data" / "processed")
-    shutil.copytree(model_dir, root / "models" / "initial")
+    shutil.copytree(model_dir, root / "models" / "sft")
     return root
 
 

@@ -124,6 +124,12 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
 
 
+def nll_loss(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Supervised fine-tuning's loss: the mean negative log-likelihood of the masked tokens.
+    logp, mask: [B, T] -> 0-dim (0 when the mask is empty)."""
+    return masked_sum(-logp, mask) / mask.sum().clamp(min=1.0)
+
+
 def policy_loss(
     logp: torch.Tensor,
     logp_old: torch.Tensor,

@@ -114,6 +114,37 @@ class ModelCfg(_Section):
         return data
 
 
+# --------------------------------------------------------------------------- sft
+class SftCfg(_Section):
+    """Supervised fine-tuning (the `sft` stage, between prepare_model and baseline_eval): the
+    model of prepare_model trained on conversations' assistant tokens, rendered and masked as
+    the RL rollouts are (turnrl.gateway.conversations), on the train stage's Ray cluster and
+    DeepSpeed settings (cluster.trainer_*, train.zero_stage, train.micro_batch_rows, model.lora).
+    Off by default: the stage then passes models/initial through as models/sft."""
+    data: str = Field("none", min_length=1, description=(
+        "none (off: the model passes through); a jsonl/parquet file of conversations in the OpenAI messages "
+        "format (a `messages` list per row, `tool_calls` and `tool` messages, an optional `tools` list); "
+        "hf:<dataset id>[:split] (Hugging Face datasets, that format); or demonstrations (the environment's "
+        "demonstrations replayed through it, as the tiny model's warm start uses)"))
+    messages_field: str = Field("messages", min_length=1, description="the rows' field holding the messages")
+    tools_field: str = Field("tools", min_length=1, description="the rows' field holding the tools (optional per row)")
+    demonstrations: int = Field(512, gt=0, description="data: demonstrations: how many (all good ones)")
+    steps: int = Field(100, gt=0, description="optimizer steps")
+    batch_size: int = Field(16, gt=0, description="conversation samples per optimizer step (drawn with replacement)")
+    lr: float = Field(1e-5, gt=0, description="learning rate (AdamW, linear warmup over warmup_steps)")
+    warmup_steps: int = Field(0, ge=0)
+    max_length: int = Field(4096, gt=0, description=(
+        "the most tokens of one sample: a longer conversation is cut at the right (its later turns dropped, counted "
+        "as truncated); an assistant message that alone does not fit is an error naming its row"))
+    heldout_fraction: float = Field(0.05, ge=0.0, lt=1.0, description=(
+        "share of conversations held out for the held-out loss (none with fewer than 20 conversations)"))
+    eval_every: int = Field(20, ge=0, description="held-out loss every N steps and at the last; 0: only at the last")
+
+    @property
+    def enabled(self) -> bool:
+        return self.data != "none"
+
+
 # --------------------------------------------------------------------------- data
 class DataCfg(_Section):
     train_set: str = Field("synthetic", min_length=1, description=(
@@ -713,6 +744,7 @@ class TrackingCfg(_Section):
 class Config(_Section):
     seed: int = Field(0, ge=0)
     model: ModelCfg = ModelCfg()
+    sft: SftCfg = SftCfg()
     data: DataCfg = DataCfg()
     env: EnvCfg = EnvCfg()
     levels: LevelsCfg = LevelsCfg()

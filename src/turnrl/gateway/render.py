@@ -60,8 +60,11 @@ def _template_call(call: Any) -> dict:
     if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
         raise BadRequest(f"a tool call must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}, "
                          f"got {call!r:.120}")
-    function = dict(call["function"])
-    arguments = function.get("arguments")
+    # name first, as models write their calls and OpenAI sends them (a client's own dump may sort the
+    # keys): a template that dumps the function object then renders what the model would have sampled
+    function = {"name": call["function"].get("name"), "arguments": call["function"].get("arguments"),
+                **call["function"]}
+    arguments = function["arguments"]
     if isinstance(arguments, str):
         try:
             function["arguments"] = json.loads(arguments) if arguments.strip() else {}

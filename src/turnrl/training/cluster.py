@@ -23,6 +23,7 @@ with an `ActorFailure` naming its role and the cause.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -32,7 +33,7 @@ from typing import Any, Protocol, Sequence
 
 from turnrl.config import Config, ConfigError
 from turnrl.training.checkpoint import step_seed
-from turnrl.training.workers import combine_rank_stats
+from turnrl.training.workers import TrainerParams, combine_rank_stats
 
 log = logging.getLogger(__name__)
 
@@ -349,8 +350,42 @@ def start_workers(cfg: Config, model_dir: str, data_dir: str, high_model_dir: st
     set up the weight sync. Logs where each actor runs. `high_model_dir`: the high-level model's
     starting folder with `levels.high_model: separate`."""
     import ray
-    c = cfg.cluster
     bundles, slots = plan_placement(cfg)
+    pg = _placement_group(cfg, bundles)
+    try:
+        return _start(cfg, model_dir, data_dir, pg, slots, high_model_dir)
+    except BaseException:
+        ray.util.remove_placement_group(pg)   # and with it every actor started so far
+        raise
+
+
+def start_trainer_ranks(cfg: Config, model_dir: str, params: TrainerParams, **worker_options) -> tuple[TrainerGroup, Any]:
+    """The policy's trainer ranks alone, no engines (the sft stage), each in a bundle of its own
+    (cluster.trainer_ranks, trainer_cpus, trainer_gpus): (the group, its placement group, whose
+    removal ends them). `worker_options`: PolicyWorker's keyword arguments."""
+    import ray
+    from turnrl.training.workers import PolicyWorker
+    c = cfg.cluster
+    slots = [Slot("policy", r, r, c.trainer_cpus, c.trainer_gpus) for r in range(c.trainer_ranks)]
+    pg = _placement_group(cfg, [_bundle(s.cpus, s.gpus) for s in slots])
+    try:
+        host, port = _rendezvous(pg, slots[0])
+        env = {} if c.trainer_gpus else {"DS_ACCELERATOR": "cpu"}
+        handles = [ray.remote(PolicyWorker).options(**_actor_options(cfg, pg, s, env)).remote(
+            model_dir, params, rank=s.index, world_size=len(slots), master_addr=host, master_port=port,
+            **worker_options) for s in slots]
+        group = TrainerGroup([s.name for s in slots], handles)
+        wait_all([(name, h.where.remote()) for name, h in zip(group.names, group.handles)])
+        return group, pg
+    except BaseException:
+        ray.util.remove_placement_group(pg)
+        raise
+
+
+def _placement_group(cfg: Config, bundles: list[dict[str, float]]):
+    """A placement group of `bundles`, ready; ActorFailure saying what to lower if it cannot be placed."""
+    import ray
+    c = cfg.cluster
     pg = ray.util.placement_group(bundles, strategy=c.strategy)
     try:
         ray.get(pg.ready(), timeout=c.ready_timeout_s)
@@ -360,39 +395,40 @@ def start_workers(cfg: Config, model_dir: str, data_dir: str, high_model_dir: st
             f"the cluster cannot place the run's actors within {c.ready_timeout_s:.0f}s: bundles {bundles} "
             f"({c.strategy}), available {ray.available_resources()}. Lower cluster.trainer_cpus / engine_cpus / "
             "*_gpus, raise cluster.num_cpus, or add nodes") from None
+    return pg
 
-    try:
-        return _start(cfg, model_dir, data_dir, pg, slots, high_model_dir)
-    except BaseException:
-        ray.util.remove_placement_group(pg)   # and with it every actor started so far
-        raise
+
+def _strategy(pg, slot: Slot):
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=slot.bundle)
+
+
+def _actor_options(cfg: Config, pg, slot: Slot, env: dict[str, str]) -> dict:
+    """Ray options of the actor in `slot`: its resources, bundle, threads and environment (with
+    the run's MLflow store and experiment, for what actors start: an agent program's traces)."""
+    threads = str(threads_per_actor(cfg, slot))
+    tracking_env = {k: os.environ[k] for k in ("MLFLOW_TRACKING_URI", "TURNRL_MLFLOW_EXPERIMENT_ID") if os.environ.get(k)}
+    return {"num_cpus": slot.cpus, "num_gpus": slot.gpus, "scheduling_strategy": _strategy(pg, slot),
+            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
+                                         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+                                         **tracking_env, **env}}}
+
+
+def _rendezvous(pg, slot: Slot) -> tuple[str, int]:
+    """A free address on the node of `slot`'s bundle (a DeepSpeed group's or NCCL's rendezvous)."""
+    import ray
+    return ray.get(ray.remote(num_cpus=0)(_free_port_here).options(scheduling_strategy=_strategy(pg, slot)).remote())
 
 
 def _start(cfg: Config, model_dir: str, data_dir: str, pg, slots: list[Slot], high_model_dir: str | None) -> Workers:
     import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from turnrl.rollout.engines import cpu_env_defaults
     from turnrl.training.rollout_worker import RolloutWorker
-    from turnrl.training.workers import CriticWorker, PolicyWorker, RolloutParams, TrainerParams
+    from turnrl.training.workers import CriticWorker, PolicyWorker, RolloutParams
     c = cfg.cluster
-
-    def strategy(slot: Slot):
-        return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=slot.bundle)
-
-    def options(slot: Slot, env: dict[str, str]) -> dict:
-        threads = str(threads_per_actor(cfg, slot))
-        return {"num_cpus": slot.cpus, "num_gpus": slot.gpus, "scheduling_strategy": strategy(slot),
-                "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
-                                             "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
-                                             **tracking_env, **env}}}
-
-    # the run's store and experiment, for what actors start (an agent program's own MLflow traces)
-    tracking_env = {k: os.environ[k] for k in ("MLFLOW_TRACKING_URI", "TURNRL_MLFLOW_EXPERIMENT_ID") if os.environ.get(k)}
-    address_task = ray.remote(num_cpus=0)(_free_port_here)
-
-    def rendezvous(slot: Slot) -> tuple[str, int]:   # on the node of the slot's bundle
-        return ray.get(address_task.options(scheduling_strategy=strategy(slot)).remote())
+    options = functools.partial(_actor_options, cfg, pg)
+    rendezvous = functools.partial(_rendezvous, pg)
 
     trainer_env = {} if c.trainer_gpus else {"DS_ACCELERATOR": "cpu"}
     trainer_params = TrainerParams.of(cfg)   # each role gets the params it reads, validated once here

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from turnrl.algos import (entropy_from_logits, explained_variance, kl_estimate, logprobs_from_logits,
-                          masked_mean, off_policy_kl_mean, value_loss)
+                          masked_mean, nll_loss, off_policy_kl_mean, value_loss)
 from turnrl.algos.registry import compute_policy_loss, resolve_loss
 from turnrl.config import AlgorithmCfg, Config, EnvCfg, LoraCfg, ModelCfg, RewardCfg, RolloutCfg, TrainCfg
 from turnrl.training.checkpoint import step_seed
@@ -313,7 +313,8 @@ class _TrainerRank:
 
 class PolicyWorker(_TrainerRank):
     def __init__(self, model_dir: str, params: TrainerParams, rank: int = 0, world_size: int = 1,
-                 master_addr: str = "127.0.0.1", master_port: int = 29500):
+                 master_addr: str = "127.0.0.1", master_port: int = 29500, reference: bool = True):
+        """`reference`: keep the frozen starting policy for KL (RL); SFT has none to keep."""
         from transformers import AutoModelForCausalLM
 
         self.params = params
@@ -333,7 +334,7 @@ class PolicyWorker(_TrainerRank):
         # algorithm.kl_coef > 0, added to the loss. Loaded once; it only computes logprobs.
         # With LoRA it is the base model itself with the adapters switched off (exactly the
         # starting weights, which the base keeps frozen): no second copy of the model.
-        self.reference = None if self.lora is not None else AutoModelForCausalLM.from_pretrained(
+        self.reference = None if self.lora is not None or not reference else AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=dtype).to(self.engine.device).eval().requires_grad_(False)
         self._exports: dict[bool, list[Export]] = {}
         self.transfer = None   # vLLM's NCCL weight transfer (GPUs), see init_weight_transfer
@@ -457,6 +458,29 @@ class PolicyWorker(_TrainerRank):
             for k, v in mb_maxes.items():
                 maxes.setdefault(k, []).append(v)
         return {"sum": sums, "max": maxes, "same": same}
+
+    def supervised(self, batch: dict[str, torch.Tensor], update: bool = True) -> dict[str, float]:
+        """One optimizer step of supervised fine-tuning on `batch` (input_ids, attention_mask,
+        loss_mask [B, L], token-aligned), this rank on its rows; with `update=False` only the
+        loss (held-out). Returns this rank's share of the batch's token-mean NLL ("loss": the
+        ranks' shares add up to it), its loss tokens, and the gradient norm."""
+        batch = self._to_device(batch)
+        mask = batch["loss_mask"]
+        mine = rank_rows(torch.arange(mask.shape[0]), self.rank, self.world_size)
+        if len(mine) == 0:
+            raise ValueError(f"a batch of {mask.shape[0]} rows cannot be shared by {self.world_size} trainer ranks: "
+                             "raise sft.batch_size")
+        rows = {k: v[mine] for k, v in batch.items()}
+        self.engine.train(update)
+        total = 0.0
+        with torch.set_grad_enabled(update):
+            for micro, weight, _, last in self._micro_steps(rows, mask, "token-mean"):
+                loss = weight * nll_loss(token_logprobs(self._forward(micro), micro["input_ids"]), micro["loss_mask"])
+                if update:
+                    self._accumulate(loss, last)
+                total += loss.item()
+        grad_norm = float(self.engine.get_global_grad_norm() or 0.0) if update else 0.0
+        return {"loss": total, "tokens": float(rows["loss_mask"].sum()), "grad_norm": grad_norm}
 
     def _sampling_stats(self, logp: torch.Tensor, ref_logp: torch.Tensor, engine_logp: torch.Tensor,
                         mask: torch.Tensor, gap_mask: torch.Tensor | None = None,

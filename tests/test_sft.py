@@ -1,0 +1,230 @@
+"""The `sft` stage: conversations in the OpenAI messages format rendered into the samples RL would
+train on (same tokens, same masks), their bad rows as one-line errors, and fine-tuning on the
+train stage's machinery (Ray, DeepSpeed ZeRO, the policy's trainer rank) whose loss falls and
+whose output loads."""
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))   # examples.agents
+
+
+def tool_conversation(row: dict) -> dict:
+    """A row of a conversation file: the calculator agent's task solved with its tool."""
+    from examples.agents.calculator_agent import SYSTEM, TOOLS
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "calculator", "arguments": json.dumps({"expression": f"{row['a']} * {row['b']}"})}}
+    return {"messages": [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": row["prompt"]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": row["answer"]},
+        {"role": "assistant", "content": f"<answer>{row['answer']}</answer>"},
+    ], "tools": TOOLS}
+
+
+@pytest.fixture(scope="module")
+def fmt(tiny_model_dir):
+    from transformers import AutoTokenizer
+    from turnrl.rollout.chat import ChatFormat
+    return ChatFormat(AutoTokenizer.from_pretrained(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def rows():
+    from turnrl.data.synthetic import product_rows
+    return product_rows(64, seed=0, split="train", exclude=set())
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _conversation(record: dict, where: str = "file.jsonl:1"):
+    from turnrl.data.conversations import Conversation
+    return Conversation(record["messages"], record.get("tools", []), where)
+
+
+# --------------------------------------------------------------------------- SFT trains what RL trains
+def test_a_recorded_tool_conversation_renders_into_the_sample_rl_trains_on(fmt, rows):
+    """An agent program's episode through the gateway (the calculator agent, calling its tool, then
+    answering), recorded; its conversation as SFT data renders into the very sample RL trained
+    on: the same prompt ids, response ids, loss mask and turn ids."""
+    from examples.agents.calculator_agent import demonstrate
+    from turnrl.gateway.conversations import conversation_samples
+    from turnrl.gateway.program import make_program
+    from turnrl.gateway.runner import AgentRunner
+
+    class Recording(AgentRunner):
+        def _trajectory(self, ep, result, fmt, started):
+            self.calls = list(ep.calls)
+            return super()._trajectory(ep, result, fmt, started)
+    runner = Recording()
+    try:
+        for row in rows[:3]:
+            rl = runner.replay(lambda: make_program(program="examples.agents.calculator_agent:run"), fmt, row,
+                               demonstrate(row, random.Random(0), True))
+            last = runner.calls[-1]
+            recorded = {"messages": [*last.messages, last.message], "tools": last.tools}
+            assert [m["role"] for m in recorded["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
+            (sample,) = conversation_samples(_conversation(recorded), fmt, 4096).samples
+            (trained,) = rl.samples
+            assert sample.prompt_ids == trained.prompt_ids
+            assert sample.response_ids == trained.response_ids
+            assert sample.loss_mask == trained.loss_mask and sample.turn_ids == trained.turn_ids
+            # and what carries loss is the two assistant messages, closed, and nothing else
+            taught = fmt.tokenizer.decode([t for t, m in zip(sample.response_ids, sample.loss_mask) if m])
+            assert "calculator" in taught and f"<answer>{row['answer']}</answer>" in taught
+            untaught = fmt.tokenizer.decode([t for t, m in zip(sample.response_ids, sample.loss_mask) if not m])
+            assert row["answer"] in untaught and "calculator" not in untaught   # the tool's result
+            assert taught.count(fmt.end_of_turn) == 2
+    finally:
+        runner.close()
+
+
+def test_a_file_row_with_string_arguments_renders_as_the_model_writes_a_call(fmt, rows):
+    """A conversation file as OpenAI writes one (arguments a JSON string): one sample, the first
+    prompt the built-in rollouts' own prompt, the tool result in the rollouts' observation frame."""
+    from examples.agents.calculator_agent import SYSTEM, TOOLS
+    from turnrl.gateway.conversations import conversation_samples
+    row = rows[5]
+    rendered = conversation_samples(_conversation(tool_conversation(row)), fmt, 4096)
+    (s,) = rendered.samples
+    assert rendered.truncated == rendered.dropped == 0
+    assert s.prompt_ids == fmt.prompt_ids(SYSTEM, row["prompt"], TOOLS)
+    frame = fmt.observation_ids(row["answer"], "tool", after_eos=True)
+    masked = [t for t, m in zip(s.response_ids, s.loss_mask) if not m]
+    assert masked == frame
+    first_turn = [t for t, m, k in zip(s.response_ids, s.loss_mask, s.turn_ids) if m and k == 0]
+    assert fmt.tokenizer.decode(first_turn).startswith('<tool_call>\n{"name": "calculator"')
+
+
+def test_a_long_conversation_is_cut_at_the_right_and_counted(fmt, rows):
+    from turnrl.gateway.conversations import conversation_samples
+    conversation = _conversation(tool_conversation(rows[0]))
+    whole = conversation_samples(conversation, fmt, 4096).samples[0]
+    length = len(whole.prompt_ids) + len(whole.response_ids)
+    cut = conversation_samples(conversation, fmt, length - 5)
+    assert cut.truncated == 1 and len(cut.samples[0].response_ids) == len(whole.response_ids) - 5
+    assert cut.samples[0].loss_mask == whole.loss_mask[:-5]
+    prompt_only = conversation_samples(conversation, fmt, len(whole.prompt_ids))
+    assert prompt_only.samples == [] and prompt_only.dropped == 1
+
+
+# --------------------------------------------------------------------------- bad input: one line, file and row
+@pytest.mark.parametrize("line, problem", [
+    ("{not json", "file.jsonl:2: bad JSON line"),
+    ('{"conversation": []}', "file.jsonl:2: field 'messages' must be a non-empty list"),
+    ('{"messages": [{"content": "hi"}]}', "file.jsonl:2: messages[0] must be an object with a role"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "tools": {"a": 1}}', "file.jsonl:2: field 'tools'"),
+])
+def test_a_malformed_row_names_the_file_and_row(tmp_path, rows, line, problem):
+    from turnrl.data.conversations import load_conversations
+    from turnrl.data.sources import MalformedDataError
+    path = tmp_path / "file.jsonl"
+    path.write_text(json.dumps(tool_conversation(rows[0])) + "\n" + line + "\n")
+    with pytest.raises(MalformedDataError) as caught:
+        load_conversations(str(path))
+    assert str(caught.value).startswith(str(tmp_path / problem.split(":")[0]) + ":" + problem.split(":", 1)[1])
+
+
+def test_rows_a_template_cannot_train_on_name_the_row(fmt, rows):
+    from turnrl.gateway.conversations import ConversationError, conversation_samples
+    cases = {
+        "an assistant message before any user message": [{"role": "assistant", "content": "hi"}],
+        "no assistant message": [{"role": "user", "content": "hi"}],
+        "must be an object whose role is system, developer, user, assistant or tool": [
+            {"role": "narrator", "content": "hi"}, {"role": "assistant", "content": "ok"}],
+        "arguments are not valid JSON": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{x"}}]}],
+    }
+    for problem, messages in cases.items():
+        with pytest.raises(ConversationError) as caught:
+            conversation_samples(_conversation({"messages": messages}, "data/chat.jsonl:7"), fmt, 4096)
+        assert str(caught.value).startswith("data/chat.jsonl:7: ") and problem in str(caught.value), caught.value
+    long = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "word " * 400}]}
+    with pytest.raises(ConversationError, match=r"data/chat.jsonl:7: messages\[1\], an assistant message of \d+ "
+                                                r"tokens, does not fit in sft.max_length = 64"):
+        conversation_samples(_conversation(long, "data/chat.jsonl:7"), fmt, 64)
+
+
+def test_a_missing_file_or_unreachable_dataset_says_what_to_give(tmp_path):
+    from turnrl.data.conversations import load_conversations
+    from turnrl.data.sources import DataSourceError
+    with pytest.raises(DataSourceError, match="no such file; give a jsonl or parquet file of conversations"):
+        load_conversations(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(DataSourceError, match="the Hugging Face dataset could not be loaded"):
+        load_conversations("hf:nobody/no-such-dataset-turnrl")
+
+
+def test_nll_loss_by_hand():
+    import torch
+    from turnrl.algos import nll_loss
+    logp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -4.0, -8.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    assert nll_loss(logp, mask).item() == pytest.approx((2.0 + 3.0 + 0.5) / 3)
+    assert nll_loss(logp, torch.zeros_like(mask)).item() == 0.0
+
+
+def test_the_heldout_split_is_by_conversation_and_seeded():
+    from turnrl.training.sft import split_heldout
+    items = list(range(100))
+    train, held = split_heldout(items, 0.1, seed=3)
+    assert len(held) == 10 and sorted(train + held) == items and not set(train) & set(held)
+    assert split_heldout(items, 0.1, seed=3) == (train, held) and split_heldout(items, 0.1, seed=4)[1] != held
+    assert split_heldout(items[:19], 0.5, seed=3) == (items[:19], [])
+
+
+# --------------------------------------------------------------------------- fine-tuning, for real
+@pytest.mark.slow
+def test_fine_tuning_on_a_conversation_file_lowers_the_loss_and_the_model_loads(tiny_model_dir, rows, tmp_path):
+    """The stage's own function on the tiny model: Ray, the policy's DeepSpeed rank (ZeRO-2), 40
+    steps on 60 tool conversations (3 held out): training and held-out loss fall; the folder loads
+    in transformers and has learnt the calls (the held-out conversations' assistant tokens are
+    likelier than under the starting model)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from turnrl.config import Config
+    from turnrl.pipeline.sft import run_sft
+    from turnrl.training.loop import collate
+    data = write_jsonl(tmp_path / "chat.jsonl", [tool_conversation(r) for r in rows[:60]])
+    cfg = Config.model_validate({"sft": {"data": str(data), "steps": 40, "batch_size": 8, "lr": 3e-3,
+                                         "heldout_fraction": 0.05, "eval_every": 20},
+                                 "cluster": {"num_cpus": 2}})
+    out = tmp_path / "sft"
+    logged = []
+    summary = run_sft(cfg, str(tiny_model_dir), out, on_step=lambda step, m: logged.append(m))
+    import ray
+    ray.shutdown()
+    print(f"sft summary: {summary}")
+    assert summary["conversations"] == 60 and summary["heldout_conversations"] == 3
+    assert summary["samples"] == 57 and summary["steps"] == 40 and [m["step"] for m in logged] == list(range(41))
+    assert summary["loss_last"] < 0.5 * summary["loss_first"], summary
+    assert summary["heldout_loss_last"] < 0.5 * summary["heldout_loss_start"], summary
+    assert [m["step"] for m in logged if "heldout_loss" in m] == [0, 20, 40]   # 0: before the first update
+    assert all(m["tokens_per_s"] > 0 for m in logged[1:])
+
+    from transformers import AutoTokenizer
+    from turnrl.gateway.conversations import conversation_samples
+    from turnrl.rollout.chat import ChatFormat
+    fmt = ChatFormat(AutoTokenizer.from_pretrained(out))
+    held = [s for r in rows[60:64] for s in conversation_samples(_conversation(tool_conversation(r)), fmt, 4096).samples]
+    batch = collate(held, 0)
+
+    def nll(folder) -> float:
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+        mask = batch["loss_mask"][:, 1:]
+        return float(-(logp * mask).sum() / mask.sum())
+    assert nll(out) < 0.5 * nll(tiny_model_dir)
