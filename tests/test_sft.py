@@ -228,3 +228,28 @@ def test_fine_tuning_on_a_conversation_file_lowers_the_loss_and_the_model_loads(
         mask = batch["loss_mask"][:, 1:]
         return float(-(logp * mask).sum() / mask.sum())
     assert nll(out) < 0.5 * nll(tiny_model_dir)
+
+
+def test_a_step_loop_trajectory_s_conversation_renders_back_into_its_tokens(fmt, rows):
+    """A built-in environment's trajectory (code_tool, replayed through the real sandbox) keeps its
+    conversation (`Trajectory.messages`, in evaluation's generations as `messages`): rendered as SFT
+    data, it is the trajectory's own tokens. The one difference is where a turn ended on a stop
+    string (`</code>`, `</answer>`): RL's sample has the template's closing token in the next
+    message's frame (mask 0), or none after the last turn; SFT teaches it after the turn (mask 1)."""
+    from turnrl import envs
+    from turnrl.data.synthetic import product_demonstration
+    from turnrl.gateway.conversations import conversation_samples
+    from turnrl.rollout.multi_turn import replay
+    spec = envs.resolve("code_tool")
+    end = fmt.end_of_turn_id
+    for row in rows[:3]:
+        demo = product_demonstration(row, random.Random(0), True)
+        t = replay(spec.factory(), fmt, row, demo.turns)
+        assert t.outcome == 1.0 and [m["role"] for m in t.messages] == ["system", "user", "assistant", "tool",
+                                                                         "assistant"]
+        (s,) = conversation_samples(_conversation({"messages": t.messages, "tools": t.tools}), fmt, 4096).samples
+        assert s.prompt_ids == t.prompt_ids and s.response_ids == t.response_ids + [end]
+        assert s.loss_mask[-1] == 1
+        differ = [i for i, (a, b) in enumerate(zip(s.loss_mask, t.loss_mask)) if a != b]
+        assert [s.response_ids[i] for i in differ] == [end] and s.loss_mask[differ[0]] == 1
+        assert fmt.tokenizer.decode(s.response_ids[:differ[0]]).endswith("</code>")

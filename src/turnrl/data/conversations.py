@@ -14,6 +14,7 @@ rendered (turnrl.gateway.conversations), which names the same file and row.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -70,14 +71,24 @@ def _conversation(record: Any, where: str, messages_field: str, tools_field: str
     if not isinstance(record, dict):
         raise MalformedDataError(f"{where}: a row must be an object with a {messages_field!r} list, "
                                  f"got {type(record).__name__}")
-    messages = record.get(messages_field)
+    messages = _json_text(record.get(messages_field))   # a parquet column of JSON text (eval generations)
     if not isinstance(messages, list) or not messages:
         raise MalformedDataError(f"{where}: field {messages_field!r} must be a non-empty list of messages "
                                  f"(set sft.messages_field to the field that holds them); row keys: {sorted(record)[:8]}")
     for k, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise MalformedDataError(f"{where}: {messages_field}[{k}] must be an object with a role, got {m!r:.80}")
-    tools = record.get(tools_field) or []
+    tools = _json_text(record.get(tools_field)) or []
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise MalformedDataError(f"{where}: field {tools_field!r} must be a list of OpenAI tool objects")
     return Conversation(messages=[dict(m) for m in messages], tools=[dict(t) for t in tools], where=where)
+
+
+def _json_text(value: Any) -> Any:
+    """A field as given, or the JSON it holds when it is text that parses (else the text)."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value

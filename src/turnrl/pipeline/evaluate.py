@@ -30,8 +30,10 @@ engine gives the same numbers.
 Per-problem generations go to `out_dir/<block>.parquet`, one row per trajectory: problem id,
 prompt, reference answer, full trajectory text (policy turns and observations), extracted
 answer, correct, the grading reason (why right or wrong: the environment's or grader's own,
-`info["grade"]`, else `scored <outcome> by <env>`), tokens, turns, decoding, and `extra` (the
-row's own fields beyond the schema, as JSON).
+`info["grade"]`, else `scored <outcome> by <env>`), tokens, turns, decoding, `extra` (the
+row's own fields beyond the schema, as JSON), and the conversation as `messages` and `tools`
+(OpenAI format, JSON text): the correct rows of a file are data for the `sft` stage
+(`sft.data`, which reads JSON text columns as lists), rejection-sampling fine-tuning.
 
 Any Hugging Face checkpoint folder, evaluated exactly as `baseline_eval` and `eval` do:
 
@@ -171,6 +173,8 @@ def records(trajs: Sequence[Trajectory], decode: Callable, decoding: str, benchm
         "trajectory": decode(t.response_ids), "extracted": t.info.get("extracted"),
         "correct": t.outcome > 0, "reason": grading_reason(t, env), "reward": float(t.info.get("partial_credit", t.outcome)), "finish": t.finish,
         "turns": t.num_turns, "tokens": t.policy_tokens(), "decoding": decoding, "extra": extra_fields(t.example),
+        # the conversation (OpenAI messages, JSON): the correct ones of a checkpoint's are sft.data
+        "messages": json.dumps(t.messages), "tools": json.dumps(t.tools),
     } for i, t in enumerate(trajs)]
 
 

@@ -147,6 +147,12 @@ class Trajectory:
     # an agent program's episode (turnrl.gateway): the samples its calls merged into, each a
     # Trajectory the trainer trains on; empty: this trajectory is its own (and only) sample
     samples: list["Trajectory"] = field(default_factory=list)
+    # the conversation in the OpenAI messages format, as the step loop held it (system, user, each
+    # turn's assistant message and the environment's messages after it) and its tools: a correct
+    # one is SFT data that renders back into these tokens (turnrl.gateway.conversations). Empty
+    # for an agent program's samples (their calls' messages are in info["gateway_calls"])
+    messages: list[dict] = field(default_factory=list)
+    tools: list[dict] = field(default_factory=list)
 
     @property
     def num_turns(self) -> int:
@@ -295,11 +301,33 @@ def _start(make_env: Callable[[], Env], example: dict, fmt: ChatFormat) -> tuple
         env = make_env()
         first = env.reset(example)
         prompt = fmt.prompt_ids(env.system_prompt, first, getattr(env, "tools", None))
-        return env, Trajectory(example=example, prompt_ids=prompt)
+        return env, _opened(Trajectory(example=example, prompt_ids=prompt), env, first)
     except Exception as exc:   # noqa: BLE001
         t = Trajectory(example=example, prompt_ids=fmt.prompt_ids("", str(example.get("prompt", ""))))
         t.record(error_result(exc))
         return None, t
+
+
+def _opened(t: Trajectory, env: Env, first: str) -> Trajectory:
+    """`t` with the conversation's opening messages (system, user) and the environment's tools."""
+    t.messages = ([{"role": "system", "content": env.system_prompt}] if env.system_prompt else []) + \
+        [{"role": "user", "content": first}]
+    t.tools = list(getattr(env, "tools", None) or [])
+    return t
+
+
+def _said(t: Trajectory, fmt: ChatFormat, text: str) -> None:
+    """A policy turn's text as the conversation's assistant message (without the token that closed it)."""
+    for end in (fmt.end_of_turn, fmt.eos_token):
+        if end and text.endswith(end):
+            text = text[:-len(end)]
+    t.messages.append({"role": "assistant", "content": text})
+
+
+def _heard(t: Trajectory, fmt: ChatFormat, env: Env, rendered: str | list[str]) -> None:
+    """The environment's answer as the conversation's messages, in the role they are rendered in."""
+    role = fmt.rendered_role(env.observation_role)
+    t.messages += [{"role": role, "content": m} for m in ([rendered] if isinstance(rendered, str) else rendered)]
 
 
 def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict], make_env: Callable[[], Env],
@@ -445,6 +473,7 @@ class _Rollout:
         if len(t.response_ids) + len(obs_ids) >= self.budgets.max_tokens_total:
             return self.end(i, "token_budget")
         t.add_observation(turn, obs_ids, text)
+        _heard(t, self.fmt, self.envs[i], rendered)
         self.turn_of[i] += 1
         self.start_turn(i)
 
@@ -475,6 +504,7 @@ class _Rollout:
                 t = self.trajs[i]
                 text = self.fmt.tokenizer.decode(sample.token_ids, skip_special_tokens=False)
                 t.add_turn(self.turn_of[i], sample.token_ids, sample.logprobs, text, self.level_at[i])
+                _said(t, self.fmt, text)
                 t.turn_times.append((self.asked_at[i], time.time()))
                 if sample.finish == "length":   # cut by the token limit: no complete action
                     t.turn_rewards.append(0.0)
@@ -494,11 +524,13 @@ def replay(env: Env, fmt: ChatFormat, example: dict, turns: Sequence[str]) -> Tr
     with the end-of-turn token (`ChatFormat.end_of_turn_id`; trained on, like the rest of the turn)."""
     first = env.reset(example)
     t = Trajectory(example=example, prompt_ids=fmt.prompt_ids(env.system_prompt, first, getattr(env, "tools", None)))
+    _opened(t, env, first)
     for turn, text in enumerate(turns):
         ids = fmt.encode(text)
         if not text.endswith(tuple(env.stop)) and fmt.end_of_turn_id is not None:
             ids.append(fmt.end_of_turn_id)
         t.add_turn(turn, ids, [0.0] * len(ids), text, level_of(env, turn))
+        _said(t, fmt, text)
         start = time.time()
         result = env.step(text)
         if inspect.isawaitable(result):
@@ -509,6 +541,7 @@ def replay(env: Env, fmt: ChatFormat, example: dict, turns: Sequence[str]) -> Tr
         rendered, shown = observation_texts(result.observation)
         t.add_observation(turn, fmt.observation_ids(rendered, env.observation_role, after_eos=fmt.ends_turn(ids)),
                           shown)
+        _heard(t, fmt, env, rendered)
     return t
 
 

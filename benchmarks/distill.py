@@ -1,0 +1,210 @@
+"""How fast does a student reach its teacher? On-policy distillation against GRPO (issue 51).
+
+The teacher: the embedded default trained (`dvc exp run -S seed=100 -S train.steps=40`), its
+models/final. Each student: a fresh warm start of the embedded default (seed 0, 1, 2), trained
+20 steps with the held-out accuracy measured every 2 (`train.eval_every=2`, the first 64
+held-out problems, one sample each at T=1), through `dvc exp run` as a user runs it:
+
+- `grpo`: GRPO on the task's reward (the default pipeline);
+- `opd`: `algorithm.name=opd`, the teacher served by turnrl (`reward.teacher.serve`: vLLM's
+  OpenAI server in a Ray actor), its logprob of every token the student sampled the signal,
+  no reward (`algorithm.options.reward_weight` 0);
+- `sft_grpo`: the sft stage on the teacher's own successes (`turnrl evaluate` of the teacher on
+  512 training problems, 2 samples each, the correct ones' conversations as an OpenAI messages
+  jsonl: `sft.data`), then GRPO.
+
+    python benchmarks/distill.py                       # teacher, then rows x seeds 0 1 2 -> benchmarks/DISTILL.md
+    python benchmarks/distill.py --rows grpo opd --seeds 0
+
+Per run: steps, trajectories and wall seconds of training until the held-out accuracy first
+reaches 90% of the teacher's (the teacher's on the same seed's held-out split, 256 problems,
+T=1, by `turnrl evaluate`), and the final accuracy (metrics/eval.json). Target: OPD in at most a
+third of GRPO's steps, on every seed. Results after every run (resumable), the teacher once.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.learning import (Row, _environ, commits_line, copy_project, mean_sd, run_one,  # noqa: E402
+                                 run_rows, with_notes)
+
+STUDENT = ["train.steps=20", "train.eval_every=2", "train.eval_examples=64"]
+TEACHER_SEED, TEACHER_STEPS = 100, 40
+FRACTION = 0.9
+
+
+def rows(work: Path) -> list[Row]:
+    teacher = work / "teacher"
+    return [
+        Row("grpo", "code_tool", "grpo", sets=STUDENT),
+        Row("opd", "code_tool", "opd", sets=[*STUDENT, "algorithm.name=opd", f"reward.teacher.serve={teacher}",
+                                              "reward.teacher.max_model_len=2048"]),
+        Row("sft_grpo", "code_tool", "grpo", sets=[*STUDENT, "sft.steps=60", "sft.batch_size=16", "sft.lr=0.0003"]),
+    ]
+
+
+def make_teacher(project: Path, work: Path) -> dict:
+    """The teacher (trained once, kept in work/teacher) and its run's numbers."""
+    info_path = work / "teacher.json"
+    if info_path.exists():
+        return json.loads(info_path.read_text())
+    print(f"teacher: seed {TEACHER_SEED}, {TEACHER_STEPS} steps ...", flush=True)
+    result = run_one(project, Row("teacher", "code_tool", "grpo", sets=[f"train.steps={TEACHER_STEPS}"]),
+                     TEACHER_SEED, [])
+    if "failed" in result:
+        raise RuntimeError(f"the teacher's run failed: {result['failed']}")
+    shutil.rmtree(work / "teacher", ignore_errors=True)
+    shutil.copytree(project / "models/final", work / "teacher")
+    info = {k: result[k] for k in ("baseline", "trained", "trained_greedy", "wall_s", "command", "commit")}
+    info_path.write_text(json.dumps(info, indent=1) + "\n")
+    return info
+
+
+def evaluate_teacher(project: Path, work: Path, seed: int, extra: list[str]) -> dict:
+    """`turnrl evaluate` of the teacher in `project` (whose data/processed is `seed`'s): its
+    metrics, once per seed; with `extra` (a benchmark of training rows) under another name."""
+    name = f"teacher_eval_seed{seed}" + ("_train" if extra else "")
+    out = work / name
+    if not (out / "metrics.json").exists():
+        cmd = [sys.executable, "-m", "turnrl.pipeline.evaluate", str(work / "teacher"), "--out", str(out),
+               "-S", f"seed={seed}", "-S", "eval.benchmarks=[]", *extra]
+        proc = subprocess.run(cmd, cwd=project, env=_environ(project), capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return json.loads((out / "metrics.json").read_text())
+
+
+def teacher_successes(project: Path, work: Path, seed: int) -> Path:
+    """The teacher's correct conversations on 512 of `seed`'s training problems (2 samples each)
+    as an OpenAI messages jsonl: the sft_grpo row's sft.data."""
+    import pandas as pd
+    path = work / f"teacher_successes_seed{seed}.jsonl"
+    if path.exists():
+        return path
+    rows_file = work / f"train_rows_seed{seed}.jsonl"
+    train = pd.read_parquet(project / "data/processed/train.parquet").head(512)
+    rows_file.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n"
+                                 for r in train.to_dict("records")))
+    evaluate_teacher(project, work, seed, ["-S", f"eval.benchmarks=[{{name: train, path: {rows_file}}}]",
+                                           "-S", "eval.samples=2"])
+    generations = pd.read_parquet(work / f"teacher_eval_seed{seed}_train" / "train.parquet")
+    good = generations[generations["correct"]]
+    with path.open("w") as fh:
+        for r in good.to_dict("records"):
+            fh.write(json.dumps({"messages": json.loads(r["messages"]), "tools": json.loads(r["tools"])}) + "\n")
+    return path
+
+
+def first_reaching(curve: list[dict], target: float) -> dict | None:
+    return next((p for p in curve if p["heldout_accuracy"] >= target), None)
+
+
+def run(project: Path, row: Row, seed: int, extra: list[str], work: Path) -> dict:
+    extra = list(extra)
+    if row.name == "sft_grpo":
+        if not (project / "data/processed/train.parquet").exists():
+            subprocess.run(["dvc", "exp", "run", "-S", f"seed={seed}", "preprocess"], cwd=project,
+                           env=_environ(project), check=True, capture_output=True)
+        extra.append(f"sft.data={teacher_successes(project, work, seed)}")
+    result = run_one(project, row, seed, extra)
+    if "failed" in result:
+        return result
+    import pandas as pd
+    curve = pd.read_csv(project / "plots/train.csv")
+    per_step = 16 * 8   # train.prompts_per_step x rollout.n (the defaults; no dynamic sampling)
+    points = [{"step": int(r["step"]), "heldout_accuracy": float(r["heldout_accuracy"]), "wall_s": float(r["wall_s"]),
+               "trajectories": int(r["step"]) * per_step}
+              for _, r in curve.iterrows() if pd.notna(r.get("heldout_accuracy"))]
+    teacher = evaluate_teacher(project, work, seed, [])["task"]["accuracy"]
+    reached = first_reaching(points, FRACTION * teacher)
+    sft = json.loads((project / "metrics/sft.json").read_text()) if (project / "metrics/sft.json").exists() else {}
+    return {**result, "teacher_accuracy": teacher, "curve": points, "reached": reached,
+            "step_s": round(float(curve["step_s"].mean()), 2),
+            "sft": {k: sft.get(k) for k in ("samples", "steps", "loss_first", "loss_last", "heldout_loss_start",
+                                            "heldout_loss_last")} if not sft.get("skipped", True) else None}
+
+
+def report(results: list[dict], seeds: list[int], work: Path, teacher: dict) -> str:
+    ok = [r for r in results if "trained" in r]
+    lines = ["# On-policy distillation against GRPO", "",
+             "Generated by `python benchmarks/distill.py`: the embedded default (code_tool); the teacher its "
+             f"`dvc exp run -S seed={TEACHER_SEED} -S train.steps={TEACHER_STEPS}` (held-out accuracy "
+             f"{teacher['baseline']:.3f} -> {teacher['trained']:.3f}); students from a fresh warm start, "
+             "20 steps, held-out accuracy every 2 steps (64 problems, T=1). Target: each student's first step "
+             f"at {FRACTION:.0%} of the teacher's held-out accuracy (256 problems, T=1, same seed). Seeds "
+             + ", ".join(map(str, seeds)) + ".", "",
+             "| row | steps to 90% of teacher | trajectories | train seconds | final accuracy | reached on |",
+             "|---|---|---|---|---|---|"]
+    for row in rows(work):
+        done = [r for r in ok if r["row"] == row.name]
+        if not done:
+            continue
+        hit = [r for r in done if r["reached"]]
+        steps = mean_sd([r["reached"]["step"] for r in hit], "{:.1f}") if hit else "never"
+        trajs = mean_sd([r["reached"]["trajectories"] for r in hit], "{:.0f}") if hit else "-"
+        wall = mean_sd([r["reached"]["wall_s"] for r in hit], "{:.0f}") if hit else "-"
+        final = mean_sd([r["trained"] for r in done], "{:.3f}")
+        lines.append(f"| {row.name} | {steps} | {trajs} | {wall} | {final} | {len(hit)}/{len(done)} seeds |")
+    lines += ["", "Steps to 90% of the teacher, OPD against GRPO, per seed (target: OPD <= GRPO / 3; a run that "
+              "never reached it counts as more than its 20 steps):", ""]
+    for seed in seeds:
+        grpo = next((r for r in ok if r["row"] == "grpo" and r["seed"] == seed), None)
+        opd = next((r for r in ok if r["row"] == "opd" and r["seed"] == seed), None)
+        if grpo and opd:
+            g = grpo["reached"]["step"] if grpo["reached"] else None
+            o = opd["reached"]["step"] if opd["reached"] else None
+            verdict = ("met" if o is not None and (g is None or 3 * o <= g) else "**not met**")
+            lines.append(f"- seed {seed}: OPD {o if o is not None else 'never'}, GRPO {g if g is not None else '>20'}: "
+                         f"{verdict}")
+    lines += ["", "## Per seed", "", "| row | seed | teacher | baseline | trained | curve (step: accuracy) | step s |",
+              "|---|---|---|---|---|---|---|"]
+    for r in sorted(results, key=lambda r: (r["row"], r["seed"])):
+        if "failed" in r:
+            lines.append(f"| {r['row']} | {r['seed']} | - | - | - | failed: {r['failed'][-200:]!r} | - |")
+            continue
+        curve = ", ".join(f"{p['step']}: {p['heldout_accuracy']:.2f}" for p in r["curve"])
+        lines.append(f"| {r['row']} | {r['seed']} | {r['teacher_accuracy']:.3f} | {r['baseline']:.3f} | "
+                     f"{r['trained']:.3f} | {curve} | {r['step_s']:.1f} |")
+    sft = [r for r in ok if r.get("sft")]
+    if sft:
+        lines += ["", "SFT on the teacher's successes (sft_grpo): " + "; ".join(
+            f"seed {r['seed']}: {r['sft']['samples']} conversations, loss {r['sft']['loss_first']:.2f} -> "
+            f"{r['sft']['loss_last']:.2f}, held-out {r['sft']['heldout_loss_start']:.2f} -> "
+            f"{r['sft']['heldout_loss_last']:.2f}" for r in sft if r["sft"]["heldout_loss_start"] is not None)]
+    return "\n".join(lines + ["", commits_line(results)]) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--rows", nargs="+", choices=["grpo", "opd", "sft_grpo"])
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/turnrl_distill_bench"))
+    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks/distill.json")
+    parser.add_argument("--report", type=Path, default=ROOT / "benchmarks/DISTILL.md")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    work = args.work_dir
+    project = work / "project"
+    if not (project / "dvc.yaml").exists():
+        project.mkdir(parents=True, exist_ok=True)
+        copy_project(project)
+    teacher = make_teacher(project, work)
+    chosen = [r for r in rows(work) if not args.rows or r.name in args.rows]
+    run_rows(chosen, args.seeds, lambda row: project, args.results,
+             lambda p, row, seed, extra: run(p, row, seed, extra, work), args.set,
+             lambda done: args.report.write_text(with_notes(report(done, args.seeds, work, teacher), args.report)))
+    print(args.report.read_text() if args.report.exists() else "nothing run")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
