@@ -1,9 +1,11 @@
 """How fast does a student reach its teacher? On-policy distillation against GRPO (issue 51).
 
 The teacher: the embedded default trained (`dvc exp run -S seed=100 -S train.steps=40`), its
-models/final. Each student: a fresh warm start of the embedded default (seed 0, 1, 2), trained
-20 steps with the held-out accuracy measured every 2 (`train.eval_every=2`, the first 64
-held-out problems, one sample each at T=1), through `dvc exp run` as a user runs it:
+models/final. Each student: that run's warm start, untrained by RL (its models/initial, given as
+`model.path`: the tiny model's tokenizer is built per seed, and a teacher must share the
+student's), trained with seed 0, 1, 2 (the data split and the sampling), 20 steps with the
+held-out accuracy measured every 2 (`train.eval_every=2`, the first 64 held-out problems, one
+sample each at T=1), through `dvc exp run` as a user runs it:
 
 - `grpo`: GRPO on the task's reward (the default pipeline);
 - `opd`: `algorithm.name=opd`, the teacher served by turnrl (`reward.teacher.serve`: vLLM's
@@ -43,12 +45,12 @@ FRACTION = 0.9
 
 
 def rows(work: Path) -> list[Row]:
-    teacher = work / "teacher"
+    teacher, student = work / "teacher", [*STUDENT, f"model.path={work / 'student_start'}"]
     return [
-        Row("grpo", "code_tool", "grpo", sets=STUDENT),
-        Row("opd", "code_tool", "opd", sets=[*STUDENT, "algorithm.name=opd", f"reward.teacher.serve={teacher}",
+        Row("grpo", "code_tool", "grpo", sets=student),
+        Row("opd", "code_tool", "opd", sets=[*student, "algorithm.name=opd", f"reward.teacher.serve={teacher}",
                                               "reward.teacher.max_model_len=2048"]),
-        Row("sft_grpo", "code_tool", "grpo", sets=[*STUDENT, "sft.steps=60", "sft.batch_size=16", "sft.lr=0.0003"]),
+        Row("sft_grpo", "code_tool", "grpo", sets=[*student, "sft.steps=60", "sft.batch_size=16", "sft.lr=0.0003"]),
     ]
 
 
@@ -62,8 +64,9 @@ def make_teacher(project: Path, work: Path) -> dict:
                      TEACHER_SEED, [])
     if "failed" in result:
         raise RuntimeError(f"the teacher's run failed: {result['failed']}")
-    shutil.rmtree(work / "teacher", ignore_errors=True)
-    shutil.copytree(project / "models/final", work / "teacher")
+    for name, folder in (("teacher", "models/final"), ("student_start", "models/initial")):
+        shutil.rmtree(work / name, ignore_errors=True)
+        shutil.copytree(project / folder, work / name)
     info = {k: result[k] for k in ("baseline", "trained", "trained_greedy", "wall_s", "command", "commit")}
     info_path.write_text(json.dumps(info, indent=1) + "\n")
     return info
@@ -114,7 +117,10 @@ def run(project: Path, row: Row, seed: int, extra: list[str], work: Path) -> dic
         if not (project / "data/processed/train.parquet").exists():
             subprocess.run(["dvc", "exp", "run", "-S", f"seed={seed}", "preprocess"], cwd=project,
                            env=_environ(project), check=True, capture_output=True)
-        extra.append(f"sft.data={teacher_successes(project, work, seed)}")
+        try:
+            extra.append(f"sft.data={teacher_successes(project, work, seed)}")
+        except (RuntimeError, subprocess.CalledProcessError, KeyError) as exc:
+            return {"row": row.name, "seed": seed, "wall_s": 0.0, "failed": f"the teacher's successes: {exc}"[-1500:]}
     result = run_one(project, row, seed, extra)
     if "failed" in result:
         return result
