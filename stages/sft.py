@@ -18,9 +18,8 @@ def main(cfg):
     summary = run_sft(cfg, model_dir(INITIAL), OUT, on_step=lambda step, m: runs.log_metrics(
         {f"sft/{k}": v for k, v in m.items() if k != "step"}, step))
     write_json("metrics/sft.json", summary)
-    runs.log_parent(run, metrics={"sft/loss_last": summary["loss_last"],
-                                  **({"sft/heldout_loss_last": summary["heldout_loss_last"]}
-                                     if summary["heldout_loss_last"] is not None else {})})
+    runs.log_parent(run, metrics={"sft/loss_last": summary["loss_last"],     # None (no held-out) is not logged
+                                  "sft/heldout_loss_last": summary["heldout_loss_last"]})
     artifacts.log_dict(run, summary, "sft_summary.json")
 
 

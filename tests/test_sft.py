@@ -253,3 +253,58 @@ def test_a_step_loop_trajectory_s_conversation_renders_back_into_its_tokens(fmt,
         differ = [i for i, (a, b) in enumerate(zip(s.loss_mask, t.loss_mask)) if a != b]
         assert [s.response_ids[i] for i in differ] == [end] and s.loss_mask[differ[0]] == 1
         assert fmt.tokenizer.decode(s.response_ids[:differ[0]]).endswith("</code>")
+
+
+def test_demonstrations_as_sft_data_are_the_environment_s_good_replays(fmt):
+    """`sft.data: demonstrations`: the environment's good demonstrations replayed through it (the
+    tiny model's warm-start source, for any checkpoint), a held-out share by demonstration."""
+    from turnrl.config import Config
+    from turnrl.pipeline.sft import demonstration_split
+    cfg = Config.model_validate({"sft": {"data": "demonstrations", "demonstrations": 40, "heldout_fraction": 0.1},
+                                 "data": {"train_examples": 64, "heldout_examples": 16}})
+    train, heldout, counts = demonstration_split(cfg, fmt)
+    assert (len(train), len(heldout)) == (36, 4) and counts["conversations"] == 40
+    for s in train + heldout:
+        taught = fmt.tokenizer.decode([t for t, m in zip(s.response_ids, s.loss_mask) if m])
+        assert "<code>" in taught and "<answer>" in taught and "<output>" not in taught
+
+
+def test_sft_off_passes_the_model_through(tmp_path, tiny_model_dir):
+    import shutil
+    from turnrl.models.folders import model_dir
+    from turnrl.pipeline.sft import pass_through
+    initial = tmp_path / "initial"
+    shutil.copytree(tiny_model_dir, initial)
+    assert pass_through(initial, tmp_path / "sft") == {"skipped": True, "reason": "sft.data: none"}
+    assert (tmp_path / "sft/model.safetensors").read_bytes() == (initial / "model.safetensors").read_bytes()
+    pointer = tmp_path / "checkpoint"
+    pointer.mkdir()
+    (pointer / "turnrl_model.json").write_text(json.dumps({"kind": "checkpoint", "path": str(tiny_model_dir)}))
+    pass_through(pointer, tmp_path / "sft2")
+    assert sorted(p.name for p in (tmp_path / "sft2").iterdir()) == ["turnrl_model.json"]
+    assert model_dir(tmp_path / "sft2") == str(tiny_model_dir)
+
+
+@pytest.mark.slow
+def test_sft_with_lora_trains_the_adapters_and_saves_the_merged_model(tiny_model_dir, rows, tmp_path):
+    """model.lora in SFT as in RL: only the adapters train, models/sft is the merged model (what
+    the next stages load) with the adapters in adapter/."""
+    from transformers import AutoModelForCausalLM
+
+    from turnrl.config import Config
+    from turnrl.pipeline.sft import run_sft
+    from turnrl.training.workers import ADAPTER_DIR
+    data = write_jsonl(tmp_path / "chat.jsonl", [tool_conversation(r) for r in rows[:24]])
+    cfg = Config.model_validate({"sft": {"data": str(data), "steps": 15, "batch_size": 8, "lr": 1e-2},
+                                 "model": {"lora": {"r": 8, "alpha": 16}}, "cluster": {"num_cpus": 2}})
+    summary = run_sft(cfg, str(tiny_model_dir), tmp_path / "sft")
+    import ray
+    ray.shutdown()
+    assert summary["heldout_samples"] == 0 and summary["heldout_loss_last"] is None   # under 20 conversations
+    assert summary["loss_last"] < 0.9 * summary["loss_first"], summary   # a rank-8 adapter on a random model: slowly
+    assert (tmp_path / "sft" / ADAPTER_DIR / "adapter_config.json").exists()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "sft").state_dict()
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert merged.keys() == start.keys()
+    changed = [k for k in merged if not (merged[k] == start[k]).all()]
+    assert changed and all("proj" in k for k in changed)   # the adapted linear layers; embeddings untouched
