@@ -287,6 +287,58 @@ def test_a_bad_value_fails_fast_naming_the_key(project, first_run):
     assert time.perf_counter() - start < 60
 
 
+@pytest.mark.slow
+def test_sft_then_async_distillation_from_the_start_model_through_the_pipeline(project, first_run, mlflow_server):
+    """Post-training end to end: `sft.data` names a file of conversations (OpenAI messages: code_tool
+    episodes, the tool's result a tool message), the sft stage trains on it (its loss falls) and logs
+    to its MLflow child run; then the train stage distills (`algorithm.name: opd`, `train.mode:
+    async`) from a teacher turnrl serves with vLLM (models/initial: the same tokenizer), its engines
+    loading models/sft. The default (`sft.data: none`) had passed models/initial through."""
+    from transformers import AutoTokenizer
+
+    from turnrl import envs
+    from turnrl.data.synthetic import product_demonstration, product_rows
+    from turnrl.rollout.chat import ChatFormat
+    from turnrl.rollout.multi_turn import replay
+    import random
+    assert json.loads((project / "metrics/sft.json").read_text()) == {"skipped": True, "reason": "sft.data: none"}
+    assert (project / "models/sft/model.safetensors").read_bytes() == \
+        (project / "models/initial/model.safetensors").read_bytes()
+    fmt = ChatFormat(AutoTokenizer.from_pretrained(project / "models/initial"))
+    make_env = envs.resolve("code_tool").factory
+    with open(project / "chat.jsonl", "w") as out:
+        for row in product_rows(40, seed=7, split="train", exclude=set()):
+            t = replay(make_env(), fmt, row, product_demonstration(row, random.Random(0), True).turns)
+            out.write(json.dumps({"messages": t.messages, "tools": t.tools}) + "\n")
+    params = (project / "params.yaml").read_text()
+    sets = ["sft.data=chat.jsonl", "sft.steps=12", "sft.batch_size=8", "sft.lr=0.001", "sft.eval_every=6",
+            "sft.heldout_fraction=0.1", "algorithm.name=opd", "reward.teacher.serve=models/initial",
+            "reward.teacher.max_model_len=1024", "train.mode=async", "algorithm.policy_loss=decoupled",
+            "train.steps=2"]
+    try:
+        proc = run_dvc(project, "exp", "run", "train", *[a for kv in sets for a in ("-S", kv)])
+    finally:
+        (project / "params.yaml").write_text(params)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Running stage 'sft'" in proc.stdout and "Running stage 'train'" in proc.stdout
+    summary = json.loads((project / "metrics/sft.json").read_text())
+    assert summary["conversations"] == 40 and summary["heldout_conversations"] == 4 and summary["steps"] == 12
+    assert summary["loss_last"] < summary["loss_first"] and summary["heldout_loss_last"] < summary["heldout_loss_start"]
+    assert (project / "models/sft/model.safetensors").read_bytes() != \
+        (project / "models/initial/model.safetensors").read_bytes()
+    import pandas as pd
+    curve = pd.read_csv(project / "plots/train.csv")
+    assert list(curve["step"]) == [1, 2] and curve["advantage_abs_mean"].gt(0).all()   # the teacher's signal
+    import mlflow
+    client = mlflow.MlflowClient(tracking_uri=mlflow_server.uri)
+    sft = client.search_runs([client.get_experiment_by_name("turnrl").experiment_id],
+                             "tags.`turnrl.pipeline.stage` = 'sft'", order_by=["attributes.start_time DESC"])[0]
+    assert sft.data.params["sft.data"] == "chat.jsonl"
+    assert len(client.get_metric_history(sft.info.run_id, "sft/loss")) == 12
+    assert len(client.get_metric_history(sft.info.run_id, "sft/heldout_loss")) == 3   # steps 0, 6, 12
+    assert {"sft/tokens_per_s", "sft/grad_norm"} <= set(sft.data.metrics)
+
+
 REAL_DATA = {
     # MT-GRPO's setting: GSM8K through the code tool
     "gsm8k_code_tool": ["env.name=code_tool", "data.train_set=gsm8k_train", "data.heldout_set=gsm8k_test"],
@@ -323,51 +375,3 @@ def test_real_data_runs_through_the_pipeline(project, first_run, setting):
         assert manifest["corpus"]["n"] > 2500
         assert rows["trajectory"].str.contains("<result>|No results", regex=True).any() or \
             not rows["trajectory"].str.contains("<search>").any()
-
-
-
-@pytest.mark.slow
-def test_the_sft_stage_fine_tunes_on_a_conversation_file_and_rl_starts_from_it(project, first_run, mlflow_server):
-    """`sft.data` names a file of conversations (OpenAI messages: code_tool episodes, the tool's
-    result a tool message): the sft stage trains on it (its loss falls), logs to its MLflow child
-    run, and baseline_eval loads models/sft in vLLM; the default (`sft.data: none`) passed
-    models/initial through."""
-    from transformers import AutoTokenizer
-
-    from turnrl import envs
-    from turnrl.data.synthetic import product_demonstration, product_rows
-    from turnrl.rollout.chat import ChatFormat
-    from turnrl.rollout.multi_turn import replay
-    import random
-    assert json.loads((project / "metrics/sft.json").read_text()) == {"skipped": True, "reason": "sft.data: none"}
-    assert (project / "models/sft/model.safetensors").read_bytes() == \
-        (project / "models/initial/model.safetensors").read_bytes()
-    fmt = ChatFormat(AutoTokenizer.from_pretrained(project / "models/initial"))
-    make_env = envs.resolve("code_tool").factory
-    with open(project / "chat.jsonl", "w") as out:
-        for row in product_rows(40, seed=7, split="train", exclude=set()):
-            t = replay(make_env(), fmt, row, product_demonstration(row, random.Random(0), True).turns)
-            out.write(json.dumps({"messages": t.messages, "tools": t.tools}) + "\n")
-    params = (project / "params.yaml").read_text()
-    try:
-        proc = run_dvc(project, "exp", "run", "baseline_eval", "-S", "sft.data=chat.jsonl", "-S", "sft.steps=12",
-                       "-S", "sft.batch_size=8", "-S", "sft.lr=0.001", "-S", "sft.eval_every=6", "-S",
-                       "sft.heldout_fraction=0.1", "-S", "eval.benchmarks=[]")
-    finally:
-        (project / "params.yaml").write_text(params)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "Running stage 'sft'" in proc.stdout and "Running stage 'baseline_eval'" in proc.stdout
-    summary = json.loads((project / "metrics/sft.json").read_text())
-    assert summary["conversations"] == 40 and summary["heldout_conversations"] == 4 and summary["steps"] == 12
-    assert summary["loss_last"] < summary["loss_first"] and summary["heldout_loss_last"] < summary["heldout_loss_start"]
-    assert (project / "models/sft/model.safetensors").read_bytes() != \
-        (project / "models/initial/model.safetensors").read_bytes()
-    assert json.loads((project / "metrics/baseline.json").read_text())["task"]["n"] == 32   # vLLM ran models/sft
-    import mlflow
-    client = mlflow.MlflowClient(tracking_uri=mlflow_server.uri)
-    sft = client.search_runs([client.get_experiment_by_name("turnrl").experiment_id],
-                             "tags.`turnrl.pipeline.stage` = 'sft'", order_by=["attributes.start_time DESC"])[0]
-    assert sft.data.params["sft.data"] == "chat.jsonl"
-    losses = client.get_metric_history(sft.info.run_id, "sft/loss")
-    assert len(losses) == 12 and len(client.get_metric_history(sft.info.run_id, "sft/heldout_loss")) == 3
-    assert {"sft/tokens_per_s", "sft/grad_norm"} <= set(sft.data.metrics)

@@ -308,3 +308,69 @@ def test_sft_with_lora_trains_the_adapters_and_saves_the_merged_model(tiny_model
     assert merged.keys() == start.keys()
     changed = [k for k in merged if not (merged[k] == start[k]).all()]
     assert changed and all("proj" in k for k in changed)   # the adapted linear layers; embeddings untouched
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "phi3"])
+def test_every_family_s_template_gives_one_sample_taught_on_the_assistant_only(family):
+    """The miniatures' chat templates (each family's documented format: Qwen's tool results in a
+    user turn, Llama's ipython role, Mistral's and Gemma's strict alternation, Phi-3's end token):
+    a two-turn conversation with a tool result (in the role the family renders it) is one sample,
+    its loss on the two assistant messages and their closing tokens; a role the template refuses is
+    one line naming the row."""
+    from turnrl.gateway.conversations import ConversationError, conversation_samples
+    from turnrl.models import miniatures
+    from turnrl.rollout.chat import ChatFormat
+    fmt = ChatFormat(miniatures.build_tokenizer(miniatures.FAMILIES[family]))
+    role = fmt.rendered_role("tool")
+    messages = [{"role": "user", "content": "What is 6 times 7?"},
+                {"role": "assistant", "content": "<code>print(6 * 7)</code>"},
+                {"role": role, "content": "<output>42</output>"},
+                {"role": "assistant", "content": "<answer>42</answer>"}]
+    rendered = conversation_samples(_conversation({"messages": messages}, "chat.jsonl:3"), fmt, 4096)
+    (s,) = rendered.samples
+    runs = [m for k, m in enumerate(s.loss_mask) if k == 0 or m != s.loss_mask[k - 1]]
+    assert runs == [1, 0, 1], family                       # assistant, the tool's frame and text, assistant
+    taught = fmt.tokenizer.decode([t for t, m in zip(s.response_ids, s.loss_mask) if m])
+    untaught = fmt.tokenizer.decode([t for t, m in zip(s.response_ids, s.loss_mask) if not m])
+    assert "print(6 * 7)" in taught and "<answer>42</answer>" in taught and "<output>42</output>" in untaught
+    assert taught.count(fmt.end_of_turn) == 2 and taught.endswith(fmt.end_of_turn)
+    assert s.prompt_ids == fmt.prompt_ids("", messages[0]["content"])
+    if role == "user":   # a family that renders no tool role (Mistral, Gemma) refuses it, naming the row
+        tool = [dict(m, role="tool") if m["role"] == "user" and "output" in m["content"] else m for m in messages]
+        try:
+            conversation_samples(_conversation({"messages": tool}, "chat.jsonl:3"), fmt, 4096)
+        except ConversationError as exc:
+            assert str(exc).startswith("chat.jsonl:3: messages[") and "\n" not in str(exc)
+
+
+def test_a_missing_conversation_file_stops_the_stage_before_any_work(tmp_path):
+    import subprocess
+    import time
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text().replace(
+        "  data: none ", "  data: chats/missing.jsonl "))
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(ROOT / "stages/sft.py")], cwd=tmp_path, capture_output=True, text=True,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")})
+    assert proc.returncode == 2 and time.perf_counter() - start < 60
+    assert proc.stderr.strip().splitlines() == [
+        f"turnrl sft: sft.data = 'chats/missing.jsonl': no such file (relative to {tmp_path}, where the stages run); "
+        "fix the path to a .jsonl/.json/.parquet file of conversations, or none, demonstrations, hf:<dataset id>"]
+
+
+def test_the_gpu_distillation_preset_places_eight_gpus_and_checks_its_teacher():
+    """configs/distill_gpu.yaml: valid over params.yaml, 4 ZeRO-3 trainer ranks and 3 engines on a GPU
+    each (7 in the placement group) and the teacher served on its own (the 8th), opd from a teacher
+    of the student's family; its sft.data file is checked before the stage works."""
+    from turnrl import presets
+    from turnrl.config import load_config
+    from turnrl.pipeline.checks import stage_problems
+    from turnrl.training.cluster import check_cluster, plan_placement, weight_sync_mode
+    keys = presets.load("distill_gpu", ROOT / "params.yaml", ROOT / "configs")
+    cfg = load_config(ROOT / "params.yaml", [f"{k}={v}" for k, v in keys.items()])
+    check_cluster(cfg)
+    bundles, _ = plan_placement(cfg)
+    assert sum(b.get("GPU", 0) for b in bundles) + cfg.cluster.served_gpus == 8 and weight_sync_mode(cfg) == "nccl"
+    assert cfg.algorithm.name == "opd" and cfg.reward.teacher.serve.startswith("Qwen/Qwen2.5-")
+    assert cfg.model.path.startswith("Qwen/Qwen2.5-") and cfg.sft.enabled and cfg.train.zero_stage == 3
+    assert stage_problems(cfg, "sft") and "sft.data = 'data/teacher_successes.jsonl': no such file" in \
+        stage_problems(cfg, "sft")[0]

@@ -31,15 +31,26 @@ FIRST_ROWS = 20   # the rows a field mapping is checked against (preprocess then
 
 def all_problems(cfg: Config) -> list[str]:
     """Everything: what `turnrl config` and the Prefect flow's first task check."""
-    return data_problems(cfg) + benchmark_problems(cfg) + tool_problems(cfg)
+    return data_problems(cfg) + sft_problems(cfg) + benchmark_problems(cfg) + tool_problems(cfg)
 
 
 def stage_problems(cfg: Config, stage: str) -> list[str]:
-    """What stage `stage` needs: preprocess (the pipeline's first) checks everything; the
-    stages that run the environment check its tools; the report checks nothing."""
+    """What stage `stage` needs: preprocess (the pipeline's first) checks everything; sft its
+    conversation file; the stages that run the environment check its tools; the report nothing."""
     if stage == "preprocess":
         return all_problems(cfg)
+    if stage == "sft":
+        return sft_problems(cfg)
     return [] if stage == "report" else tool_problems(cfg)
+
+
+def sft_problems(cfg: Config) -> list[str]:
+    """sft.data naming a file that is not there (none, demonstrations and hf: ids are not files)."""
+    data = cfg.sft.data
+    if data in ("none", "demonstrations") or data.startswith("hf:"):
+        return []
+    problem = _missing_file("sft.data", data, "of conversations, or none, demonstrations, hf:<dataset id>")
+    return [problem] if problem else []
 
 
 def before_evaluate(cfg: Config) -> None:

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -128,7 +129,9 @@ def launch(cfg: Any) -> ServedModels:
         return ServedModels(cfg, {})
     c = cfg.cluster
     remote = ray.remote(ServedModel).options(num_cpus=c.served_cpus, num_gpus=c.served_gpus)
-    actors = {key: remote.remote(key, m.serve, m.model, cfg.model.dtype, m.max_model_len, cfg.rollout.kv_cache_gib,
+    # the actors run in another working directory (or node): a local folder by its absolute path
+    where = {key: str(Path(m.serve).resolve()) if Path(m.serve).exists() else m.serve for key, m in wanted.items()}
+    actors = {key: remote.remote(key, where[key], m.model, cfg.model.dtype, m.max_model_len, cfg.rollout.kv_cache_gib,
                                  c.engine_gpu_memory, c.served_gpus) for key, m in wanted.items()}
     urls = dict(zip(actors, ray.get([a.address.remote() for a in actors.values()])))
     url_of = {id(m): urls[key] for key, m in wanted.items()}
