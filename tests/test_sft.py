@@ -294,7 +294,7 @@ def test_sft_with_lora_trains_the_adapters_and_saves_the_merged_model(tiny_model
     from turnrl.config import Config
     from turnrl.pipeline.sft import run_sft
     from turnrl.training.workers import ADAPTER_DIR
-    data = write_jsonl(tmp_path / "chat.jsonl", [tool_conversation(r) for r in rows[:24]])
+    data = write_jsonl(tmp_path / "chat.jsonl", [tool_conversation(r) for r in rows[:18]])
     cfg = Config.model_validate({"sft": {"data": str(data), "steps": 15, "batch_size": 8, "lr": 1e-2},
                                  "model": {"lora": {"r": 8, "alpha": 16}}, "cluster": {"num_cpus": 2}})
     summary = run_sft(cfg, str(tiny_model_dir), tmp_path / "sft")
