@@ -3,12 +3,14 @@ tokens in their full context, from a vLLM-style completions server on loopback; 
 algorithm needs from params; a served teacher through the real loop (slow)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from turnrl.config import Config
 from turnrl.config.loading import check_plugins
 from turnrl.config.sections import TeacherCfg
-from turnrl.rewards.teacher import Teacher, TeacherError, prompt_logprobs, tokenizer_mismatch
+from turnrl.rewards.teacher import Teacher, prompt_logprobs, tokenizer_mismatch
 from turnrl.rollout.multi_turn import Trajectory
 
 from judge_server import TeacherServer
@@ -34,15 +36,22 @@ def test_the_teacher_scores_every_sampled_token_in_its_full_context():
     assert server.requests == 1
 
 
-def test_a_teacher_that_is_down_or_gives_no_logprobs_is_an_error_naming_it():
+def test_a_teacher_that_is_down_or_gives_no_logprobs_is_an_env_error_naming_it_never_a_silent_zero():
+    """Retried, then counted like an environment error: the trajectory ends env_error naming the
+    teacher and why, and nothing of it is trained on (the loop stops past env.max_error_fraction)."""
+    from turnrl.training.loop import env_errors
     for mode, why in (("down", "HTTP 503"), ("bare", "no prompt_logprobs for every token")):
         server = TeacherServer(mode)
         try:
-            with pytest.raises(TeacherError, match=f"reward.teacher .* gave no logprobs .*'row-0'.*{why}"):
-                Teacher(TeacherCfg(base_url=server.url, retries=1)).annotate([_trajectory()])
+            t = _trajectory()
+            Teacher(TeacherCfg(base_url=server.url, retries=1)).annotate([t])
         finally:
             server.close()
         assert server.requests == (2 if mode == "down" else 1)   # a 503 is retried, a bare answer is final
+        assert t.finish == "env_error" and re.search(f"reward.teacher .* gave no logprobs .*'row-0'.*{why}",
+                                                      t.info["env_error"])
+        assert t.loss_mask == [0, 0, 0, 0] and t.teacher_logprobs == [0.0] * 4
+        assert env_errors([t]) == (1.0, t.info["env_error"])
 
 
 def test_prompt_logprobs_reads_each_tokens_entry_by_id():

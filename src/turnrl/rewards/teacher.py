@@ -8,9 +8,11 @@ completions API with `prompt_logprobs` (the prompt sent as token ids, so nothing
 
 `algorithm.name: opd` trains on them (turnrl.algos.builtin: the per-token reverse KL, top-1).
 Calls run concurrently, at most `max_concurrency` in flight, with the retries of
-turnrl.rewards.endpoint; a trajectory the teacher gives no logprobs for raises a TeacherError
-naming the teacher and the reason (never a silent zero). The teacher must share the policy's
-tokenizer (the ids are sent as they are).
+turnrl.rewards.endpoint. A trajectory the teacher still gives no logprobs for is counted like an
+environment error (never a silent zero): it ends `env_error` with the reason in
+`info["env_error"]`, nothing of it is trained on (its loss mask is cleared), and more than
+`env.max_error_fraction` of a step's trajectories so ended stops the run naming the teacher. The
+teacher must share the policy's tokenizer (the ids are sent as they are).
 """
 from __future__ import annotations
 
@@ -21,10 +23,6 @@ from typing import Any, Sequence
 from turnrl.rewards import endpoint
 
 
-class TeacherError(RuntimeError):
-    """The teacher gave no logprobs for a trajectory (down, timed out, not a vLLM answer)."""
-
-
 class Teacher:
     def __init__(self, cfg: Any):
         """`cfg`: the checked `reward.teacher` params (turnrl.config TeacherCfg), its base_url set."""
@@ -32,15 +30,21 @@ class Teacher:
         self.api_key = os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
 
     def annotate(self, trajs: Sequence[Any]) -> None:
-        """Set `teacher_logprobs` on every trajectory (and on each sample of an agent's episode)."""
-        rows = [s for t in trajs for s in (t.samples or [t]) if s.response_ids]
-        results = endpoint.run(self._ask_all([s.prompt_ids + s.response_ids for s in rows]))
-        for row, (logprobs, error) in zip(rows, results):
+        """Set `teacher_logprobs` on every trajectory (and on each sample of an agent's episode);
+        a trajectory with a row the teacher gave none for ends env_error, untrained (module doc)."""
+        owned = [(t, s) for t in trajs for s in (t.samples or [t]) if s.response_ids]
+        results = endpoint.run(self._ask_all([s.prompt_ids + s.response_ids for _, s in owned]))
+        failed: dict[int, str] = {}
+        for (t, row), (logprobs, error) in zip(owned, results):
             if logprobs is None:
-                raise TeacherError(f"reward.teacher ({self.cfg.model} at {self.cfg.base_url}) gave no logprobs for the "
-                                   f"trajectory of prompt {row.example.get('id', '?')!r}: {error}")
+                failed.setdefault(id(t), f"reward.teacher ({self.cfg.model} at {self.cfg.base_url}) gave no logprobs "
+                                         f"for the trajectory of prompt {row.example.get('id', '?')!r}: {error}")
+                continue
             response = logprobs[len(row.prompt_ids):]
             row.teacher_logprobs = [lp if m else 0.0 for lp, m in zip(response, row.loss_mask)]
+        for t in trajs:
+            if id(t) in failed:
+                _untrained(t, failed[id(t)])
 
     async def _ask_all(self, sequences: list[list[int]]) -> list[tuple[list[float] | None, str]]:
         import httpx
@@ -59,6 +63,16 @@ class Teacher:
             return prompt_logprobs(reply.body, ids), ""
         except ValueError as exc:
             return None, str(exc)
+
+
+def _untrained(t: Any, reason: str) -> None:
+    """`t` ended as an environment error for `reason`: counted, and none of it trained on."""
+    from turnrl.rollout.multi_turn import ENV_ERROR
+    t.finish = ENV_ERROR
+    t.info["env_error"] = reason
+    for row in t.samples or [t]:
+        row.loss_mask = [0] * len(row.response_ids)
+        row.teacher_logprobs = [0.0] * len(row.response_ids)
 
 
 def prompt_logprobs(body: dict, ids: Sequence[int]) -> list[float]:

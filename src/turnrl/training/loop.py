@@ -437,14 +437,15 @@ def _end_of_turn_id(cfg: Config, model_dir: str) -> int:
 
 def _check_environment(cfg: Config, trajs: Sequence[Trajectory], step: int, history: list[dict], bar) -> None:
     """Stop with EnvironmentFailure when more than env.max_error_fraction of the trajectories
-    ended with their environment raising."""
+    ended in an error (their environment raised, or reward.teacher gave no logprobs)."""
     error_frac, first_error = env_errors(trajs)
     if error_frac > cfg.env.max_error_fraction:
         bar.close()
         raise EnvironmentFailure(
-            f"step {step}: the environment {cfg.env.name} raised in {error_frac:.0%} of the trajectories "
-            f"(env.max_error_fraction {cfg.env.max_error_fraction}); the first: {first_error}. Fix the "
-            "environment (its reset or step), or raise env.max_error_fraction; checkpoints are kept", history)
+            f"step {step}: {error_frac:.0%} of the trajectories ended in an error of the environment {cfg.env.name} "
+            f"(or of reward.teacher) (env.max_error_fraction {cfg.env.max_error_fraction}); the first: {first_error}. "
+            "Fix what it names (the environment's reset or step, the teacher's server), or raise "
+            "env.max_error_fraction; checkpoints are kept", history)
 
 
 def update_on(cfg: Config, workers: Workers, algorithm: Algorithm, trajs: Sequence[Trajectory], step: int,
