@@ -456,10 +456,13 @@ def _start(cfg: Config, model_dir: str, data_dir: str, pg, slots: list[Slot], hi
     engine_slots = [s for s in slots if s.role == "engine"]
     asynchronous = cfg.train.mode == "async"
     if asynchronous and cfg.rollout.engine == "vllm":
-        # weights change while requests run, so the prefix cache cannot be reset then: cached blocks
-        # computed under older weights would be reused by new requests (measured: the run diverged);
-        # and no step may be in flight when the weights are reloaded between two engine steps
-        engine_options.update(enable_prefix_caching=False, async_scheduling=False)
+        # weights are reloaded between two engine steps while requests run: no step may be in flight
+        # then. The prefix cache stays on (a turn reuses its episode's earlier turns): every push drops
+        # each cached block and recomputes the running requests' keys and values under the new weights
+        # (engines.forget_older_kv), so no block of older weights is ever reused. Clearing rather than
+        # salting by policy version: a block the older weights computed is of no use to a request
+        # sampled with the new ones, so keeping it would only take room
+        engine_options.update(async_scheduling=False)
     engines = RolloutGroup([s.name for s in engine_slots], [
         # async: feed, take_groups and weight loads reach the actor while its stream generates
         ray.remote(RolloutWorker).options(**options(s, engine_env), max_concurrency=4 if asynchronous else 1).remote(
