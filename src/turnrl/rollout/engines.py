@@ -196,6 +196,7 @@ class VLLMStepper:
                                      output_kind=RequestOutputKind.DELTA)
         # request id -> key, ids, logprobs, its stop strings
         self.running: dict[str, tuple[int, list[int], list[float], list[str]]] = {}
+        self.prefill: dict[str, list[int]] = {}   # request id -> [prompt tokens, tokens the prefix cache served]
 
     def add(self, key: int, prompt: Sequence[int], max_tokens: int, seed: int | None,
             options: dict | None = None) -> None:
@@ -212,6 +213,7 @@ class VLLMStepper:
         request_id = f"turnrl-{next(_request_ids)}"
         self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), params)
         self.running[request_id] = (key, [], [], stop)
+        self.prefill[request_id] = [len(prompt), 0]   # its prompt, and the part the prefix cache served
 
     def step(self) -> list[tuple[int, Sample]]:
         finished: dict[str, str] = {}
@@ -220,6 +222,8 @@ class VLLMStepper:
             if out.request_id not in self.running:
                 continue
             _, ids, logprobs, stop = self.running[out.request_id]
+            counts = self.prefill[out.request_id]
+            counts[1] = max(counts[1], out.num_cached_tokens or 0)
             c = out.outputs[0]
             new = list(c.token_ids)
             ids += new
@@ -240,7 +244,8 @@ class VLLMStepper:
         done = []
         for request_id, finish in finished.items():
             key, ids, logprobs, _ = self.running.pop(request_id)
-            done.append((key, Sample(ids, logprobs, finish)))
+            prompt_tokens, cached = self.prefill.pop(request_id)
+            done.append((key, Sample(ids, logprobs, finish, prompt_tokens, cached)))
         return done
 
     def busy(self) -> bool:
@@ -250,6 +255,7 @@ class VLLMStepper:
         if self.running:
             self.engine.abort_request(list(self.running))
             self.running.clear()
+            self.prefill.clear()
 
 
 _request_ids = itertools.count()
@@ -298,7 +304,7 @@ class HFEngine:
                     if tok in self.eos_ids or any(s in text for s in stop):
                         finish = "stop"
                         break
-                samples[i] = Sample(toks, lps, finish)
+                samples[i] = Sample(toks, lps, finish, prompt_tokens=len(prompts[i]))   # no prefix cache
         return samples  # type: ignore[return-value]
 
     @torch.no_grad()

@@ -60,6 +60,8 @@ class Sample:
     token_ids: list[int]
     logprobs: list[float]   # logprob of each sampled id under the engine's (unscaled) model
     finish: str             # "stop": a stop string or end of sequence; "length": max tokens hit
+    prompt_tokens: int = 0  # the request's prompt ...
+    cached_tokens: int = 0  # ... and how much of it the engine's prefix cache served (vLLM's count)
 
 
 class Engine(Protocol):
@@ -153,6 +155,10 @@ class Trajectory:
     # for an agent program's samples (their calls' messages are in info["gateway_calls"])
     messages: list[dict] = field(default_factory=list)
     tools: list[dict] = field(default_factory=list)
+    # prompt tokens of its turns' requests the engine computed (prefilled), and those its prefix
+    # cache served: a later turn re-sends the whole conversation
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
 
     @property
     def num_turns(self) -> int:
@@ -505,6 +511,8 @@ class _Rollout:
                 text = self.fmt.tokenizer.decode(sample.token_ids, skip_special_tokens=False)
                 t.add_turn(self.turn_of[i], sample.token_ids, sample.logprobs, text, self.level_at[i])
                 _said(t, self.fmt, text)
+                t.prefill_tokens += sample.prompt_tokens - sample.cached_tokens
+                t.cached_tokens += sample.cached_tokens
                 t.turn_times.append((self.asked_at[i], time.time()))
                 if sample.finish == "length":   # cut by the token limit: no complete action
                     t.turn_rewards.append(0.0)

@@ -35,7 +35,7 @@ _SECTION_RULES: list[tuple[str, str]] = [   # (regex on the flat name, section);
     (r"^high_", "high"),
     (r"^mlmt_", "mlmt"),
     (r"^(tool_|env_tool|tools?_)|_tool_|^env_(answer_in_results|searches|tool_calls)", "tools"),
-    (r"(_s|_s_mean)$|_idle_frac$|^gen_tokens_per_s", "timing"),
+    (r"(_s|_s_mean)$|_idle_frac$|^gen_tokens_per_s|^prefix_cache_|^prefill_tokens", "timing"),
     (r"^advantage", "advantage"),
     (r"^(value_|explained_variance|critic_|returns?_)", "critic"),
     (r"^logp_gap", "logprob_gap"),

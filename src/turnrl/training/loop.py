@@ -201,6 +201,10 @@ def rollout_metrics(trajs: Sequence[Trajectory], n: int) -> dict[str, float]:
         "groups_all_same_frac": sum(len(set(g)) == 1 for g in groups) / max(1, len(groups)),
         **tool_rates(trajs),   # the held-out evaluation's tool_call_rate / tool_success_rate
     }
+    prompts = sum(t.prefill_tokens + t.cached_tokens for t in trajs)
+    if prompts:   # vLLM's prefix cache: the share of the turns' prompt tokens it served, and what was prefilled
+        out["prefix_cache_hit_rate"] = sum(t.cached_tokens for t in trajs) / prompts
+        out["prefill_tokens_mean"] = sum(t.prefill_tokens for t in trajs) / count
     if episodes:   # gateway episodes: how their calls merged into samples
         out["samples_per_episode"] = sum(len(t.samples) for t in episodes) / len(episodes)
         out["calls_per_episode"] = sum(t.num_turns for t in episodes) / len(episodes)
