@@ -6,7 +6,6 @@ conversation's (turnrl.gateway.conversations) or a replayed demonstration's.
 """
 from __future__ import annotations
 
-import logging
 import random
 import time
 from typing import Callable, Sequence
@@ -16,8 +15,6 @@ from tqdm import tqdm
 from turnrl.config import Config
 from turnrl.rollout.multi_turn import Trajectory
 from turnrl.training.loop import collate
-
-log = logging.getLogger(__name__)
 
 _KEYS = ("input_ids", "attention_mask", "loss_mask")
 
@@ -93,4 +90,3 @@ def split_heldout(items: list, fraction: float, seed: int) -> tuple[list, list]:
     count = max(1, round(fraction * len(items)))
     held = set(order[:count])
     return [x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held]
-
