@@ -286,6 +286,7 @@ def test_sft_off_passes_the_model_through(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.long   # ~60 s; LoRA's worker code is RL's (tests/test_lora.py); CI runs the full fine-tuning above
 def test_sft_with_lora_trains_the_adapters_and_saves_the_merged_model(tiny_model_dir, rows, tmp_path):
     """model.lora in SFT as in RL: only the adapters train, models/sft is the merged model (what
     the next stages load) with the adapters in adapter/."""
