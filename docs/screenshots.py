@@ -15,6 +15,7 @@ page, wait for what it must show, click, screenshot) and writes docs/img/*.png:
     mlflow-traces.png           the Traces tab (rollouts and evaluation generations)
     mlflow-trace.png            one rollout opened: a span per turn, generation and tool call
     mlflow-registered-model.png the registered policy's versions with their tags
+    mlflow-sft-metrics.png      the sft stage's charts (loss, held-out loss, tokens/s), where it trained
     prefect-flow-run.png        the Prefect flow run: stages as task runs, its artifacts
     prefect-results.png         the result artifact (baseline against trained)
 
@@ -253,6 +254,22 @@ def mlflow_pages(browser: Browser, url: str, out: Path, experiment: str) -> None
         browser.shot(out / "mlflow-registered-model.png")
 
 
+def sft_page(browser: Browser, url: str, out: Path, experiment: str) -> bool:
+    """The newest sft stage run that trained (has `sft/loss`): its charts. False if there is none."""
+    import mlflow
+    client = mlflow.MlflowClient(url)
+    exp = client.get_experiment_by_name(experiment)
+    runs = [r for r in client.search_runs([exp.experiment_id], "tags.`turnrl.pipeline.stage` = 'sft'",
+                                          order_by=["attributes.start_time DESC"]) if "sft/loss" in r.data.metrics]
+    if not runs:
+        return False
+    browser.open(f"{url}/#/experiments/{exp.experiment_id}/runs/{runs[0].info.run_id}/model-metrics",
+                 wait_text=["sft", "heldout_loss"], settle=6)
+    browser.click_text("Got it", "button")
+    browser.shot(out / "mlflow-sft-metrics.png", height=1000)
+    return True
+
+
 def prefect_pages(browser: Browser, api: str, ui: str, out: Path) -> None:
     def post(path: str, body: dict):
         request = urllib.request.Request(f"{api}{path}", data=json.dumps(body).encode(),
@@ -279,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefect-url", default=None, help="a Prefect server (default: serve PATH/.prefect)")
     ap.add_argument("--experiment", default="turnrl")
     ap.add_argument("--out", type=Path, default=HERE / "img")
-    ap.add_argument("--only", choices=["mlflow", "prefect"], default=None)
+    ap.add_argument("--only", choices=["mlflow", "prefect", "sft"], default=None,
+                    help="sft: only the sft stage's charts (a project whose pipeline ran it)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     project = args.project.resolve()
@@ -298,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                                     env, Path(tempfile.gettempdir()) / "turnrl-screenshots-mlflow.log"))
             wait_http(f"{mlflow_url}/health", 240, lambda body: body.strip() == b"OK")
         prefect_ui = args.prefect_url
-        if not prefect_ui and args.only != "mlflow":
+        if not prefect_ui and args.only in (None, "prefect"):
             port = free_port()
             prefect_ui = f"http://127.0.0.1:{port}"
             services.append(Service([str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port",
@@ -308,9 +326,11 @@ def main(argv: list[str] | None = None) -> int:
                                     Path(tempfile.gettempdir()) / "turnrl-screenshots-prefect.log"))
             wait_http(f"{prefect_ui}/api/health", 240)
         browser = Browser()
-        if args.only != "prefect":
+        if args.only in (None, "mlflow"):
             mlflow_pages(browser, mlflow_url, args.out, args.experiment)
-        if args.only != "mlflow":
+        if args.only in (None, "mlflow", "sft"):
+            sft_page(browser, mlflow_url, args.out, args.experiment)
+        if args.only in (None, "prefect"):
             prefect_pages(browser, f"{prefect_ui}/api", prefect_ui, args.out)
     finally:
         if browser:
