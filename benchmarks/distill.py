@@ -12,8 +12,8 @@ sample each at T=1), through `dvc exp run` as a user runs it:
   OpenAI server in a Ray actor), its logprob of every token the student sampled the signal,
   no reward (`algorithm.options.reward_weight` 0);
 - `sft_grpo`: the sft stage on the teacher's own successes (`turnrl evaluate` of the teacher on
-  512 training problems, 2 samples each, the correct ones' conversations as an OpenAI messages
-  jsonl: `sft.data`), then GRPO.
+  512 training problems through the environment, 2 samples each, the correct ones'
+  conversations as an OpenAI messages jsonl: `sft.data`), then GRPO.
 
     python benchmarks/distill.py                       # teacher, then rows x seeds 0 1 2 -> benchmarks/DISTILL.md
     python benchmarks/distill.py --rows grpo opd --seeds 0
@@ -72,14 +72,15 @@ def make_teacher(project: Path, work: Path) -> dict:
     return info
 
 
-def evaluate_teacher(project: Path, work: Path, seed: int, extra: list[str]) -> dict:
+def evaluate_teacher(project: Path, work: Path, seed: int, data: Path | None = None, extra: tuple = ()) -> dict:
     """`turnrl evaluate` of the teacher in `project` (whose data/processed is `seed`'s): its
-    metrics, once per seed; with `extra` (a benchmark of training rows) under another name."""
-    name = f"teacher_eval_seed{seed}" + ("_train" if extra else "")
+    metrics, once per seed; with `data` (a folder whose held-out split is other rows) under
+    another name."""
+    name = f"teacher_eval_seed{seed}" + ("_train" if data else "")
     out = work / name
     if not (out / "metrics.json").exists():
         cmd = [sys.executable, "-m", "turnrl.pipeline.evaluate", str(work / "teacher"), "--out", str(out),
-               "-S", f"seed={seed}", "-S", "eval.benchmarks=[]", *extra]
+               "-S", f"seed={seed}", "-S", "eval.benchmarks=[]", *extra, *(["--data", str(data)] if data else [])]
         proc = subprocess.run(cmd, cwd=project, env=_environ(project), capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -87,20 +88,22 @@ def evaluate_teacher(project: Path, work: Path, seed: int, extra: list[str]) -> 
 
 
 def teacher_successes(project: Path, work: Path, seed: int) -> Path:
-    """The teacher's correct conversations on 512 of `seed`'s training problems (2 samples each)
-    as an OpenAI messages jsonl: the sft_grpo row's sft.data."""
+    """The teacher's correct conversations on 512 of `seed`'s training problems (2 samples each,
+    through the environment as the task block runs it: the training rows given as a held-out
+    split) as an OpenAI messages jsonl: the sft_grpo row's sft.data."""
     import pandas as pd
+    import pyarrow.parquet as pq
     path = work / f"teacher_successes_seed{seed}.jsonl"
     if path.exists():
         return path
-    rows_file = work / f"train_rows_seed{seed}.jsonl"
-    train = pd.read_parquet(project / "data/processed/train.parquet").head(512)
-    rows_file.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n"
-                                 for r in train.to_dict("records")))
-    evaluate_teacher(project, work, seed, ["-S", f"eval.benchmarks=[{{name: train, path: {rows_file}}}]",
-                                           "-S", "eval.samples=2"])
-    generations = pd.read_parquet(work / f"teacher_eval_seed{seed}_train" / "train.parquet")
-    good = generations[generations["correct"]]
+    data = work / f"train_as_heldout_seed{seed}"
+    data.mkdir(exist_ok=True)
+    shutil.copy2(project / "data/processed/manifest.json", data / "manifest.json")
+    train = pq.read_table(project / "data/processed/train.parquet")
+    pq.write_table(train.slice(0, 512), data / "heldout.parquet")
+    evaluate_teacher(project, work, seed, data, ("-S", "eval.samples=2"))
+    generations = pd.read_parquet(work / f"teacher_eval_seed{seed}_train" / "task.parquet")
+    good = generations[generations["correct"] & (generations["decoding"] != "greedy")]   # the sampled ones
     with path.open("w") as fh:
         for r in good.to_dict("records"):
             fh.write(json.dumps({"messages": json.loads(r["messages"]), "tools": json.loads(r["tools"])}) + "\n")
@@ -130,7 +133,7 @@ def run(project: Path, row: Row, seed: int, extra: list[str], work: Path) -> dic
     points = [{"step": int(r["step"]), "heldout_accuracy": float(r["heldout_accuracy"]), "wall_s": float(r["wall_s"]),
                "trajectories": int(r["step"]) * per_step}
               for _, r in curve.iterrows() if pd.notna(r.get("heldout_accuracy"))]
-    teacher = evaluate_teacher(project, work, seed, [])["task"]["accuracy"]
+    teacher = evaluate_teacher(project, work, seed)["task"]["accuracy"]
     reached = first_reaching(points, FRACTION * teacher)
     sft = json.loads((project / "metrics/sft.json").read_text()) if (project / "metrics/sft.json").exists() else {}
     return {**result, "teacher_accuracy": teacher, "curve": points, "reached": reached,
