@@ -142,6 +142,13 @@ def run(project: Path, row: Row, seed: int, extra: list[str], work: Path) -> dic
                                             "heldout_loss_last")} if not sft.get("skipped", True) else None}
 
 
+def accuracy(values: list[float]) -> str:
+    """Mean ± sd of accuracies, to three places (mean_sd's sd has one)."""
+    if len(values) < 2:
+        return mean_sd(values, "{:.3f}")
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+
+
 def report(results: list[dict], seeds: list[int], work: Path, teacher: dict) -> str:
     ok = [r for r in results if "trained" in r]
     lines = ["# On-policy distillation against GRPO", "",
@@ -153,8 +160,9 @@ def report(results: list[dict], seeds: list[int], work: Path, teacher: dict) -> 
              "Measured: each student's first step "
              f"at {FRACTION:.0%} of the teacher's held-out accuracy (256 problems, T=1, same seed). Seeds "
              + ", ".join(map(str, seeds)) + ".", "",
-             "| row | steps to 90% of teacher | trajectories | train seconds | final accuracy | reached on |",
-             "|---|---|---|---|---|---|"]
+             "| row | accuracy at the start of RL | steps to 90% of teacher | trajectories | train seconds | "
+             "final accuracy | reached on |",
+             "|---|---|---|---|---|---|---|"]
     for row in rows(work):
         done = [r for r in ok if r["row"] == row.name]
         if not done:
@@ -163,8 +171,8 @@ def report(results: list[dict], seeds: list[int], work: Path, teacher: dict) -> 
         steps = mean_sd([r["reached"]["step"] for r in hit], "{:.1f}") if hit else "never"
         trajs = mean_sd([r["reached"]["trajectories"] for r in hit], "{:.0f}") if hit else "-"
         wall = mean_sd([r["reached"]["wall_s"] for r in hit], "{:.0f}") if hit else "-"
-        final = mean_sd([r["trained"] for r in done], "{:.3f}")
-        lines.append(f"| {row.name} | {steps} | {trajs} | {wall} | {final} | {len(hit)}/{len(done)} seeds |")
+        final, start = accuracy([r["trained"] for r in done]), accuracy([r["baseline"] for r in done])
+        lines.append(f"| {row.name} | {start} | {steps} | {trajs} | {wall} | {final} | {len(hit)}/{len(done)} seeds |")
     lines += ["", "Steps to 90% of the teacher, OPD against GRPO, per seed (target: OPD <= GRPO / 3; a run that "
               "never reached it counts as more than its 20 steps):", ""]
     for seed in seeds:
@@ -187,7 +195,9 @@ def report(results: list[dict], seeds: list[int], work: Path, teacher: dict) -> 
                      f"{r['trained']:.3f} | {curve} | {r['step_s']:.1f} |")
     sft = [r for r in ok if r.get("sft")]
     if sft:
-        lines += ["", "SFT on the teacher's successes (sft_grpo): " + "; ".join(
+        lines += ["", "SFT on the teacher's successes (sft_grpo; its accuracy at the start of RL is after the sft "
+                  "stage, and its steps count RL's only: the teacher sampled 1024 trajectories for its data, and "
+                  "the stage took 60 steps of 16 conversations): " + "; ".join(
             f"seed {r['seed']}: {r['sft']['samples']} conversations, loss {r['sft']['loss_first']:.2f} -> "
             f"{r['sft']['loss_last']:.2f}, held-out {r['sft']['heldout_loss_start']:.2f} -> "
             f"{r['sft']['heldout_loss_last']:.2f}" for r in sft if r["sft"]["heldout_loss_start"] is not None)]
