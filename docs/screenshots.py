@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import functools
 import json
 import os
 import shutil
@@ -175,6 +176,18 @@ class Browser:
 
 
 # --------------------------------------------------------------------------- what to show
+def close_mlflow_assistant(browser: Browser) -> None:
+    """The assistant panel opens by itself and takes a third of the page: its own Close button
+    (not the page's); and the traces page's feature tip."""
+    browser.js("""(() => { const b = [...document.querySelectorAll('button[aria-label="Close"]')]
+        .find(e => { for (let p = e.parentElement; p; p = p.parentElement)
+                       if (p.innerText && p.innerText.includes('MLflow Assistant')) return p.offsetWidth < innerWidth;
+                     return false; });
+        if (b) b.click(); })()""")
+    browser.click_text("Got it", "button")
+    time.sleep(1)
+
+
 def mlflow_pages(browser: Browser, url: str, out: Path, experiment: str) -> None:
     import mlflow
     client = mlflow.MlflowClient(url)
@@ -198,14 +211,7 @@ def mlflow_pages(browser: Browser, url: str, out: Path, experiment: str) -> None
     state_key = 'MLflowLocalStorage-1.1-ExperimentPage-["%s"]-ReactComponentState' % exp.experiment_id
     browser.js(f"localStorage.setItem({json.dumps(state_key)}, {json.dumps(json.dumps(view))})")
 
-    def close_assistant():   # the assistant panel opens by itself and takes a third of the page
-        browser.js("""(() => { const b = [...document.querySelectorAll('button[aria-label="Close"]')]
-            .find(e => { for (let p = e.parentElement; p; p = p.parentElement)
-                           if (p.innerText && p.innerText.includes('MLflow Assistant')) return p.offsetWidth < innerWidth;
-                         return false; });
-            if (b) b.click(); })()""")   # the Close button inside the assistant's panel, not the page's
-        browser.click_text("Got it", "button")   # the traces page's feature tip
-        time.sleep(1)
+    close_assistant = functools.partial(close_mlflow_assistant, browser)
 
     # the runs table: parent runs only, with their headline columns
     browser.open(f"{base}/runs", wait_text=parent.info.run_name, settle=3)
@@ -265,7 +271,7 @@ def sft_page(browser: Browser, url: str, out: Path, experiment: str) -> bool:
         return False
     browser.open(f"{url}/#/experiments/{exp.experiment_id}/runs/{runs[0].info.run_id}/model-metrics",
                  wait_text=["sft", "heldout_loss"], settle=6)
-    browser.click_text("Got it", "button")
+    close_mlflow_assistant(browser)
     browser.shot(out / "mlflow-sft-metrics.png", height=1000)
     return True
 
