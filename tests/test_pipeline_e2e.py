@@ -311,7 +311,7 @@ def test_sft_then_async_distillation_from_the_start_model_through_the_pipeline(p
             t = replay(make_env(), fmt, row, product_demonstration(row, random.Random(0), True).turns)
             out.write(json.dumps({"messages": t.messages, "tools": t.tools}) + "\n")
     params = (project / "params.yaml").read_text()
-    sets = ["sft.data=chat.jsonl", "sft.steps=12", "sft.batch_size=8", "sft.lr=0.001", "sft.eval_every=6",
+    sets = ["sft.data=chat.jsonl", "sft.steps=6", "sft.batch_size=8", "sft.lr=0.002", "sft.eval_every=3",
             "sft.heldout_fraction=0.1", "algorithm.name=opd", "reward.teacher.serve=models/initial",
             "reward.teacher.max_model_len=1024", "train.mode=async", "algorithm.policy_loss=decoupled",
             "train.steps=2"]
@@ -322,7 +322,7 @@ def test_sft_then_async_distillation_from_the_start_model_through_the_pipeline(p
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Running stage 'sft'" in proc.stdout and "Running stage 'train'" in proc.stdout
     summary = json.loads((project / "metrics/sft.json").read_text())
-    assert summary["conversations"] == 40 and summary["heldout_conversations"] == 4 and summary["steps"] == 12
+    assert summary["conversations"] == 40 and summary["heldout_conversations"] == 4 and summary["steps"] == 6
     assert summary["loss_last"] < summary["loss_first"] and summary["heldout_loss_last"] < summary["heldout_loss_start"]
     assert (project / "models/sft/model.safetensors").read_bytes() != \
         (project / "models/initial/model.safetensors").read_bytes()
@@ -334,8 +334,8 @@ def test_sft_then_async_distillation_from_the_start_model_through_the_pipeline(p
     sft = client.search_runs([client.get_experiment_by_name("turnrl").experiment_id],
                              "tags.`turnrl.pipeline.stage` = 'sft'", order_by=["attributes.start_time DESC"])[0]
     assert sft.data.params["sft.data"] == "chat.jsonl"
-    assert len(client.get_metric_history(sft.info.run_id, "sft/loss")) == 12
-    assert len(client.get_metric_history(sft.info.run_id, "sft/heldout_loss")) == 3   # steps 0, 6, 12
+    assert len(client.get_metric_history(sft.info.run_id, "sft/loss")) == 6
+    assert len(client.get_metric_history(sft.info.run_id, "sft/heldout_loss")) == 3   # steps 0, 3, 6
     assert {"sft/tokens_per_s", "sft/grad_norm"} <= set(sft.data.metrics)
 
 
