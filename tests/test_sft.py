@@ -314,21 +314,19 @@ def test_sft_with_lora_trains_the_adapters_and_saves_the_merged_model(tiny_model
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "phi3"])
 def test_every_family_s_template_gives_one_sample_taught_on_the_assistant_only(family):
     """The miniatures' chat templates (each family's documented format: Qwen's tool results in a
-    user turn, Llama's ipython role, Mistral's and Gemma's strict alternation, Phi-3's end token):
-    a two-turn conversation with a tool result (in the role the family renders it) is one sample,
-    its loss on the two assistant messages and their closing tokens; a role the template refuses is
-    one line naming the row."""
-    from turnrl.gateway.conversations import ConversationError, conversation_samples
+    user turn, Llama's ipython role, Mistral's and Gemma's strict alternation, Phi-3's end token): a
+    two-turn conversation with a `tool` message is one sample, its loss on the two assistant
+    messages and their closing tokens. A family whose template refuses tool messages (Mistral,
+    Gemma) or drops them (Phi-3) gets the tool's result as a user message, as RL's rollouts give it."""
+    from turnrl.gateway.conversations import conversation_samples
     from turnrl.models import miniatures
     from turnrl.rollout.chat import ChatFormat
     fmt = ChatFormat(miniatures.build_tokenizer(miniatures.FAMILIES[family]))
-    role = fmt.rendered_role("tool")
     messages = [{"role": "user", "content": "What is 6 times 7?"},
                 {"role": "assistant", "content": "<code>print(6 * 7)</code>"},
-                {"role": role, "content": "<output>42</output>"},
+                {"role": "tool", "content": "<output>42</output>"},
                 {"role": "assistant", "content": "<answer>42</answer>"}]
-    rendered = conversation_samples(_conversation({"messages": messages}, "chat.jsonl:3"), fmt, 4096)
-    (s,) = rendered.samples
+    (s,) = conversation_samples(_conversation({"messages": messages}, "chat.jsonl:3"), fmt, 4096).samples
     runs = [m for k, m in enumerate(s.loss_mask) if k == 0 or m != s.loss_mask[k - 1]]
     assert runs == [1, 0, 1], family                       # assistant, the tool's frame and text, assistant
     taught = fmt.tokenizer.decode([t for t, m in zip(s.response_ids, s.loss_mask) if m])
@@ -336,12 +334,8 @@ def test_every_family_s_template_gives_one_sample_taught_on_the_assistant_only(f
     assert "print(6 * 7)" in taught and "<answer>42</answer>" in taught and "<output>42</output>" in untaught
     assert taught.count(fmt.end_of_turn) == 2 and taught.endswith(fmt.end_of_turn)
     assert s.prompt_ids == fmt.prompt_ids("", messages[0]["content"])
-    if role == "user":   # a family that renders no tool role (Mistral, Gemma) refuses it, naming the row
-        tool = [dict(m, role="tool") if m["role"] == "user" and "output" in m["content"] else m for m in messages]
-        try:
-            conversation_samples(_conversation({"messages": tool}, "chat.jsonl:3"), fmt, 4096)
-        except ConversationError as exc:
-            assert str(exc).startswith("chat.jsonl:3: messages[") and "\n" not in str(exc)
+    between = [t for t, m in zip(s.response_ids, s.loss_mask) if not m]
+    assert between == fmt.observation_ids("<output>42</output>", "tool", after_eos=True)   # RL's own frame
 
 
 def test_a_missing_conversation_file_stops_the_stage_before_any_work(tmp_path):
