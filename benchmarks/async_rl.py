@@ -1,9 +1,10 @@
 """Synchronous against asynchronous training, to the same accuracy: wall time, not steps.
 
-    python benchmarks/async_rl.py --quick          # seed 0: sync against async at staleness 2
+    python benchmarks/async_rl.py --quick          # seed 0: sync against the recommended async setting, as measured
+    python benchmarks/async_rl.py --quick --list   # what it would run (and skip), running nothing, writing nothing
     python benchmarks/async_rl.py                  # seeds 0-2: sync, overlap_rollout, async at staleness 1, 2, 4
     python benchmarks/async_rl.py --task fast      # the default code_tool with its in-process sandbox
-    python benchmarks/async_rl.py --task tail --quick --steps 20   # a longer tail: waits dominate the step
+    python benchmarks/async_rl.py --task slow --quick --steps 40   # the quick pair on the first task's shorter tail
     python benchmarks/async_rl.py --task tail --steps 20 --modes sync async_s2_half_lr --report
         # rewrite the task's table from the runs already in its results file, running none
     python benchmarks/async_rl.py --task tail --steps 20 --eval-examples 256 --scoring-without-delay
@@ -35,6 +36,13 @@ use the decoupled-PPO correction (algorithm.policy_loss: decoupled) unless the m
 Results go to benchmarks/results/async-<task>.json after every run (a rerun skips the runs it
 has) and the task's table in benchmarks/ASYNC.md; the last line printed is one JSON object {"modes": {...}}
 (quick: the one seed's numbers, its modes named "sync" and "async"; full: the mean over seeds).
+
+--quick runs ASYNC.md's recommended setting, where it was measured: seed 0, `sync` against
+`async_s4_mb4_quarter_lr` (staleness 4, four mini-batches per batch, train.lr 1.25e-4) on task
+`tail`, 20 steps, 256 held-out problems scored without the tool's delay (its --task, --steps,
+--eval-examples and --scoring-without-delay change that). Its runs go to their own file,
+benchmarks/results/async-quick.json, and table (`quick`), so a quick check never replaces the
+three-seed table it checks.
 """
 from __future__ import annotations
 
@@ -92,7 +100,12 @@ MODES.update({f"{mode}_quarter_lr_kl{coef:g}": _merge(MODES[f"{mode}_quarter_lr"
 MODES.update({f"{mode}_quarter_lr_2threads": _merge(MODES[f"{mode}_quarter_lr"], {"cluster": {"threads_per_actor": 2}})
               for mode in MB4 if mode.startswith("async")})
 DEFAULT_MODES = ["sync", "overlap", "async_s1", "async_s2", "async_s4"]
-QUICK_MODES = {"sync": "sync", "async_s2": "async"}   # --quick's modes, and their names in its last line
+# ASYNC.md's recommended setting (its "Result"): staleness 4, four mini-batches at a quarter of params.yaml's rate
+RECOMMENDED = "async_s4_mb4_quarter_lr"
+QUICK_RESULTS = ROOT / "benchmarks" / "results" / "async-quick.json"
+QUICK_MODES = {"sync": "sync", RECOMMENDED: "async"}   # --quick's modes, and their names in its last line
+# --quick's work: the task, length and scoring of the recommended setting's measurement (ASYNC.md's result table)
+QUICK_WORK = {"task": "tail", "steps": 20, "eval_examples": 256, "scoring_without_delay": True}
 # kept for every step, to see what happened before a collapse
 TRACE = ("reward_mean", "kl_ref", "entropy", "grad_norm", "clip_fraction", "is_weight_mean", "is_weight_max",
          "is_truncated_frac", "is_masked_frac", "is_ess", "staleness_mean", "staleness_max", "tool_calls_mean",
@@ -345,29 +358,41 @@ def report_lines(task: str, table: dict[str, dict], command: str, results: str |
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="seed 0, sync against async at staleness 2")
+    p.add_argument("--quick", action="store_true",
+                   help=f"seed 0, sync against the recommended {RECOMMENDED}, on the work it was measured on "
+                        f"(task {QUICK_WORK['task']}, {QUICK_WORK['steps']} steps, {QUICK_WORK['eval_examples']} "
+                        "held-out problems scored without the tool's delay); its own results file and table")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=DEFAULT_MODES)
-    p.add_argument("--task", choices=list(TASKS), default="slow")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--eval-examples", type=int, default=EVAL_EXAMPLES,
-                   help=f"held-out problems scored every {EVAL_EVERY} steps; other than {EVAL_EXAMPLES}, the runs go "
-                        "to their own results file and table (async-<task>-eval<N>)")
-    p.add_argument("--scoring-without-delay", action="store_true",
-                   help="the held-out rows' tool calls skip the slow tool's delay; the runs go to their own results "
-                        "file and table (async-<task>[-eval<N>]-nodelay)")
+    p.add_argument("--task", choices=list(TASKS), default=None,
+                   help=f"default slow (--quick: {QUICK_WORK['task']})")
+    p.add_argument("--steps", type=int, default=None, help=f"default 40 (--quick: {QUICK_WORK['steps']})")
+    p.add_argument("--eval-examples", type=int, default=None,
+                   help=f"held-out problems scored every {EVAL_EVERY} steps (default {EVAL_EXAMPLES}; --quick: "
+                        f"{QUICK_WORK['eval_examples']}); other than {EVAL_EXAMPLES}, the runs go to their own "
+                        "results file and table (async-<task>-eval<N>)")
+    p.add_argument("--scoring-without-delay", action=argparse.BooleanOptionalAction, default=None,
+                   help="the held-out rows' tool calls skip the slow tool's delay (default off; --quick: on); the runs "
+                        "go to their own results file and table (async-<task>[-eval<N>]-nodelay)")
     p.add_argument("--work-dir", type=Path, default=ROOT / ".cache" / "async_rl")
     p.add_argument("--results", type=Path, default=None,
                    help="keep the runs in this file (a second set of the same runs): its own table in ASYNC.md, named "
-                        "after the file")
+                        f"after the file (--quick: {QUICK_RESULTS.relative_to(ROOT)})")
     p.add_argument("--report", action="store_true",
                    help="run nothing: write the table of the runs already in the results file")
+    p.add_argument("--list", action="store_true",
+                   help="run nothing and write nothing: print the runs this command would make and those it has")
     args = p.parse_args(argv)
+    defaults = QUICK_WORK if args.quick else {"task": "slow", "steps": 40, "eval_examples": EVAL_EXAMPLES,
+                                               "scoring_without_delay": False}
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     from turnrl.config import TrainCfg
     seeds, modes = ([0], list(QUICK_MODES)) if args.quick else (args.seeds, args.modes)
     name = args.task + ("" if args.eval_examples == EVAL_EXAMPLES else f"-eval{args.eval_examples}") \
         + ("-nodelay" if args.scoring_without_delay else "")
-    results_path, table_name = results_and_table(name, args.results)
+    results_path, table_name = results_and_table(name, args.results or (QUICK_RESULTS if args.quick else None))
     results = json.loads(results_path.read_text()) if results_path.exists() else []
 
     micro_batch_rows = TrainCfg().micro_batch_rows   # the trainer's passes (runs before it: whole batches)
@@ -377,6 +402,13 @@ def main(argv: list[str] | None = None) -> int:
                 and r.get("scoring_without_delay", False) == args.scoring_without_delay
                 and r.get("micro_batch_rows", 0) == micro_batch_rows)
 
+    if args.list:
+        print(json.dumps({"results": str(results_path), "table": table_name, "task": args.task, "steps": args.steps,
+                          "eval_examples": args.eval_examples, "scoring_without_delay": args.scoring_without_delay,
+                          "runs": [{"seed": seed, "mode": mode,
+                                    "has": any(r["seed"] == seed and r["mode"] == mode and same_work(r)
+                                               for r in results)} for seed in seeds for mode in modes]}, indent=1))
+        return 0
     for seed in seeds:
         for mode in modes:   # sync first: the others are measured against its accuracy
             if args.report or any(r["seed"] == seed and r["mode"] == mode and same_work(r) for r in results):
@@ -391,13 +423,14 @@ def main(argv: list[str] | None = None) -> int:
     command = "python benchmarks/async_rl.py" + (" --quick" if args.quick else "") + \
         ("" if args.quick or seeds == [0, 1, 2] else " --seeds " + " ".join(map(str, seeds))) + \
         ("" if args.quick or modes == DEFAULT_MODES else " --modes " + " ".join(modes)) + \
-        ("" if args.task == "slow" else f" --task {args.task}") + \
-        ("" if args.steps == 40 else f" --steps {args.steps}") + \
-        ("" if args.eval_examples == EVAL_EXAMPLES else f" --eval-examples {args.eval_examples}") + \
-        (" --scoring-without-delay" if args.scoring_without_delay else "")
+        ("" if args.task == defaults["task"] else f" --task {args.task}") + \
+        ("" if args.steps == defaults["steps"] else f" --steps {args.steps}") + \
+        ("" if args.eval_examples == defaults["eval_examples"] else f" --eval-examples {args.eval_examples}") + \
+        ("" if args.scoring_without_delay == defaults["scoring_without_delay"] else
+         " --scoring-without-delay" if args.scoring_without_delay else " --no-scoring-without-delay")
     shown = str(results_path.resolve().relative_to(ROOT)) if results_path.resolve().is_relative_to(ROOT) \
         else str(results_path)
-    if table_name != name:
+    if table_name != name and args.results is not None:
         command += f" --results {shown}"
     write_report(ROOT / "benchmarks" / "ASYNC.md", table_name, table, command, shown)
     print(json.dumps(last_line(table, args.quick)))
@@ -407,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
 def last_line(table: dict[str, dict], quick: bool) -> dict:
     """The JSON object printed last: per mode, time to target, final accuracy and wall seconds
     (over the seeds run). --quick names its two modes `sync` and `async`."""
-    names = QUICK_MODES if quick else {}
+    names = {mode: "sync" if mode == "sync" else "async" for mode in table} if quick else {}
     return {"modes": {names.get(mode, mode): {"time_to_target_s": r["time_to_target_s"],
                                               "final_accuracy": r["final_accuracy"], "wall_s": r["wall_s"]}
                       for mode, r in table.items()}}
