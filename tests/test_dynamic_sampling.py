@@ -8,7 +8,7 @@ import pytest
 from turnrl.config import Config
 from turnrl.config.sections import DynamicSamplingCfg
 from turnrl.rollout.multi_turn import Trajectory
-from turnrl.training.dynamic_sampling import StepFilter, groups_of, has_signal
+from turnrl.training.dynamic_sampling import StepFilter, fill_up, groups_of, has_signal, min_groups_for
 
 
 def _traj(prompt: int, reward: float, version: int = 0, **rewards) -> Trajectory:
@@ -36,10 +36,26 @@ def test_the_step_filter_drops_groups_without_signal_until_its_budget_is_spent()
     assert f.keep(mixed) and not f.keep(flat) and f.left() == 2
     assert f.refill_size(kept=1) == 2            # 3 missing at a signal rate of 1/2: 6, within the 2 left
     f.rolled = 6
-    assert f.keep(flat) and f.budget_hit          # spent: kept, and said so
+    assert not f.keep(flat) and f.spent() and not f.budget_hit
+    assert fill_up([mixed], f) == [mixed] and f.budget_hit   # spent: the one with signal alone, and said so
     m = f.metrics()
-    assert m == {"dynamic_dropped_groups": 1.0, "dynamic_extra_trajectories": 4.0, "dynamic_budget_hit": 1.0,
-                 "dynamic_signal_frac": pytest.approx(1 / 3)}
+    assert m == {"dynamic_dropped_groups": 2.0, "dynamic_extra_trajectories": 4.0, "dynamic_budget_hit": 1.0,
+                 "dynamic_padded_groups": 0.0, "dynamic_signal_frac": pytest.approx(1 / 3)}
+
+
+def test_groups_without_signal_make_up_only_what_the_trainer_ranks_need():
+    assert min_groups_for(trainer_ranks=1, mini_batches=1, n=8) == 1
+    assert min_groups_for(trainer_ranks=2, mini_batches=2, n=2) == 2     # 4 rows: one per rank per mini-batch
+    assert min_groups_for(trainer_ranks=4, mini_batches=2, n=3) == 3     # 8 rows need 3 groups of 3
+    f = StepFilter(DynamicSamplingCfg(enabled=True, budget=1.0), prompts_per_step=4, n=2, min_groups=2)
+    flat = [[_traj(k, 0.0)] * 2 for k in range(3)]
+    mixed = [_traj(9, 1.0), _traj(9, 0.0)]
+    f.rolled = 4
+    assert [f.keep(g) for g in [*flat, mixed]] == [False, False, False, True] and f.spent()
+    assert fill_up([mixed], f) == [mixed, flat[0]]        # one with signal, one padded to the 2 needed
+    assert f.metrics()["dynamic_padded_groups"] == 1.0 and f.metrics()["dynamic_dropped_groups"] == 2.0
+    none = StepFilter(DynamicSamplingCfg(enabled=True), prompts_per_step=4, n=2, min_groups=9)
+    assert none.min_groups == 4                            # never more than the batch
 
 
 @pytest.fixture(scope="module")
@@ -129,11 +145,23 @@ def test_groups_without_signal_are_refilled_until_the_batch_has_its_prompts(ray_
 def test_a_budget_that_can_never_be_met_trains_on_what_there_is_and_says_so(ray_cluster, mode):
     rollouts, sampler = _source(mode, every=0, budget=2.0)   # no prompt ever has signal
     trajs, _, metrics = rollouts.next_batch(1)
-    assert len(groups_of(trajs, 2)) == 4                      # never a hang: the step trains
+    assert len(groups_of(trajs, 2)) == 1                      # never a hang: the step trains on the one group
     assert metrics["dynamic_budget_hit"] == 1.0 and metrics["dynamic_signal_frac"] == 0.0
-    assert 4.0 <= metrics["dynamic_dropped_groups"] < 2 * 4  # dropped while the budget (2 x 4 prompts) lasted
+    assert metrics["dynamic_padded_groups"] == 1.0            # the trainer's one rank needs one group
+    assert metrics["dynamic_dropped_groups"] == 2 * 4 - 1     # the budget (2 x 4 prompts) judged, one trained on
     if mode == "sync":
         assert sampler.position == 2 * 4                       # async also keeps groups in flight for the next step
+    rollouts.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_spent_budget_trains_on_the_groups_with_signal_alone(ray_cluster, mode):
+    rollouts, _ = _source(mode, every=5, budget=1.5)   # prompts 0 and 5 of the 6 the budget allows have signal
+    for step in (1, 2):
+        trajs, _, metrics = rollouts.next_batch(step)
+        groups = groups_of(trajs, 2)
+        assert 1 <= len(groups) < 4 and all(has_signal(g) for g in groups), [g[0].example["id"] for g in groups]
+        assert metrics["dynamic_budget_hit"] == 1.0 and metrics["dynamic_padded_groups"] == 0.0
     rollouts.close()
 
 
@@ -150,7 +178,8 @@ def test_dynamic_sampling_is_refused_where_the_advantage_is_not_a_group_baseline
 @pytest.mark.slow
 def test_dynamic_sampling_through_the_real_loop(tiny_model_dir, tmp_path):
     """Two steps on the real stack: every step reports its filtering and rolls out no more than
-    its budget (1.5 x 4 prompts); the batch keeps its 4 groups."""
+    its budget (1.5 x 4 prompts); it trains on groups with signal only, unless none had any (then
+    on the one group the single trainer rank needs)."""
     from conftest import train_two_steps
     history = train_two_steps(tiny_model_dir, tmp_path, {"name": "code_tool"},
                               {"name": "grpo", "dynamic_sampling": {"enabled": True, "budget": 1.5}})
@@ -159,3 +188,4 @@ def test_dynamic_sampling_through_the_real_loop(tiny_model_dir, tmp_path):
         judged = 4 + h["dynamic_extra_trajectories"] / 2   # groups looked at
         assert h["dynamic_budget_hit"] == float(h["dynamic_signal_frac"] * judged < 4)   # fewer than 4 had signal
         assert h["trained_tokens"] > 0
+        assert h["groups_all_same_frac"] == (1.0 if h["dynamic_padded_groups"] else 0.0)

@@ -397,7 +397,9 @@ class DynamicSamplingCfg(_Section):
         "a group whose signal's standard deviation is at most this has no signal; 0: all equal"))
     budget: float = Field(3.0, ge=1.0, description=(
         "the most prompts a step may roll out, as a multiple of train.prompts_per_step; past it the step trains "
-        "on the groups with signal it has, made up to prompts_per_step with groups without (dynamic_budget_hit: 1)"))
+        "on the groups with signal it has, a smaller batch (dynamic_budget_hit: 1), made up with groups without "
+        "only to the rows the trainer ranks need (cluster.trainer_ranks x algorithm.mini_batches; "
+        "dynamic_padded_groups)"))
 
 
 class AlgorithmCfg(_Section):

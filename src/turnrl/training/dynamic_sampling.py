@@ -3,8 +3,12 @@ advantage under a group baseline (GRPO, RLOO, Dr. GRPO, the turn-level algorithm
 term): it costs a generation and an update and teaches nothing. With
 `algorithm.dynamic_sampling.enabled` such groups are dropped and new prompts rolled out in their
 place until the batch holds `train.prompts_per_step` groups with signal, or the step has rolled
-out `budget` x prompts_per_step prompts; then it trains on what it has, made up to the batch's size
-with groups without signal (which add no group advantage), and says so (`dynamic_budget_hit`).
+out `budget` x prompts_per_step prompts; then it trains on the groups with signal it has, a smaller
+batch, and says so (`dynamic_budget_hit`). Only where fewer rows have signal than the trainer can
+split (cluster.trainer_ranks x algorithm.mini_batches) is the batch made up to that with groups
+without (`dynamic_padded_groups`; their group advantage is 0). Padding to the full batch, as
+before, trained on a third of such groups once the policy got most problems right, and their
+zero-advantage tokens shrank every token-mean update (benchmarks/DYNAMIC_SAMPLING.md).
 
     sync   the step's batch is filtered; refills roll out ceil(missing / signal rate so far)
            prompts at a time (turnrl.training.rollouts.SyncRollouts)
@@ -13,7 +17,7 @@ with groups without signal (which add no group advantage), and says so (`dynamic
 
 Algorithms whose advantages do not come from the group (PPO's critic, MLMT's levels) refuse it.
 Metrics each step: dynamic_dropped_groups, dynamic_extra_trajectories, dynamic_budget_hit,
-dynamic_signal_frac (the share of the groups looked at that had signal).
+dynamic_padded_groups, dynamic_signal_frac (the share of the groups looked at that had signal).
 """
 from __future__ import annotations
 
@@ -54,26 +58,29 @@ def groups_of(trajs: Sequence[Trajectory], n: int) -> list[list[Trajectory]]:
 class StepFilter:
     """One step's filtering: which groups are kept, and the prompts rolled out against the budget."""
 
-    def __init__(self, cfg: DynamicSamplingCfg, prompts_per_step: int, n: int):
+    def __init__(self, cfg: DynamicSamplingCfg, prompts_per_step: int, n: int, min_groups: int = 1):
+        """`min_groups`: the fewest groups the trainer can take (min_groups_for)."""
         self.cfg, self.prompts, self.n = cfg, prompts_per_step, n
+        self.min_groups = max(1, min(min_groups, prompts_per_step))
         self.limit = math.floor(cfg.budget * prompts_per_step)   # prompts this step may roll out
         self.rolled = 0        # prompts rolled out (or taken) for this step
         self.looked = 0        # groups judged
         self.with_signal = 0   # of them, those with signal
         self.dropped: list[list[Trajectory]] = []
+        self.padded = 0        # groups without signal trained on, to make up min_groups
         self.budget_hit = False
 
     def keep(self, group: list[Trajectory]) -> bool:
-        """Judge a group; one without signal is kept only once the budget is spent."""
+        """Judge a group: kept if it has signal, else dropped (fill_up may still take it)."""
         self.looked += 1
         if has_signal(group, self.cfg.signal, self.cfg.min_std):
             self.with_signal += 1
             return True
-        if self.left() > 0:
-            self.dropped.append(group)
-            return False
-        self.budget_hit = True
-        return True
+        self.dropped.append(group)
+        return False
+
+    def spent(self) -> bool:
+        return self.left() == 0
 
     def left(self) -> int:
         return max(0, self.limit - self.rolled)
@@ -92,6 +99,7 @@ class StepFilter:
         return {"dynamic_dropped_groups": float(len(self.dropped)),   # judged without signal and not trained on
                 "dynamic_extra_trajectories": float(extra * self.n),
                 "dynamic_budget_hit": float(self.budget_hit),
+                "dynamic_padded_groups": float(self.padded),
                 "dynamic_signal_frac": self.with_signal / max(1, self.looked)}
 
 
@@ -104,12 +112,20 @@ def filter_batch(trajs: Sequence[Trajectory], step_filter: StepFilter, kept: lis
 
 
 def fill_up(kept: list[list[Trajectory]], step_filter: StepFilter) -> list[list[Trajectory]]:
-    """The batch's groups: those kept, and where the budget ran out before prompts_per_step of
-    them had signal, dropped ones to make up the number (they add no group advantage; the
-    batch keeps its size). Marks the budget hit then."""
-    missing = step_filter.prompts - len(kept)
-    if missing > 0:
+    """The batch's groups: at most prompts_per_step of those kept. Where the budget ran out before
+    that many had signal (the budget marked hit), the ones with signal alone, made up to
+    `min_groups` with dropped ones only where they are fewer."""
+    if len(kept) < step_filter.prompts:
         step_filter.budget_hit = True
-        reused, step_filter.dropped = step_filter.dropped[:missing], step_filter.dropped[missing:]
-        kept = kept + reused
+        missing = step_filter.min_groups - len(kept)
+        if missing > 0:
+            reused, step_filter.dropped = step_filter.dropped[:missing], step_filter.dropped[missing:]
+            step_filter.padded = len(reused)
+            kept = kept + reused
     return kept[:step_filter.prompts]
+
+
+def min_groups_for(trainer_ranks: int, mini_batches: int, n: int) -> int:
+    """The fewest groups of n trajectories whose rows every trainer rank gets a share of in every
+    mini-batch."""
+    return max(1, math.ceil(trainer_ranks * mini_batches / n))

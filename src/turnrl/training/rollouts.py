@@ -22,7 +22,7 @@ from typing import Any, Protocol, Sequence
 from turnrl.config import Config
 from turnrl.rollout.multi_turn import Trajectory
 from turnrl.training.checkpoint import step_seed
-from turnrl.training.dynamic_sampling import StepFilter, fill_up, filter_batch
+from turnrl.training.dynamic_sampling import StepFilter, fill_up, filter_batch, min_groups_for
 from turnrl.training.cluster import RolloutGroup, wait_all
 
 
@@ -54,6 +54,7 @@ class SyncRollouts:
         self.rollout, self.sampler = rollout, sampler
         self.n, self.prompts, self.steps = cfg.rollout.n, cfg.train.prompts_per_step, cfg.train.steps
         self.dynamic = cfg.algorithm.dynamic_sampling
+        self.min_groups = min_groups_for(cfg.cluster.trainer_ranks, cfg.algorithm.mini_batches, self.n)
         self.overlap = cfg.train.overlap_rollout
         self.next: list = []      # overlap: this step's rollout, started during the last step's update
         self.loading: list = []   # overlap: the last weight pushes, which the engines run after that rollout
@@ -73,7 +74,7 @@ class SyncRollouts:
     def refilled(self, trajs: list[Trajectory], engine_busy: list[float], step: int):
         """Dynamic sampling: the batch's groups with signal, refilled with new prompts' groups
         until there are prompts_per_step of them or the budget is spent."""
-        step_filter, kept = StepFilter(self.dynamic, self.prompts, self.n), []
+        step_filter, kept = StepFilter(self.dynamic, self.prompts, self.n, self.min_groups), []
         filter_batch(trajs, step_filter, kept)
         while len(kept) < self.prompts and step_filter.left() > 0:
             more, busy = self.rollout.rollout(self.sampler.next(step_filter.refill_size(len(kept))), self.n, step)
@@ -111,9 +112,11 @@ class AsyncRollouts:
         self.rollout, self.sampler, self.version = rollout, sampler, version
         self.prompts, self.max_staleness = t.prompts_per_step, t.max_staleness
         self.n, self.dynamic = cfg.rollout.n, cfg.algorithm.dynamic_sampling
+        self.min_groups = min_groups_for(cfg.cluster.trainer_ranks, cfg.algorithm.mini_batches, self.n)
         self.budget = t.groups_in_flight or default_groups_in_flight(t.prompts_per_step)
         self.outstanding = 0      # groups fed and not yet taken
         self.buffer: list[list[Trajectory]] = []   # taken, fresh, beyond the last batch
+        self.unjudged: list[list[Trajectory]] = []   # taken after a step's sampling budget was spent
         self.busy_before = [0.0] * len(rollout.handles)
         self.stale_total = 0
         per_engine = math.ceil(self.budget / len(rollout.handles))
@@ -122,7 +125,7 @@ class AsyncRollouts:
 
     def _top_up(self) -> None:
         """Feed the engines new prompts, round robin, up to `groups_in_flight` outstanding."""
-        need = self.budget - self.outstanding - len(self.buffer)
+        need = self.budget - self.outstanding - len(self.buffer) - len(self.unjudged)
         if need <= 0:
             return
         examples = self.sampler.next(need)
@@ -134,6 +137,22 @@ class AsyncRollouts:
                   for e, (name, h) in enumerate(zip(self.rollout.names, self.rollout.handles)) if examples[e::count]])
         self.outstanding += len(examples)
 
+    def _admit(self, group: list[Trajectory], fresh: list[list[Trajectory]], step_filter: StepFilter | None) -> int:
+        """Put an arrived group in `fresh` if it may be trained on; 1 if it was too stale."""
+        if self.staleness(group) > self.max_staleness:   # too old: its prompt rolls out again
+            self._feed([group[0].example])
+            return 1
+        if step_filter is None:
+            fresh.append(group)
+            return 0
+        # dynamic sampling, as groups arrive: one without signal gives way to a new prompt
+        step_filter.rolled += 1
+        if step_filter.keep(group):
+            fresh.append(group)
+        elif not step_filter.spent():
+            self._feed(self.sampler.next(1))
+        return 0
+
     def staleness(self, group: list[Trajectory]) -> int:
         """Policy versions between the update about to happen and the group's oldest turn."""
         oldest = min((v for t in group for v in t.turn_versions), default=self.version)
@@ -141,29 +160,28 @@ class AsyncRollouts:
 
     def next_batch(self, step: int) -> tuple[list[Trajectory], list[float], dict[str, float]]:
         fresh, stale, waited, states = self.buffer, 0, time.perf_counter(), {}
-        step_filter = StepFilter(self.dynamic, self.prompts, self.n) if self.dynamic.enabled else None
-        while len(fresh) < self.prompts:
+        step_filter = StepFilter(self.dynamic, self.prompts, self.n, self.min_groups) if self.dynamic.enabled else None
+        arrived, self.unjudged = self.unjudged, []
+        for group in arrived:
+            stale += self._admit(group, fresh, step_filter)
+        while len(fresh) < self.prompts and not (step_filter is not None and step_filter.spent()):
             calls = [(name, h.take_groups.remote(self.prompts - len(fresh), self.POLL_S))
                      for name, h in zip(self.rollout.names, self.rollout.handles)]
             for name, (groups, state) in zip(self.rollout.names, wait_all(calls)[0]):
                 states[name] = state
                 self.outstanding -= len(groups)
                 for group in groups:
-                    if self.staleness(group) > self.max_staleness:   # too old: its prompt rolls out again
-                        stale += 1
-                        self._feed([group[0].example])
-                    elif step_filter is None:
-                        fresh.append(group)
-                    else:   # dynamic sampling, as groups arrive: one without signal gives way to a new prompt
-                        step_filter.rolled += 1
-                        if step_filter.keep(group):
-                            fresh.append(group)
-                        else:
-                            self._feed(self.sampler.next(1))
+                    if step_filter is not None and step_filter.spent():   # past the budget: judged next step
+                        self.unjudged.append(group)
+                    else:
+                        stale += self._admit(group, fresh, step_filter)
             self._top_up()
+        if step_filter is not None:   # the budget spent: the groups with signal (made up to min_groups)
+            fresh = fill_up(fresh, step_filter) + fresh[self.prompts:]
         batch, self.buffer = fresh[:self.prompts], fresh[self.prompts:]
         self._top_up()
-        busy = [states[name]["busy_s"] for name in self.rollout.names]
+        busy = [states[name]["busy_s"] if name in states else before   # an engine not asked this step
+                for name, before in zip(self.rollout.names, self.busy_before)]
         engine_busy = [now - before for now, before in zip(busy, self.busy_before)]
         self.busy_before = busy
         self.stale_total += stale
@@ -185,7 +203,7 @@ class AsyncRollouts:
         self.version += 1
 
     def unused_prompts(self, step: int) -> int:
-        return self.outstanding + len(self.buffer)
+        return self.outstanding + len(self.buffer) + len(self.unjudged)
 
     def close(self) -> None:
         self.rollout.call("stop_stream")
