@@ -24,6 +24,8 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
+from turnrl.errors import one_line
+
 #: A value is an import path when it has this separator: `package.module:attribute`.
 SEPARATOR = ":"
 
@@ -67,7 +69,7 @@ def load_object(path: str, key: str) -> Any:
         raise PluginError(f"{key} = {path!r}: importing {module_name} failed: it needs the module {exc.name!r}, "
                           "which is not installed (pip install it)") from None
     except Exception as exc:   # noqa: BLE001 - any error in the user's module
-        raise PluginError(f"{key} = {path!r}: importing {module_name} raised {type(exc).__name__}: {exc}") from None
+        raise PluginError(f"{key} = {path!r}: importing {module_name} raised {one_line(exc)}") from None
     obj: Any = module
     for part in attribute.split("."):
         if not hasattr(obj, part):

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from turnrl.data.files import DataSourceError
+from turnrl.errors import one_line
 
 PREFIX = "reasoning_gym:"
 DEFAULT_SIZE = 1000
@@ -148,7 +149,7 @@ def dataset(name: str, key: str = "data.train_set"):
     try:
         return _dataset_cached(spec.canonical())
     except (TypeError, ValueError, AssertionError) as exc:
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        msg = one_line(exc)
         raise ReasoningGymError(f"{key}: reasoning_gym task {spec.task!r} rejects config {dict(spec.config)}: "
                                 f"{msg}") from None
 

@@ -23,12 +23,14 @@ row's `game_seed`. The library is imported on first use; without it the error na
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from turnrl.data.synthetic import SyntheticTask, split_numbers
 from turnrl.envs.base import EnvContext, EnvSpec, StepResult
+from turnrl.errors import one_line
 from turnrl.plugins import PluginError, is_import_path, load_object
 
 SYSTEM_PROMPT = "You are playing a text game. Read the game's messages and reply with your move."
@@ -52,8 +54,17 @@ def _textarena(env_id: str, kwargs: dict[str, Any]):
     try:
         return textarena.make(env_id, **kwargs)
     except Exception as exc:   # noqa: BLE001 - the library's own "unknown id" error, on one line
-        raise PluginError(f"env.options.make = textarena:{env_id}: {str(exc).splitlines()[0] if str(exc) else exc!r}") \
-            from None
+        raise PluginError(f"env.options.make = textarena:{env_id}: the game cannot start: {one_line(exc)}"
+                          f"{_download_hint(exc)}") from None
+
+
+def _download_hint(exc: BaseException) -> str:
+    """What to run for a data file a library looks up and does not find (NLTK's word lists)."""
+    found = re.search(r"nltk\.download\(['\"]([\w.-]+)['\"]\)", str(exc))
+    if found is None:
+        return ""
+    return (f"; it needs NLTK's {found.group(1)!r} data: download it once where the network is reachable "
+            f"(python -m nltk.downloader {found.group(1)}) or copy an nltk_data folder holding it")
 
 
 def make_game(make: str, kwargs: dict[str, Any] | None = None) -> tuple[str, Any]:

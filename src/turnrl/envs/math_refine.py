@@ -51,6 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from turnrl.data import synthetic
 from turnrl.envs.base import EnvSpec, StepResult
+from turnrl.errors import one_line
 from turnrl.rewards.graders import ROW_GRADERS, for_row, grader
 from turnrl.rewards.math import grade_any
 
@@ -115,8 +116,7 @@ def _client(url: str, key: str):
 
 
 def _error_reason(exc: BaseException) -> str:
-    text = str(exc).strip().replace("\n", " ")
-    reason = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    reason = one_line(exc, _ERROR_CHARS)
     return reason if len(reason) <= _ERROR_CHARS else reason[:_ERROR_CHARS - 3] + "..."
 
 

@@ -57,6 +57,7 @@ from turnrl.data.synthetic import SyntheticTask
 from turnrl.envs.base import RESERVED_INFO_KEYS, EnvSpec, StepResult
 from turnrl.envs.gym_text import episode_rows
 from turnrl.envs.helpers import Helpers
+from turnrl.errors import one_line
 from turnrl.plugins import PluginError, is_import_path, load_object, project_root
 
 SYSTEM_PROMPT = "You are acting in an environment. Read its messages and reply with your action."
@@ -462,7 +463,7 @@ class RemoteOpenEnv(_Episode):
         elif isinstance(exc, (ValueError, AttributeError, TypeError, KeyError)):
             why = f"answered the {what} with something that is not OpenEnv's protocol ({name}: {exc})"
         else:
-            why = f"failed the {what}: {name}: {exc}"
+            why = f"failed the {what}: {one_line(exc)}"
         return OpenEnvError(" ".join(f"{self.where} {why}".split())[:500])
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from turnrl.models.check_report import Result
+from turnrl.errors import one_line
 
 MARK_A = "\u2063MARKA\u2063"   # placeholders no tokenizer merges with their neighbours
 MARK_B = "\u2063MARKB\u2063"
@@ -19,7 +20,7 @@ def _render(tokenizer, messages: list[dict], **kwargs) -> str:
 
 
 def _template_error(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {exc}".split("\n")[0][:200]
+    return one_line(exc, 200)
 
 
 def template_checks(tokenizer) -> tuple[list[Result], dict]:

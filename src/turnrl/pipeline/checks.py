@@ -31,7 +31,7 @@ FIRST_ROWS = 20   # the rows a field mapping is checked against (preprocess then
 
 def all_problems(cfg: Config) -> list[str]:
     """Everything: what `turnrl config` and the Prefect flow's first task check."""
-    return data_problems(cfg) + sft_problems(cfg) + benchmark_problems(cfg) + tool_problems(cfg)
+    return data_problems(cfg) + sft_problems(cfg) + benchmark_problems(cfg) + tool_problems(cfg) + game_problems(cfg)
 
 
 def stage_problems(cfg: Config, stage: str) -> list[str]:
@@ -41,7 +41,7 @@ def stage_problems(cfg: Config, stage: str) -> list[str]:
         return all_problems(cfg)
     if stage == "sft":
         return sft_problems(cfg)
-    return [] if stage == "report" else tool_problems(cfg)
+    return [] if stage == "report" else tool_problems(cfg) + game_problems(cfg)
 
 
 def sft_problems(cfg: Config) -> list[str]:
@@ -172,6 +172,42 @@ def _has(sources, rec: Mapping, field: str) -> bool:
     except KeyError:
         return False
     return True
+
+
+# --------------------------------------------------------------------------- games
+def game_problems(cfg: Config) -> list[str]:
+    """env.name: gym_text: the game `env.options.make` names can be made and reset (TextArena's
+    Wordle without NLTK's word list fails here, in seconds, not in the first rollout)."""
+    if cfg.env.name != "gym_text":
+        return []
+    try:
+        options = cfg.env.checked_options()
+    except Exception:   # noqa: BLE001 - load_config has reported the options already
+        return []
+    from turnrl.envs import gym_text
+    from turnrl.errors import one_line
+    from turnrl.plugins import PluginError
+    try:
+        protocol, game = gym_text.make_game(options["make"], options.get("kwargs"))
+    except PluginError as exc:
+        return [str(exc)]
+    except Exception as exc:   # noqa: BLE001 - a factory of one's own that raises
+        return [f"env.options.make = {options['make']!r}: the game cannot start: {one_line(exc)}"]
+    try:
+        if protocol == "textarena":
+            game.reset(num_players=1, seed=0)
+        else:
+            game.reset(seed=0)
+    except Exception as exc:   # noqa: BLE001 - whatever the game raises on its first reset
+        return [f"env.options.make = {options['make']!r}: the game's first reset raised {one_line(exc)}"]
+    finally:
+        close = getattr(game, "close", None) if protocol == "gym" else None
+        if callable(close):
+            try:
+                close()
+            except Exception:   # noqa: BLE001 - closing a probe game is best effort
+                pass
+    return []
 
 
 # --------------------------------------------------------------------------- tools

@@ -30,6 +30,7 @@ from typing import Any
 import yaml
 
 from turnrl import envs
+from turnrl.errors import one_line
 from turnrl.plugins import PluginError
 
 PROCESSED = Path("data/processed/heldout.parquet")
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Exception as exc:   # the environment itself raised: its traceback is what one debugs
         traceback.print_exc()
-        print(f"turnrl env: the environment raised {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"turnrl env: the environment raised {one_line(exc)}", file=sys.stderr)
         return 1
     return 0
 

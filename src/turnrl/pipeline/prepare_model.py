@@ -11,6 +11,7 @@ from typing import Callable
 from turnrl import envs
 from turnrl.config import Config, ConfigError
 from turnrl.data import synthetic
+from turnrl.errors import one_line
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.episodes import EpisodeRunner, StepRunner, runner_for
 from turnrl.rollout.multi_turn import Trajectory
@@ -23,10 +24,9 @@ class WarmStartError(ConfigError):
 
 
 def _failure(env_name: str, row: dict, what: str, exc: BaseException) -> WarmStartError:
-    text = " ".join(str(exc).split())
     return WarmStartError(
         f"env.name = {env_name!r}: the warm start (model.path: tiny) {what} on row {row.get('id')!r} and it "
-        f"raised {type(exc).__name__}{': ' + text[:300] if text else ''}; fix the environment or its "
+        f"raised {one_line(exc)}; fix the environment or its "
         "demonstration (docs/plugins.md, \"The warm start\"), or set model.path to a checkpoint")
 
 

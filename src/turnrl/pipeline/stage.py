@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from turnrl.config import Config, ConfigError, load_config
+from turnrl.errors import one_line
 
 BAD_INPUT_EXIT = 2
 DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
@@ -84,8 +85,7 @@ def failure_exit(stage: str, exc: BaseException) -> int:
             return code
     import traceback
     traceback.print_exception(exc, file=sys.stderr)
-    text = " ".join(str(exc).split())[:1000]
-    print(f"turnrl {stage}: failed: {type(exc).__name__}{': ' + text if text else ''} (an unexpected error: "
+    print(f"turnrl {stage}: failed: {one_line(exc, 1000)} (an unexpected error: "
           "the traceback above says where; please report it)", file=sys.stderr)
     return 1
 

@@ -49,6 +49,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 from tqdm.auto import tqdm
 
 from turnrl.envs.base import STEP_RESULT_EXPECTED, Env, StepResult, step_result_problem
+from turnrl.errors import one_line
 from turnrl.rollout.chat import ChatFormat
 
 ENV_ERROR = "env_error"   # Trajectory.finish of a trajectory its environment's exception ended
@@ -224,8 +225,7 @@ def level_of(env: Env, turn: int) -> str:
 
 
 def error_text(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text[:400]}" if text else type(exc).__name__
+    return one_line(exc, 400)
 
 
 def error_result(exc: BaseException) -> StepResult:

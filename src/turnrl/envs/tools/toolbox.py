@@ -23,6 +23,7 @@ from turnrl.envs.helpers import Helpers
 from turnrl.envs.tools.functions import FunctionTool, exit_error
 from turnrl.envs.tools.tool import CallOutcome, Tool, ToolError, TransportError, result_text
 from turnrl.envs.tools.transports import HTTPTool, HTTPToolSpec, MCPServerSpec, MCPSession
+from turnrl.errors import one_line
 from turnrl.plugins import PluginError, load_object
 
 #: Seconds a failed start of a box is reused as its error before it is tried again.
@@ -171,8 +172,7 @@ class ToolBox:
                                "transport")
         if isinstance(exc, ToolError):
             return CallOutcome(False, f"Error: {name} failed: {result_text(str(exc), 300)}", "raised")
-        text = " ".join(str(exc).split())[:300]
-        return CallOutcome(False, f"Error: {name} raised {type(exc).__name__}{': ' + text if text else ''}", "raised")
+        return CallOutcome(False, f"Error: {name} raised {one_line(exc)}", "raised")
 
     async def _attempts(self, tool: Tool, arguments: dict, attempts: list[int]) -> Any:
         for attempt in range(self.retries + 1):

@@ -1,0 +1,81 @@
+"""A newcomer's first hour with the ecosystem adapters (issue 53, part 5): what they met, each a
+one-line error that says what happened and what to do, or a behaviour shown."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from turnrl import envs
+from turnrl.errors import first_line, one_line
+from turnrl.plugins import PluginError
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECKPOINT = ("-S", "model.path=Qwen/Qwen2.5-0.5B-Instruct")   # a game has no warm start: only a checkpoint plays it
+
+# NLTK's LookupError, as TextArena's Wordle-v0 raises it offline: a blank line, a row of asterisks,
+# the resource name in ANSI colour
+NLTK_MESSAGE = ("\n" + "*" * 70 + "\n  Resource \x1b[93mwords\x1b[0m not found.\n  Please use the NLTK Downloader "
+                "to obtain the resource:\n\n  >>> import nltk\n  >>> nltk.download('words')\n  \n" + "*" * 70 + "\n")
+
+
+# --------------------------------------------------------------------------- a. one line, never empty
+def test_one_line_is_the_type_and_the_first_line_that_says_something():
+    assert one_line(LookupError(NLTK_MESSAGE)) == "LookupError: Resource words not found."
+    assert one_line(RuntimeError("\n\n  boom  \n second")) == "RuntimeError: boom"
+    assert one_line(KeyError()) == "KeyError" and one_line(ValueError("\n***\n")) == "ValueError"
+    assert first_line("----\n\x1b[1mcolour\x1b[0m here") == "colour here"
+    assert one_line(ValueError("x" * 500), 20) == "ValueError: " + "x" * 17 + "..."
+
+
+def test_one_line_names_pydantic_fields_not_their_count():
+    from pydantic import BaseModel, ValidationError
+
+    class Model(BaseModel):
+        size: int
+
+    with pytest.raises(ValidationError) as err:
+        Model(size="big")
+    assert one_line(err.value).startswith("ValidationError: size: Input should be a valid integer")
+
+
+@pytest.fixture
+def wordle_offline(monkeypatch):
+    """textarena.make failing as Wordle-v0 does without NLTK's word list."""
+    ta = pytest.importorskip("textarena")
+
+    def make(env_id, **kwargs):
+        raise LookupError(NLTK_MESSAGE)
+    monkeypatch.setattr(ta, "make", make)
+
+
+def test_a_game_that_cannot_start_says_why_in_one_line(wordle_offline):
+    env = envs.make("gym_text", make="textarena:Wordle-v0")
+    with pytest.raises(PluginError) as err:
+        env.reset({"game_seed": 1})
+    text = str(err.value)
+    assert "\n" not in text
+    assert text.startswith("env.options.make = textarena:Wordle-v0: the game cannot start: "
+                           "LookupError: Resource words not found.")
+    assert "python -m nltk.downloader words" in text
+
+
+def test_an_environment_error_in_a_trajectory_is_never_an_empty_reason():
+    from turnrl.rollout.multi_turn import error_result
+    assert error_result(LookupError(NLTK_MESSAGE)).info["env_error"] == "LookupError: Resource words not found."
+
+
+def test_turnrl_config_catches_a_game_that_cannot_start(wordle_offline, capsys):
+    from turnrl.config import main
+    code = main([str(ROOT / "params.yaml"), *CHECKPOINT, "-S", "env.name=gym_text",
+                 "-S", "env.options={make: textarena:Wordle-v0}"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "error: env.options.make = textarena:Wordle-v0: the game cannot start: LookupError: Resource words" in err
+
+
+def test_turnrl_config_passes_a_game_that_starts(capsys):
+    pytest.importorskip("textarena")
+    from turnrl.config import main
+    assert main([str(ROOT / "params.yaml"), "-q", *CHECKPOINT, "-S", "env.name=gym_text",
+                 "-S", "env.options={make: textarena:GuessTheNumber-v0}"]) == 0
