@@ -8,7 +8,7 @@ INITIAL, OUT = Path("models/initial"), Path("models/sft")
 
 
 def main(cfg):
-    from turnrl.models.folders import model_dir
+    from turnrl.training.folders import model_dir
     from turnrl.pipeline.sft import pass_through, run_sft
     from turnrl.tracking import artifacts, runs
     run = runs.current_run()

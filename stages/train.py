@@ -18,7 +18,7 @@ _checkpoints = {}   # the store and the checkpoint to resume from, found once pe
 def checkpoints(cfg):
     """(store, resume or None) for this config: decided before the MLflow run opens."""
     if not _checkpoints:
-        from turnrl.models.folders import model_dir
+        from turnrl.training.folders import model_dir
         from turnrl.training.checkpoint import CheckpointStore, fingerprint
         high = cfg.levels.high_model_path   # a second model for the high level, from its own folder
         key = fingerprint(cfg, [Path(model_dir(START)), DATA / "train.parquet", *([Path(high)] if high else [])])
@@ -39,7 +39,7 @@ def main(cfg):
 
     from turnrl.tracking import artifacts, model_logging, runs, traces
     from turnrl.pipeline import plots
-    from turnrl.models.folders import model_dir
+    from turnrl.training.folders import model_dir
     from turnrl.pipeline.preprocess import load_split
     from turnrl.training.cluster import ActorFailure
     from turnrl.training.health import UnhealthyTraining

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from turnrl.algos.hierarchy import prepare
 from turnrl.algos.registry import Scorer
 from turnrl.config import Config, ConfigError, parse_config
-from turnrl.models.folders import high_level_folder
+from turnrl.training.folders import high_level_folder
 from turnrl.training.cluster import check_cluster, plan_placement
 from turnrl.training.loop import HIGH_LEVEL, level_mask, train_levels, trained_level
 

@@ -271,7 +271,7 @@ def test_demonstrations_as_sft_data_are_the_environment_s_good_replays(fmt):
 
 def test_sft_off_passes_the_model_through(tmp_path, tiny_model_dir):
     import shutil
-    from turnrl.models.folders import model_dir
+    from turnrl.training.folders import model_dir
     from turnrl.pipeline.sft import pass_through
     initial = tmp_path / "initial"
     shutil.copytree(tiny_model_dir, initial)

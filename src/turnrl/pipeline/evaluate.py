@@ -388,7 +388,7 @@ def load_engine(cfg: Config, model_folder: str | Path):
     out (models/initial, models/final) or any Hugging Face checkpoint folder."""
     from transformers import AutoTokenizer
 
-    from turnrl.models.folders import model_dir
+    from turnrl.training.folders import model_dir
     from turnrl.rollout.engines import context_length, make_engine
     path = model_dir(model_folder)
     engine = make_engine(cfg.rollout.engine, path, dtype=cfg.model.dtype, seed=cfg.seed,
@@ -401,7 +401,7 @@ def load_levels(cfg: Config, model_folder: str | Path, high_folder: str | Path |
     separate`, (engines {"low": policy, "high": high-level model}, tokenizer), the high-level
     model from `high_folder`, or when None from its starting folder (`levels.high_model_path`,
     empty: the policy's)."""
-    from turnrl.models.folders import high_level_folder, model_dir
+    from turnrl.training.folders import high_level_folder, model_dir
     engine, tokenizer = load_engine(cfg, model_folder)
     if cfg.levels.high_model != "separate":
         return engine, tokenizer

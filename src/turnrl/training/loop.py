@@ -46,7 +46,7 @@ from turnrl.algos.registry import AdvantageInputs, Algorithm, Scorer
 from turnrl.algos.registry import resolve as resolve_algorithm
 from turnrl.config import AlgorithmCfg, Config, ConfigError, LevelsCfg, TrainCfg
 from turnrl.gateway.samples import episode_view, training_rows
-from turnrl.models.folders import high_level_folder
+from turnrl.training.folders import high_level_folder
 from turnrl.rewards.judge import check_rows as check_judge_rows, judge_metrics
 from turnrl.rewards.shaping import cut_by_budget
 from turnrl.rewards.teacher import tokenizer_mismatch
