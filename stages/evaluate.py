@@ -28,6 +28,7 @@ WHICH = {
 def main(cfg, which: str):
     from turnrl.tracking import artifacts, model_logging, runs
     from turnrl.pipeline.evaluate import evaluate, load_levels, log_to_mlflow
+    from turnrl.pipeline.report import log_headline
     from turnrl.pipeline.preprocess import BENCHMARK_DIR
     _, model, metrics_path, out = WHICH[which]
     # levels.high_model: separate: both models play, the trained high-level model from models/final/high_level
@@ -45,7 +46,7 @@ def main(cfg, which: str):
     earlier = json.loads(other.read_text()) if other.exists() else None
     # baseline_eval: a metrics/eval.json already there is an older model's, not this pipeline's result
     baseline, final = (metrics, None) if which == "baseline" else (earlier, metrics)
-    runs.log_headline(run, baseline, final)
+    log_headline(run, baseline, final)
     if which == "final":
         model_logging.register_policy(run, model, baseline or {}, metrics)
 

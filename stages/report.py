@@ -13,7 +13,7 @@ OUT = Path("report")
 
 def main(cfg):
     from turnrl.tracking import artifacts, runs
-    from turnrl.pipeline.report import render
+    from turnrl.pipeline.report import log_headline, render
     for path, stage in [(BASELINE, "baseline_eval"), (TRAINED, "eval")]:
         if not path.exists():
             raise FileNotFoundError(f"{path} is missing; run `dvc repro {stage}` first")
@@ -22,8 +22,8 @@ def main(cfg):
                   curves=Path("plots/train.csv"), sources=(str(BASELINE), str(TRAINED)))
     run = runs.current_run()
     artifacts.log_artifacts(run, path.parent, "report")
-    runs.log_headline(run, json.loads(BASELINE.read_text()), json.loads(TRAINED.read_text()),
-                      extra=f"The full report: artifacts `report/report.md` of the report run ({run.run_id}).")
+    log_headline(run, json.loads(BASELINE.read_text()), json.loads(TRAINED.read_text()),
+                 extra=f"The full report: artifacts `report/report.md` of the report run ({run.run_id}).")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ evaluation's outputs: two metrics dicts of the same shape (metrics/baseline.json
 metrics/eval.json), optionally the folders of per-problem generations (eval/baseline,
 eval/final) for what changed problem by problem, and plots/train.csv.
 
-The `report` DVC stage renders the pipeline's own files (stages/report.py); any two
-evaluations compare the same way:
+The `report` DVC stage renders the pipeline's own files (stages/report.py), and the evaluation
+stages put the report's summary table on the MLflow pipeline run (`log_headline`: the headline
+accuracies and the run's description); any two evaluations compare the same way:
 
     python -m turnrl.pipeline.report eval/qwen/metrics.json eval/mine/metrics.json --out report/qwen-vs-mine \\
         --labels qwen mine --gens eval/qwen eval/mine
@@ -307,6 +308,28 @@ def _generations(gens: tuple[list | None, list | None], labels: tuple[str, str])
         lines += [f"Grading verdicts, {label} ({len(primary)} trajectories): "
                   + "; ".join(f"{_cell(k, 70)} ×{v}" for k, v in top), ""]
     return lines
+
+
+# --------------------------------------------------------------------------- the MLflow headline
+def description(cfg: Any, baseline: dict | None, final: dict | None, extra: str = "") -> str:
+    """The pipeline run's description (Markdown): what ran, and the report's summary table.
+    `cfg`: the validated params (turnrl.config.Config)."""
+    lines = [f"**{cfg.algorithm.name}** on **{cfg.env.name}**, {cfg.train.steps} steps from `{cfg.model.path}` "
+             f"(seed {cfg.seed}, group size {cfg.rollout.n}, up to {cfg.rollout.max_turns} turns).", ""]
+    if baseline or final:
+        lines += summary_table(baseline or {}, final or {}, ("baseline", "trained"))
+    if extra:
+        lines += ["", extra]
+    return "\n".join(lines)
+
+
+def log_headline(run: Any, baseline: dict | None, final: dict | None, extra: str = "") -> None:
+    """The evaluation's headline on the pipeline's parent run (`run`: the stage's
+    turnrl.tracking.runs.StageRun): accuracies (baseline, final, diff per block) and the
+    description with the summary table."""
+    from turnrl.tracking.runs import headline_metrics, log_parent
+    log_parent(run, metrics=headline_metrics(baseline, final),
+               tags={"mlflow.note.content": description(run.cfg, baseline, final, extra)})
 
 
 # --------------------------------------------------------------------------- entry point

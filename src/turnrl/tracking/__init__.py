@@ -14,7 +14,8 @@ The modules, each imported where it is used (this package re-exports nothing):
 
 - `runs`: `stage_run` (the parent and the stage's nested run, opened on the store), `StageRun`,
   `current_run`, `log_metrics`, `log_parent`, the identifying params and the parent's headline
-  (accuracies, description), the pipeline key, `tracking_uri`, `run_link`.
+  accuracies (`headline_metrics`; the description with the report's table is
+  turnrl.pipeline.report's `log_headline`), the pipeline key, `tracking_uri`, `run_link`.
 - `recorder`: the `Recorder`, which sends from a background thread so training never waits for
   the server; an outage is retried for `tracking.retry_s`, then the stage goes on without it
   (one warning, a count at the end); `mlflow_name` puts metric names in sections.

@@ -1,6 +1,7 @@
 """The pipeline's MLflow runs: one parent run per pipeline run, one child run per stage
 execution (`stage_run`), found by a pipeline key; the params that identify a run, and the
-parent's headline (accuracies, description)."""
+parent's headline accuracies (its description, with the report's table, is
+turnrl.pipeline.report.log_headline's)."""
 from __future__ import annotations
 
 import contextlib
@@ -406,22 +407,3 @@ def headline_metrics(baseline: dict | None, final: dict | None) -> dict[str, flo
         if len(values) == 2:
             out[f"eval/{block}/accuracy_diff"] = values["final"] - values["baseline"]
     return out
-
-
-def description(cfg: Config, baseline: dict | None, final: dict | None, extra: str = "") -> str:
-    """The pipeline run's description (Markdown): what ran, and the report's summary table."""
-    from turnrl.pipeline.report import summary_table
-    lines = [f"**{cfg.algorithm.name}** on **{cfg.env.name}**, {cfg.train.steps} steps from `{cfg.model.path}` "
-             f"(seed {cfg.seed}, group size {cfg.rollout.n}, up to {cfg.rollout.max_turns} turns).", ""]
-    if baseline or final:
-        lines += summary_table(baseline or {}, final or {}, ("baseline", "trained"))
-    if extra:
-        lines += ["", extra]
-    return "\n".join(lines)
-
-
-def log_headline(run: StageRun, baseline: dict | None, final: dict | None, extra: str = "") -> None:
-    """The evaluation's headline on the pipeline's parent run: accuracies (baseline, final,
-    diff per block) and the description with the summary table."""
-    log_parent(run, metrics=headline_metrics(baseline, final),
-               tags={"mlflow.note.content": description(run.cfg, baseline, final, extra)})
