@@ -66,12 +66,10 @@ class Teacher:
 
 
 def _untrained(t: Any, reason: str) -> None:
-    """`t` ended as an environment error for `reason`: counted, and none of it trained on."""
-    from turnrl.rollout.multi_turn import ENV_ERROR
-    t.finish = ENV_ERROR
-    t.info["env_error"] = reason
+    """`t` (a turnrl.rollout Trajectory) ended as an environment error for `reason`: counted, and
+    none of it trained on (the trajectory's own `end_untrained`; rewards sit below the rollout)."""
+    t.end_untrained(reason)
     for row in t.samples or [t]:
-        row.loss_mask = [0] * len(row.response_ids)
         row.teacher_logprobs = [0.0] * len(row.response_ids)
 
 

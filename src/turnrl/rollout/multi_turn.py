@@ -198,6 +198,15 @@ class Trajectory:
         self.engine_logprobs += [0.0] * len(ids)
         self.observations.append(text)
 
+    def end_untrained(self, reason: str) -> None:
+        """End as an environment error (`ENV_ERROR`) for `reason`, none of it trained on (the loss
+        mask of it and of each of its samples cleared): counted with env.max_error_fraction, never
+        a silent zero. For what fails on a trajectory after its rollout (reward.teacher's logprobs)."""
+        self.finish = ENV_ERROR
+        self.info["env_error"] = reason
+        for row in self.samples or [self]:
+            row.loss_mask = [0] * len(row.response_ids)
+
     def record(self, result: StepResult) -> bool:
         """Take the environment's answer to the last turn; True when the trajectory ended."""
         self.turn_rewards.append(float(result.reward))
