@@ -79,3 +79,35 @@ def test_turnrl_config_passes_a_game_that_starts(capsys):
     from turnrl.config import main
     assert main([str(ROOT / "params.yaml"), "-q", *CHECKPOINT, "-S", "env.name=gym_text",
                  "-S", "env.options={make: textarena:GuessTheNumber-v0}"]) == 0
+
+
+# --------------------------------------------------------------------------- b. models/initial as model.path
+@pytest.mark.parametrize("path", ["models/initial", "./models/initial/", "models/initial/sub"])
+def test_prepare_models_own_output_as_model_path_is_refused_before_any_work(path, tmp_path, monkeypatch, capsys):
+    from turnrl.config import main
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "initial" / "sub").mkdir(parents=True)
+    assert main([str(ROOT / "params.yaml"), "-S", f"model.path={path}"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: model.path = {path!r}: that is the prepare_model stage's own output (models/initial)" in err
+    assert "cp -r models/initial my-start" in err and "-S model.path=my-start" in err
+    assert "hub" not in err and "gone" not in err
+
+
+def test_a_deleted_models_initial_says_it_is_gone_and_how_to_get_it_back_not_the_hub(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    from turnrl.config import ConfigError
+    from turnrl.pipeline.prepare_model import resolve_checkpoint
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("asked the hub"))
+    with pytest.raises(ConfigError) as err:   # DVC removed the stage's output before the stage ran
+        resolve_checkpoint("models/initial", Path("models/initial"))
+    assert "prepare_model stage's own output" in str(err.value)
+    assert "dvc checkout models/initial brings it back" in str(err.value)
+
+
+@pytest.mark.parametrize("path", ["tiny", "Qwen/Qwen2.5-0.5B-Instruct", "my-start", "models/initial-copy"])
+def test_other_model_paths_pass_that_check(path):
+    from turnrl.pipeline.checks import initial_model_problem
+    assert initial_model_problem(path) is None

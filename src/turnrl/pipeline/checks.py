@@ -31,7 +31,7 @@ FIRST_ROWS = 20   # the rows a field mapping is checked against (preprocess then
 
 def all_problems(cfg: Config) -> list[str]:
     """Everything: what `turnrl config` and the Prefect flow's first task check."""
-    return data_problems(cfg) + sft_problems(cfg) + benchmark_problems(cfg) + tool_problems(cfg) + game_problems(cfg)
+    return data_problems(cfg) + sft_problems(cfg) + benchmark_problems(cfg) + tool_problems(cfg) + game_problems(cfg) + model_problems(cfg)
 
 
 def stage_problems(cfg: Config, stage: str) -> list[str]:
@@ -41,7 +41,7 @@ def stage_problems(cfg: Config, stage: str) -> list[str]:
         return all_problems(cfg)
     if stage == "sft":
         return sft_problems(cfg)
-    return [] if stage == "report" else tool_problems(cfg) + game_problems(cfg)
+    return [] if stage == "report" else tool_problems(cfg) + game_problems(cfg) + model_problems(cfg)
 
 
 def sft_problems(cfg: Config) -> list[str]:
@@ -172,6 +172,33 @@ def _has(sources, rec: Mapping, field: str) -> bool:
     except KeyError:
         return False
     return True
+
+
+# --------------------------------------------------------------------------- model
+INITIAL = Path("models/initial")   # prepare_model's output (dvc.yaml), where the stages run
+
+
+def model_problems(cfg: Config) -> list[str]:
+    """model.path naming prepare_model's own output: DVC deletes a stage's outputs before it runs."""
+    problem = initial_model_problem(cfg.model.path)
+    return [problem] if problem else []
+
+
+def initial_model_problem(path: str, initial: Path = INITIAL) -> str | None:
+    """What to do when `path` (model.path) is `initial` or inside it, else None."""
+    if path == "tiny" or not path:
+        return None
+    try:
+        target, out = Path(path).expanduser().resolve(), initial.resolve()
+    except (OSError, RuntimeError):
+        return None
+    if target != out and out not in target.parents:
+        return None
+    gone = "" if target.exists() else (" It is gone now; DVC's cache still holds the last one: "
+                                       f"dvc checkout {initial} brings it back.")
+    return (f"model.path = {path!r}: that is the prepare_model stage's own output ({initial}), which DVC deletes "
+            f"before the stage runs, so it cannot be the stage's input; copy it elsewhere first "
+            f"(cp -r {initial} my-start) and set model.path to the copy (dvc exp run -S model.path=my-start).{gone}")
 
 
 # --------------------------------------------------------------------------- games
