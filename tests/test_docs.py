@@ -1,7 +1,8 @@
 """Docs that stay true: every YAML block in README.md and docs/*.md parses with the loader DVC
 reads params.yaml with (so a block pasted into params.yaml does not stop `dvc repro`), import
 paths (`module:function`) are quoted wherever YAML holds them, the README cites no internal issue
-numbers, and every relative link points to a file of the repository."""
+numbers, every relative link points to a file of the repository (and to a heading of it, where it
+names one), and the README stays short and links every page of the user guide."""
 from __future__ import annotations
 
 import re
@@ -109,3 +110,66 @@ def test_files_cited_in_the_code_exist():
     missing = {name: str(where) for name, where in cited.items()
                if not any(k == name or k.endswith("/" + name) for k in known)}
     assert not missing, f"cited but not in the repository: {missing}"
+
+
+# The user guide's pages in docs/ (mkdocs.yml's nav), in the order the README lists them.
+GUIDE = ["index.md", "first-run.md", "your-task.md", "plugins.md", "tools.md", "agents.md", "ecosystem.md",
+         "ecosystem-reasoning-gym.md", "ecosystem-text-games.md", "ecosystem-skyrl-gym.md", "ecosystem-openenv.md",
+         "ecosystem-verifiers.md", "algorithms.md", "post-training.md", "async.md", "models-and-gpus.md",
+         "cluster-demo.md", "sandbox.md", "mlflow.md", "prefect.md", "reliability.md", "troubleshooting.md"]
+README_MAX_LINES = 260
+
+
+def test_the_readme_fits_on_a_few_screens():
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines (at most {README_MAX_LINES}): move detail to docs/"
+
+
+def test_the_readme_links_every_guide_page():
+    targets = {t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", _FENCE.sub("", (ROOT / "README.md").read_text("utf-8")))}
+    pages = [p for p in GUIDE + [p.name for p in (ROOT / "docs").glob("ecosystem*.md")] if (ROOT / "docs" / p).exists()]
+    missing = sorted({p for p in pages if f"docs/{p}" not in targets})
+    assert not missing, f"README.md does not link {missing}"
+
+
+def test_every_guide_page_has_a_title():
+    for name in GUIDE:
+        path = ROOT / "docs" / name
+        if path.exists():
+            assert path.read_text(encoding="utf-8").startswith("# "), f"docs/{name} does not open with a # title"
+
+
+def _slug(heading: str) -> str:
+    """A heading's anchor as GitHub and MkDocs (toc's slugify) both make it: code marks and
+    punctuation dropped, lower case, runs of spaces and hyphens as one hyphen."""
+    text = re.sub(r"[^\w\s-]", "", heading.replace("`", "")).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def _anchors(path: Path) -> set[str]:
+    prose = _FENCE.sub("", path.read_text(encoding="utf-8"))
+    return {_slug(h) for h in re.findall(r"^#{1,6} +(.+?) *#*$", prose, re.M)}
+
+
+ANCHORED = [pytest.param(path, target, id=f"{path.relative_to(ROOT)}->{target}")
+            for path in DOCS for target in re.findall(r"\]\(([^)\s]+#[^)\s]+)\)", _FENCE.sub("", path.read_text("utf-8")))
+            if not re.match(r"[a-z]+:", target) and target.split("#")[0].endswith(".md") or target.startswith("#")]
+
+
+def test_the_slugs_are_those_of_github_and_mkdocs():
+    assert _slug("Tools that fail (`env.name: tools`)") == "tools-that-fail-envname-tools"
+    assert _slug("When a rerun resumes, and when it starts afresh") == "when-a-rerun-resumes-and-when-it-starts-afresh"
+    assert _slug("The corrections (`algorithm.policy_loss`)") == "the-corrections-algorithmpolicy_loss"
+
+
+@pytest.mark.parametrize("path, target", ANCHORED)
+def test_every_link_to_a_heading_finds_it(path, target):
+    page, anchor = target.split("#", 1)
+    linked = (path.parent / page).resolve() if page else path
+    assert linked.exists(), f"{path.name}: link {target}: no such file"
+    assert anchor in _anchors(linked), f"{path.name}: link {target}: {linked.name} has no heading with that anchor"
+
+
+def test_the_docs_link_to_headings():
+    assert len(ANCHORED) >= 20
+    assert _anchors(ROOT / "docs" / "reliability.md") >= {"checkpoints", "after-a-crash-rerun"}
