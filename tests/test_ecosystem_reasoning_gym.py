@@ -118,7 +118,8 @@ def test_heldout_split_shares_no_seed_with_training():
 
 def test_missing_library_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)   # as if not installed
-    monkeypatch.setattr(reasoning_gym, "_dataset_cached", reasoning_gym._dataset_cached.__wrapped__)
+    from turnrl.rewards import reasoning_gym as library   # where the dataset is made (and cached)
+    monkeypatch.setattr(library, "_dataset_cached", library._dataset_cached.__wrapped__)
     with pytest.raises(reasoning_gym.ReasoningGymError) as err:
         sources.load("reasoning_gym:chain_sum", params_key="data.train_set")
     assert "\n" not in str(err.value) and "pip install -e '.[ecosystem]'" in str(err.value)
@@ -139,3 +140,19 @@ def test_partial_credit_is_what_training_maximizes_and_accuracy_counts_full_cred
     summary = summarize(trajs)
     assert summary["accuracy"] == pytest.approx(1 / 3)
     assert summary["partial_credit_mean"] == pytest.approx((1.0 + 0.857142857142857) / 3, abs=1e-9)
+
+
+def test_the_data_side_raises_data_source_errors_the_rewards_side_value_errors():
+    """The set naming and the grade live in turnrl.rewards.reasoning_gym (the grader needs them,
+    and rewards sit below data); from turnrl.data.reasoning_gym the same calls raise a
+    DataSourceError too, which the stages report as bad data (exit 2)."""
+    from turnrl.data.files import DataSourceError
+    from turnrl.rewards import reasoning_gym as library
+    with pytest.raises(library.ReasoningGymError) as low:
+        library.parse("reasoning_gym:", "data.train_set")
+    assert isinstance(low.value, ValueError) and not isinstance(low.value, DataSourceError)
+    with pytest.raises(DataSourceError) as high:
+        reasoning_gym.parse("reasoning_gym:", "data.train_set")
+    assert isinstance(high.value, reasoning_gym.ReasoningGymError) and isinstance(high.value, library.ReasoningGymError)
+    assert str(high.value) == str(low.value)
+    assert reasoning_gym.GymSet is library.GymSet and reasoning_gym.score is library.score

@@ -59,7 +59,7 @@ def _exact(text: str, example: dict) -> Grade:
 
 
 def _reasoning_gym(text: str, example: dict) -> Grade:
-    from turnrl.data import reasoning_gym
+    from turnrl.rewards import reasoning_gym   # the library, imported when a row asks for it
     extracted = extract_answer(text)
     value = reasoning_gym.score(example, extracted)
     return Grade(value >= 1.0, extracted, f"reasoning_gym score_answer: {value!r}", value)
