@@ -176,6 +176,9 @@ def report(results: list[dict], seeds: list[int], work: Path, teacher: dict) -> 
         headline = (f"**Quickest to {FRACTION:.0%} of the teacher on this task: `{best}`**: it starts RL at {f['start']} "
                     f"held-out accuracy, reaches {FRACTION:.0%} of the teacher's in **{f['steps']}** steps and ends at "
                     f"{f['final']}, on {seeds_text(f['done'])}.")
+        if all(r["reached"]["step"] == r["curve"][0]["step"] for r in f["done"] if r.get("curve")):
+            headline += " (its first measurement, not learning)"
+            headline = headline.replace(f"{seeds_text(f['done'])}. (its", f"{seeds_text(f['done'])} (its") + "."
         others = [f"`{name}` {g['steps']} steps (ends at {g['final']})" for name, g in figures.items() if name != best]
         if others:
             headline += " Against " + ", ".join(others) + "."
