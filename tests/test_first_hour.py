@@ -111,3 +111,46 @@ def test_a_deleted_models_initial_says_it_is_gone_and_how_to_get_it_back_not_the
 def test_other_model_paths_pass_that_check(path):
     from turnrl.pipeline.checks import initial_model_problem
     assert initial_model_problem(path) is None
+
+
+# --------------------------------------------------------------------------- c. env.options left by the last run
+def test_options_left_by_the_previous_environment_are_named_with_how_to_clear_them(tmp_path, monkeypatch, capsys):
+    from turnrl.config import main
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dvc.lock").write_text("schema: '2.0'\nstages:\n  prepare_model:\n    params:\n      params.yaml:\n"
+                                       "        env:\n          name: search\n          options: {top_k: 3}\n")
+    assert main([str(ROOT / "params.yaml"), "-S", "env.name=code_tool", "-S", "env.options={top_k: 3}"]) == 2
+    err = capsys.readouterr().err
+    assert "env.options.top_k: unknown option" in err
+    assert ("env.options: top_k is not an option of 'code_tool': likely left from the previous run's environment, 'search' "
+            "(dvc.lock)") in err
+    assert "dvc exp run -S '~env.options' -S env.name=code_tool" in err
+
+
+def test_without_a_lock_the_environments_that_take_the_keys_are_named(tmp_path, monkeypatch, capsys):
+    from turnrl.config import main
+    monkeypatch.chdir(tmp_path)
+    assert main([str(ROOT / "params.yaml"), "-S", "env.name=code_tool", "-S",
+                 "env.options={top_k: 3, max_searches: 2}"]) == 2
+    err = capsys.readouterr().err
+    assert "top_k, max_searches are not options of 'code_tool': likely left from a previous environment ('search' takes them)" \
+        in err
+
+
+def test_a_typo_gets_no_previous_environment_hint(tmp_path, monkeypatch, capsys):
+    from turnrl.config import main
+    monkeypatch.chdir(tmp_path)
+    assert main([str(ROOT / "params.yaml"), "-S", "env.options={timeout_sx: 3}"]) == 2
+    err = capsys.readouterr().err
+    assert "env.options.timeout_sx: unknown option" in err and "previous" not in err
+
+
+def test_the_clearing_overrides_are_what_dvc_applies(tmp_path):
+    """The hint's `-S '~env.options' -S env.name=...` through DVC's own -S code: the old keys go."""
+    hydra = pytest.importorskip("dvc.utils.hydra")
+    params = tmp_path / "params.yaml"
+    params.write_text("env:\n  name: search\n  options: {top_k: 3}\n  workers: 4\n")
+    hydra.apply_overrides(str(params), ["~env.options", "env.name=code_tool", "++env.options.timeout_s=2"])
+    import yaml
+    assert yaml.safe_load(params.read_text())["env"] == {"name": "code_tool", "options": {"timeout_s": 2},
+                                                         "workers": 4}

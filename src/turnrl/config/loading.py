@@ -159,7 +159,7 @@ def check_plugins(cfg: Config) -> list[str]:
 
     spec = attempt(envs.resolve, cfg.env.name)
     if spec is not None:
-        options = attempt(envs.check_options, spec, cfg.env.options)
+        options = attempt(cfg.env.checked_options)   # (unknown keys another environment takes: a hint)
         task = attempt(spec.task_for, options) if options is not None else spec.task
         if "synthetic" in (cfg.data.train_set, cfg.data.heldout_set) and (task is None or task.rows is None):
             problems.append(f"data.train_set / data.heldout_set = synthetic: the environment {cfg.env.name!r} has no "

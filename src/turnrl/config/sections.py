@@ -212,9 +212,19 @@ class EnvCfg(_Section):
         return data
 
     def checked_options(self) -> dict:
-        """`options` checked by the environment's options model, defaults filled in."""
+        """`options` checked by the environment's options model, defaults filled in. Options it does
+        not know that another environment does (left in params.yaml by the last `dvc exp run`) get a
+        last line naming that environment and how to clear them."""
         from turnrl import envs
-        return envs.check_options(envs.resolve(self.name), self.options)
+        from turnrl.plugins import PluginError
+        spec = envs.resolve(self.name)
+        try:
+            return envs.check_options(spec, self.options)
+        except PluginError as exc:
+            hint = leftover_options_hint(self.name, spec, self.options)
+            if hint:
+                raise PluginError(f"{exc}\n{hint}") from None
+            raise
 
     def factory(self, *, max_turns: int, seed: int, data_dir: str | Path | None = None) -> Callable[[], Any]:
         """A no-argument factory of fresh environments (one per trajectory) with these options;
@@ -222,6 +232,55 @@ class EnvCfg(_Section):
         from turnrl import envs
         context = envs.EnvContext(data_dir=Path(data_dir) if data_dir else None, max_turns=max_turns, seed=seed)
         return envs.resolve(self.name).bind(self.checked_options(), context)
+
+
+def leftover_options_hint(name: str, spec: Any, options: dict, lock: Path = Path("dvc.lock")) -> str:
+    """For env.options keys environment `name` does not know but another environment does: one
+    line saying whose they likely are and how to clear them; "" when they belong to none (a typo)."""
+    from turnrl import envs
+    model = spec.options_model()
+    if model.model_config.get("extra") == "allow":
+        return ""
+    unknown = [key for key in options if key not in model.model_fields]
+    if not unknown:
+        return ""
+    previous = _locked_env(lock)
+    owner = ""
+    if previous and previous[0] != name and all(key in previous[1] for key in unknown):
+        owner = f"the previous run's environment, {previous[0]!r} (dvc.lock)"
+    else:
+        owners = []
+        for other in envs.names():
+            if other == name:
+                continue
+            try:
+                fields = envs.resolve(other).options_model().model_fields
+            except Exception:   # noqa: BLE001 - an environment whose library is missing owns nothing here
+                continue
+            if all(key in fields for key in unknown):
+                owners.append(other)
+        if not owners:
+            return ""
+        owner = f"a previous environment ({' or '.join(repr(o) for o in owners)} takes them)"
+    keys = ", ".join(unknown)
+    return (f"env.options: {keys} {'is not an option' if len(unknown) == 1 else 'are not options'} of {name!r}: "
+            f"likely left from {owner}, since dvc exp run -S merges into params.yaml's env.options and keeps them. "
+            f"Clear them when switching: dvc exp run -S '~env.options' -S env.name={name} (then "
+            f"-S ++env.options.KEY=VALUE for its own), or delete them from env.options in params.yaml")
+
+
+def _locked_env(lock: Path) -> tuple[str, dict] | None:
+    """(env.name, env.options) the last `dvc repro`/`dvc exp run` recorded in dvc.lock, if any."""
+    try:
+        import yaml
+        stages = (yaml.safe_load(lock.read_text()) or {}).get("stages") or {}
+    except Exception:   # noqa: BLE001 - no lock, or one that does not parse: no previous environment
+        return None
+    for stage in ("prepare_model", "preprocess", "train"):
+        env = (((stages.get(stage) or {}).get("params") or {}).get("params.yaml") or {}).get("env")
+        if isinstance(env, dict) and isinstance(env.get("name"), str):
+            return env["name"], dict(env.get("options") or {})
+    return None
 
 
 class LevelsCfg(_Section):
