@@ -7,7 +7,7 @@ and (3) runs `dvc repro --single-item <stage>` for each stage in dvc.yaml order,
 stays the record of what ran with which params and unchanged stages are skipped by DVC.
 
 Before the stages, the task `check-params` runs `turnrl config` on the result in the project:
-data and benchmark files, field mappings, stdio MCP commands, plugins (turnrl.pipeline.checks),
+data and benchmark files, field mappings, stdio MCP commands, plugins (turnrl.config.checks),
 so a bad value fails the flow in seconds, with exit code 2, never retried.
 
 Each stage is a task run named after the stage; its output is streamed into the Prefect run
@@ -247,7 +247,7 @@ CHECK = "check-params"   # the flow's first task: `turnrl config` on params.yaml
 
 @task(name=CHECK, task_run_name=CHECK, retries=0, cache_policy=NO_CACHE)
 def check_params(project_dir: str, pipeline_key: str) -> dict[str, Any]:
-    """What the stages would check before their heavy work (turnrl.pipeline.checks: data and
+    """What the stages would check before their heavy work (turnrl.config.checks: data and
     benchmark files, their field mappings, stdio MCP commands, plugins), run as `python -m
     turnrl.config --quiet` in the project with the stages' environment: a bad value fails the
     flow in seconds, before any stage, and is not retried (exit 2)."""

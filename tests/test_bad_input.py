@@ -154,7 +154,7 @@ def test_disk_full_in_any_stage_body_is_reported_not_a_traceback(tmp_path, monke
 
 @pytest.mark.slow   # a real stage process, stopped before its MLflow run: ~10 s
 def test_a_missing_data_file_stops_the_stage_before_its_mlflow_run(tmp_path):
-    """The checks (turnrl.pipeline.checks) run at the stage's start: exit 2, the key and the fix,
+    """The checks (turnrl.config.checks) run at the stage's start: exit 2, the key and the fix,
     and no MLflow run was opened (no store was even created)."""
     project = _project(tmp_path, train_set="mine.jsonl", heldout_set="mine.jsonl",
                        fields={"prompt": "q", "answer": "a"})

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from turnrl.config import Config
-from turnrl.pipeline import checks
+from turnrl.config import checks
 
 from conftest import ROOT
 

@@ -358,7 +358,7 @@ def test_the_gpu_distillation_preset_places_eight_gpus_and_checks_its_teacher():
     of the student's family; its sft.data file is checked before the stage works."""
     from turnrl import presets
     from turnrl.config import load_config
-    from turnrl.pipeline.checks import stage_problems
+    from turnrl.config.checks import stage_problems
     from turnrl.training.cluster import check_cluster, plan_placement, weight_sync_mode
     keys = presets.load("distill_gpu", ROOT / "params.yaml", ROOT / "configs")
     cfg = load_config(ROOT / "params.yaml", [f"{k}={v}" for k, v in keys.items()])

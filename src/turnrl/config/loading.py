@@ -280,7 +280,7 @@ def load_config(path: str | Path = "params.yaml", overrides: list[str] | tuple[s
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m turnrl.config [params.yaml] [-S key=value ...]`: validate params, check what
-    the stages would check before heavy work (turnrl.pipeline.checks: data and benchmark files,
+    the stages would check before heavy work (turnrl.config.checks: data and benchmark files,
     their field mappings, stdio MCP commands), print the resolved config. Exit 2 on a problem."""
     import argparse
     import sys
@@ -292,11 +292,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="override a param, e.g. -S train.steps=3 (repeatable; as `dvc exp run -S`)")
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing when everything checks out")
     args = parser.parse_args(argv)
-    from turnrl.pipeline import checks
+    from turnrl.config.checks import InputProblems, all_problems, require
     try:
         cfg = load_config(args.params, args.overrides)
-        checks.require(checks.all_problems(cfg))
-    except (ConfigError, checks.InputProblems) as exc:
+        require(all_problems(cfg))
+    except (ConfigError, InputProblems) as exc:
         print("\n".join(f"error: {line}" for line in str(exc).splitlines()), file=sys.stderr)   # a line a problem
         return 2
     if args.quiet:

@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     """`turnrl evaluate PATH --out DIR ...`: exit 0, or 2 with a one-line error on bad input."""
     from turnrl.config import ConfigError, load_config
     from turnrl.data.sources import DataSourceError
-    from turnrl.pipeline import checks
+    from turnrl.config import checks
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -199,7 +199,7 @@ def _trained_mask(t: Trajectory, choice: tuple[int, str] | None, fmt: ChatFormat
 
 def resolve_checkpoint(path: str, out_dir: Path) -> dict:
     """A real checkpoint is used where it is: `models/initial/turnrl_model.json` points to it."""
-    from turnrl.pipeline.checks import initial_model_problem
+    from turnrl.config.checks import initial_model_problem
     problem = initial_model_problem(path, out_dir)
     if problem:   # (turnrl config and every stage's checks say so before any work)
         raise ConfigError(problem)

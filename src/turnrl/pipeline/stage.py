@@ -1,5 +1,5 @@
 """What every DVC stage script shares: validated params and the checks of the files and
-commands they name (turnrl.pipeline.checks) first, then an MLflow stage run.
+commands they name (turnrl.config.checks) first, then an MLflow stage run.
 
 A failure is one line, `turnrl <stage>: <why>`: the message alone for the errors written for
 the user (a plugin, a reward function, an actor, the environment, an unhealthy run), the
@@ -40,7 +40,7 @@ def run_stage(name: str, body: Callable[[Config], Any],
     except ConfigError as exc:
         print(f"turnrl {name}: invalid params\n{exc}", file=sys.stderr)
         raise SystemExit(BAD_INPUT_EXIT) from None
-    from turnrl.pipeline.checks import stage_problems
+    from turnrl.config.checks import stage_problems
     problems = stage_problems(cfg, name)   # files and commands params name: before the MLflow run and any work
     if problems:
         print("\n".join(f"turnrl {name}: {problem}" for problem in problems), file=sys.stderr)

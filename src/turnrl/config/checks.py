@@ -1,0 +1,261 @@
+"""Checks first: what the stages would find wrong with params, found before any heavy work.
+
+`turnrl config`, every stage's start (`pipeline.stage.run_stage`, before its MLflow run), the
+Prefect flow's first task and `turnrl evaluate` call these, so a data file that is not there, a
+field mapping that names no field of the file, a missing benchmark file or a stdio MCP server
+whose command does not exist fails in seconds with exit 2, not minutes later inside a stage.
+
+Every function is pure (it reads files, it starts nothing) and returns a list of problems, one
+line each, naming the params key, its value and the fix. Schema and plugin checks are
+`turnrl.config.load_config`'s; these are the ones that need the files and the machine. They live
+with the params they check (turnrl.config, below the pipeline that calls them);
+turnrl.pipeline.checks re-exports them.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Mapping
+from itertools import islice
+from pathlib import Path
+
+from turnrl.config.sections import Config
+from turnrl.data import reasoning_gym
+from turnrl.data.sources import DataSourceError
+
+FIRST_ROWS = 20   # the rows a field mapping is checked against (preprocess then reads them all)
+
+
+def all_problems(cfg: Config) -> list[str]:
+    """Everything: what `turnrl config` and the Prefect flow's first task check."""
+    return data_problems(cfg) + sft_problems(cfg) + benchmark_problems(cfg) + tool_problems(cfg) + game_problems(cfg) + model_problems(cfg)
+
+
+def stage_problems(cfg: Config, stage: str) -> list[str]:
+    """What stage `stage` needs: preprocess (the pipeline's first) checks everything; sft its
+    conversation file; the stages that run the environment check its tools; the report nothing."""
+    if stage == "preprocess":
+        return all_problems(cfg)
+    if stage == "sft":
+        return sft_problems(cfg)
+    return [] if stage == "report" else tool_problems(cfg) + game_problems(cfg) + model_problems(cfg)
+
+
+def sft_problems(cfg: Config) -> list[str]:
+    """sft.data naming a file that is not there (none, demonstrations and hf: ids are not files)."""
+    data = cfg.sft.data
+    if data in ("none", "demonstrations") or data.startswith("hf:"):
+        return []
+    problem = _missing_file("sft.data", data, "of conversations, or none, demonstrations, hf:<dataset id>")
+    return [problem] if problem else []
+
+
+def before_evaluate(cfg: Config) -> None:
+    """`turnrl evaluate`'s first step: InputProblems (exit 2) listing every missing benchmark
+    file, bad benchmark field mapping and missing MCP command, before anything is evaluated."""
+    require(benchmark_problems(cfg) + tool_problems(cfg))
+
+
+class InputProblems(DataSourceError):
+    """Files or commands that params name are missing or do not fit: one line per problem. A
+    DataSourceError, so every caller that reports bad data with exit 2 reports these too."""
+
+
+def require(problems: list[str]) -> None:
+    if problems:
+        raise InputProblems("\n".join(problems))
+
+
+# --------------------------------------------------------------------------- data files
+def data_problems(cfg: Config) -> list[str]:
+    """data.train_set / data.heldout_set: a file that exists, whose first rows have the fields
+    that data.fields maps (or, without data.fields, fields the loader can guess)."""
+    from turnrl.data import sources
+    problems: list[str] = []
+    seen: set[str] = set()
+    for key, name in (("data.train_set", cfg.data.train_set), ("data.heldout_set", cfg.data.heldout_set)):
+        if name == "synthetic" or name in sources.DATASETS or name in seen:
+            continue   # a registered set is found (data dir or hub) by preprocess, which says how to provide it
+        seen.add(name)
+        if reasoning_gym.is_spec(name):   # the library installed, the task known, its config accepted
+            problems += _gym_problem(name, key)
+            continue
+        if not _looks_like_path(name):
+            problems.append(f"{key} = {name!r}: not a registered data set nor a file path; use synthetic, a "
+                            f"registered name ({', '.join(sorted(sources.DATASETS))}) or a .jsonl/.parquet path")
+            continue
+        missing = _missing_file(key, name)
+        if missing:
+            problems.append(missing)
+            continue
+        problems += mapping_problems(Path(name), cfg.data.fields or None, "data.fields")
+    return problems
+
+
+def benchmark_problems(cfg: Config) -> list[str]:
+    """eval.benchmarks: each `path` given exists and its first rows have the mapped fields."""
+    from turnrl.data import sources
+    problems: list[str] = []
+    for i, bench in enumerate(cfg.eval.benchmarks):
+        if not bench.path:
+            continue   # a registered set: an unavailable one is reported by the evaluation, not an error
+        if reasoning_gym.is_spec(bench.path):
+            problems += _gym_problem(bench.path, f"eval.benchmarks.{i}")
+            continue
+        missing = _missing_file(f"eval.benchmarks.{i}.path", bench.path,
+                                f"or remove benchmark {bench.name!r} from eval.benchmarks")
+        if missing:
+            problems.append(missing)
+            continue
+        registered = sources.DATASETS.get(bench.name)
+        fields = bench.fields or (dict(registered.fields) if registered is not None else None)
+        problems += mapping_problems(Path(bench.path), fields, f"eval.benchmarks.{i}.fields")
+    return problems
+
+
+def _gym_problem(name: str, key: str) -> list[str]:
+    try:
+        reasoning_gym.check(name, key)
+    except reasoning_gym.ReasoningGymError as exc:
+        return [str(exc)]
+    return []
+
+
+def _looks_like_path(name: str) -> bool:
+    return bool(Path(name).suffix) or "/" in name or os.sep in name   # as turnrl.data.sources.load tells them
+
+
+def _missing_file(key: str, value: str, alternative: str = "") -> str | None:
+    path = Path(value).expanduser()
+    if path.is_file():
+        return None
+    what = "is a folder, not a file" if path.is_dir() else "no such file"
+    where = "" if path.is_absolute() else f" (relative to {Path.cwd()}, where the stages run)"
+    return (f"{key} = {value!r}: {what}{where}; fix the path to a .jsonl/.json/.parquet file"
+            f"{' ' + alternative if alternative else ''}")
+
+
+def mapping_problems(path: Path, fields: Mapping[str, str] | None, key: str) -> list[str]:
+    """The field mapping `fields` (schema field -> the file's field; None: guessed as the loader
+    does) against the first rows of `path`: a mapped field none of them has is a typo. (A row
+    that lacks one is a malformed row: preprocess names its line, or drops it with
+    data.bad_rows: drop.)"""
+    from turnrl.data import sources
+    try:
+        rows = [rec for _, rec in islice(sources._iter_records(path), FIRST_ROWS) if isinstance(rec, Mapping)]
+        if not fields:
+            fields = sources._guess_fields(path)
+        else:
+            fields = sources._check_fields(fields, key)
+    except sources.DataSourceError as exc:
+        return [f"{key}: {exc}"]
+    except OSError as exc:
+        return [f"{key}: {path} cannot be read ({exc.strerror or exc}); check the file"]
+    if not rows:
+        return [f"{key}: {path} has no JSON object rows in its first {FIRST_ROWS} lines; give one object per line"]
+    has = lambda rec, field: _has(sources, rec, field)  # noqa: E731
+    columns = sorted({str(c) for rec in rows for c in rec})
+    problems = []
+    for schema, field in fields.items():
+        if not any(has(rec, field) for rec in rows):
+            problems.append(f"{key}.{schema} = {field!r}: no such field in the first {len(rows)} rows of {path} "
+                            f"(its fields: {', '.join(columns)}); map {schema} to one of them")
+    return problems
+
+
+def _has(sources, rec: Mapping, field: str) -> bool:
+    try:
+        sources._get(rec, field)
+    except KeyError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- model
+INITIAL = Path("models/initial")   # prepare_model's output (dvc.yaml), where the stages run
+
+
+def model_problems(cfg: Config) -> list[str]:
+    """model.path naming prepare_model's own output: DVC deletes a stage's outputs before it runs."""
+    problem = initial_model_problem(cfg.model.path)
+    return [problem] if problem else []
+
+
+def initial_model_problem(path: str, initial: Path = INITIAL) -> str | None:
+    """What to do when `path` (model.path) is `initial` or inside it, else None."""
+    if path == "tiny" or not path:
+        return None
+    try:
+        target, out = Path(path).expanduser().resolve(), initial.resolve()
+    except (OSError, RuntimeError):
+        return None
+    if target != out and out not in target.parents:
+        return None
+    gone = "" if target.exists() else (" It is gone now; DVC's cache still holds the last one: "
+                                       f"dvc checkout {initial} brings it back.")
+    return (f"model.path = {path!r}: that is the prepare_model stage's own output ({initial}), which DVC deletes "
+            f"before the stage runs, so it cannot be the stage's input; copy it elsewhere first "
+            f"(cp -r {initial} my-start) and set model.path to the copy (dvc exp run -S model.path=my-start).{gone}")
+
+
+# --------------------------------------------------------------------------- games
+def game_problems(cfg: Config) -> list[str]:
+    """env.name: gym_text: the game `env.options.make` names can be made and reset (TextArena's
+    Wordle without NLTK's word list fails here, in seconds, not in the first rollout)."""
+    if cfg.env.name != "gym_text":
+        return []
+    try:
+        options = cfg.env.checked_options()
+    except Exception:   # noqa: BLE001 - load_config has reported the options already
+        return []
+    from turnrl.envs import gym_text
+    from turnrl.errors import one_line
+    from turnrl.plugins import PluginError
+    try:
+        protocol, game = gym_text.make_game(options["make"], options.get("kwargs"))
+    except PluginError as exc:
+        return [str(exc)]
+    except Exception as exc:   # noqa: BLE001 - a factory of one's own that raises
+        return [f"env.options.make = {options['make']!r}: the game cannot start: {one_line(exc)}"]
+    try:
+        if protocol == "textarena":
+            game.reset(num_players=1, seed=0)
+        else:
+            game.reset(seed=0)
+    except Exception as exc:   # noqa: BLE001 - whatever the game raises on its first reset
+        return [f"env.options.make = {options['make']!r}: the game's first reset raised {one_line(exc)}"]
+    finally:
+        close = getattr(game, "close", None) if protocol == "gym" else None
+        if callable(close):
+            try:
+                close()
+            except Exception:   # noqa: BLE001 - closing a probe game is best effort
+                pass
+    return []
+
+
+# --------------------------------------------------------------------------- tools
+def tool_problems(cfg: Config) -> list[str]:
+    """env.options.mcp: each stdio server's command exists (on PATH, or the file it names)."""
+    try:
+        options = cfg.env.checked_options()
+    except Exception:   # noqa: BLE001 - load_config has reported the options already
+        return []
+    problems = []
+    for i, server in enumerate(options.get("mcp") or []):
+        command = server.get("command") if isinstance(server, Mapping) else None
+        if not command:
+            continue   # an HTTP server: reachable or not at run time, with retries
+        exe, key = str(command[0]), f"env.options.mcp.{i}.command"
+        if "/" in exe or os.sep in exe:
+            found = Path(server.get("cwd") or ".", exe).expanduser()
+            ok = found.is_file() and os.access(found, os.X_OK)
+            why = f"{found} is not an executable file" if found.exists() else f"{found}: no such file"
+        else:
+            search = (server.get("env") or {}).get("PATH") or os.environ.get("PATH", "")
+            ok, why = shutil.which(exe, path=search) is not None, f"{exe!r} is not a command on PATH"
+        if not ok:
+            problems.append(f"{key} = {list(command)!r}: {why}; install it, or give its full path "
+                            f"(e.g. [{sys.executable}, my_server.py])")
+    return problems
