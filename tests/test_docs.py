@@ -173,3 +173,57 @@ def test_every_link_to_a_heading_finds_it(path, target):
 def test_the_docs_link_to_headings():
     assert len(ANCHORED) >= 20
     assert _anchors(ROOT / "docs" / "reliability.md") >= {"checkpoints", "after-a-crash-rerun"}
+
+
+def _exp_runs(path: Path) -> list[tuple[int, list[str], bool]]:
+    """(line, -S overrides, whether the docs say it fails) of each runnable `dvc exp run` in the
+    bash blocks; commands with a placeholder (`<a checkpoint>`) or a `$(...)` are left out."""
+    import shlex
+    found = []
+    for line_no, block in _blocks(path, "bash"):
+        for k, line in enumerate(block.replace("\\\n", " ").splitlines()):
+            try:
+                words = shlex.split(line.partition(" #")[0])
+            except ValueError:      # not one shell line (a quote opened in an earlier one)
+                continue
+            fails = "fails" in line.partition(" #")[2]
+            commands, current = [], []
+            for word in words + ["&&"]:
+                if word in ("&&", ";"):
+                    commands.append(current)
+                    current = []
+                else:
+                    current.append(word)
+            for cmd in commands:
+                if cmd[:3] != ["dvc", "exp", "run"] or any(c in w for w in cmd for c in "<>$("):
+                    continue
+                found.append((line_no + k, [cmd[i + 1] for i, w in enumerate(cmd[:-1]) if w == "-S"], fails))
+    return found
+
+
+EXP_RUNS = [pytest.param(path, line, overrides, fails, id=f"{path.relative_to(ROOT)}:{line}")
+            for path in DOCS for line, overrides, fails in _exp_runs(path)]
+
+
+def test_the_docs_show_experiments():
+    assert len(EXP_RUNS) >= 30
+    assert any(path.name == "README.md" for path, *_ in (p.values for p in EXP_RUNS))
+
+
+@pytest.mark.parametrize("path, line, overrides, fails", EXP_RUNS)
+def test_every_dvc_exp_run_in_the_docs_gives_valid_params(path, line, overrides, fails, tmp_path):
+    """Each `-S` is applied to a copy of params.yaml as `dvc exp run` applies it (DVC's own override
+    parser), and the result passes turnrl's params check: an example that names a key, value, plugin
+    or option that does not exist fails here instead of in a user's first minute."""
+    from dvc.utils.hydra import apply_overrides
+    from turnrl.config.loading import load_config
+    from turnrl.config.sections import ConfigError
+
+    params = tmp_path / "params.yaml"
+    params.write_text((ROOT / "params.yaml").read_text(encoding="utf-8"), encoding="utf-8")
+    apply_overrides(str(params), overrides)
+    if fails:
+        with pytest.raises(ConfigError):
+            load_config(params)
+    else:
+        load_config(params)
