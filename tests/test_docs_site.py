@@ -138,6 +138,29 @@ def test_the_params_walk_on_a_model_of_its_own():
     assert out.count("<table>") == 4
 
 
+def test_aligned_docstring_tables_are_shown_as_written():
+    fence = _load("aligned_docstrings").fence_aligned
+    doc = textwrap.dedent("""\
+        What it reads.
+
+        rewards        [B]     each trajectory's reward
+        turn_rewards   [B, K]  each turn's reward, 0 for
+                               turns not reached
+        last [B] one more
+
+        A paragraph.  With a double space, once.
+        loss(batch) -> x, with:
+            logp       the policy's logprob
+            old_logp   the logprob the ratio is taken to
+        and the rest.""")
+    out = fence(doc)
+    assert "```text\nrewards        [B]     each trajectory's reward\n" in out
+    assert "                       turns not reached\nlast [B] one more\n```" in out
+    assert "\nA paragraph.  With a double space, once.\n" in out                 # prose stays prose
+    assert "\n\n```text\nlogp       the policy's logprob\nold_logp   the logprob the ratio is taken to\n```\n\nand" in out
+    assert fence("Plain text.\n\n```python\nx  =  1\ny  =  2\n```\n") == "Plain text.\n\n```python\nx  =  1\ny  =  2\n```\n"
+
+
 # --------------------------------------------------------------------------- strict builds fail
 def _project(tmp_path: Path, page: str, api: bool = False) -> Path:
     """A tiny MkDocs project through turnrl's hooks: docs/index.md is `page`, data.json a file of
