@@ -154,3 +154,77 @@ def test_the_clearing_overrides_are_what_dvc_applies(tmp_path):
     import yaml
     assert yaml.safe_load(params.read_text())["env"] == {"name": "code_tool", "options": {"timeout_s": 2},
                                                          "workers": 4}
+
+
+# --------------------------------------------------------------------------- d. turnrl env: its hint, its row
+def test_turnrl_env_says_its_own_form_of_setting_a_required_option(tmp_path, monkeypatch, capsys):
+    from turnrl.cli import main
+    monkeypatch.chdir(tmp_path)
+    assert main(["env", "gym_text"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "turnrl env: env.options.make: required, set it (e.g. -S make=...)"
+    # config keeps DVC's form
+    from turnrl.envs import check_options, resolve
+    with pytest.raises(PluginError, match=r"e\.g\. -S \+\+env\.options\.make=\.\.\."):
+        check_options(resolve("gym_text"), {})
+
+
+def _processed(tmp_path: Path, env: dict | None) -> None:
+    import json
+
+    from turnrl.data.sources import write_rows
+    write_rows([{"id": "s0", "prompt": "a search question", "answer": "x", "answers": ["x"], "subject": None,
+                 "level": None, "source": "search"}], tmp_path / "data/processed/heldout.parquet")
+    if env is not None:
+        (tmp_path / "data/processed/manifest.json").write_text(json.dumps({"env": env}))
+
+
+def test_turnrl_env_shows_no_row_of_another_environments_data(tmp_path, monkeypatch, capsys):
+    from turnrl.cli import main
+    monkeypatch.setenv("DVC_ROOT", str(ROOT))
+    monkeypatch.chdir(tmp_path)
+    _processed(tmp_path, {"name": "search", "options": {}})
+    assert main(["env", "tools", "-S", "functions=[examples.tools.calc:calculator]"]) == 0
+    out = capsys.readouterr().out
+    assert ("row 0 (synthetic held-out rows; data/processed/heldout.parquet holds the rows preprocess made for "
+            "env.name 'search', not shown)") in out
+    assert "a search question" not in out
+    # an environment without synthetic rows: how to get one
+    assert main(["env", "examples.guess.env:ENV"]) == 2
+    err = capsys.readouterr().err
+    assert "no rows of examples.guess.env:ENV to reset it with: data/processed/heldout.parquet holds the rows " \
+           "preprocess made for env.name 'search'" in err
+    assert "give --data FILE" in err and "dvc exp run -S env.name=examples.guess.env:ENV preprocess" in err
+
+
+def test_turnrl_env_shows_the_processed_row_of_its_own_environment(tmp_path, monkeypatch, capsys):
+    from turnrl.cli import main
+    monkeypatch.chdir(tmp_path)
+    _processed(tmp_path, {"name": "math_answer", "options": {}})
+    assert main(["env", "math_answer"]) == 0
+    out = capsys.readouterr().out
+    assert "row 0 (data/processed/heldout.parquet)" in out and "a search question" in out
+    # the same environment with other options than the data was made with: its own rows
+    _processed(tmp_path, {"name": "code_tool", "options": {"timeout_s": 9}})
+    assert main(["env", "code_tool"]) == 0
+    out = capsys.readouterr().out
+    assert ("(synthetic held-out rows; data/processed/heldout.parquet holds the rows preprocess made for env.name "
+            "'code_tool' with other options, not shown)") in out
+
+
+def test_which_environment_made_the_data_is_read_from_dvc_lock_without_a_manifest_entry(tmp_path, monkeypatch):
+    from turnrl.pipeline import env_cli
+    monkeypatch.chdir(tmp_path)
+    _processed(tmp_path, None)
+    assert env_cli._made_by() is None
+    (tmp_path / "dvc.lock").write_text("stages:\n  preprocess:\n    params:\n      params.yaml:\n        env:\n"
+                                       "          name: math_answer\n          options: {}\n")
+    assert env_cli._made_by() == ("math_answer", {})
+
+
+def test_preprocess_records_the_environment_it_made_the_rows_for(tmp_path):
+    from turnrl.config import load_config
+    from turnrl.pipeline.preprocess import preprocess
+    cfg = load_config(ROOT / "params.yaml", ["eval.benchmarks=[]", "data.train_examples=4", "data.heldout_examples=2",
+                                             "env.options={timeout_s: 3}"])
+    assert preprocess(cfg, tmp_path)["env"] == {"name": "code_tool", "options": {"timeout_s": 3}}

@@ -225,9 +225,12 @@ def options_model(factory: Callable, reserved: tuple[str, ...] = ()) -> type[Bas
         return create_model(f"{_name(factory)}Options", __config__=config, **loose)
 
 
-def validate_options(model: type[BaseModel], options: dict[str, Any], key: str) -> dict[str, Any]:
+def validate_options(model: type[BaseModel], options: dict[str, Any], key: str,
+                     set_as: str = "-S ++{full}=...") -> dict[str, Any]:
     """`options` checked by `model`; the values as keyword arguments. PluginError with one line
-    per problem: `key.name = value: what is wrong` (unknown keys name the known ones)."""
+    per problem: `key.name = value: what is wrong` (unknown keys name the known ones). `set_as`:
+    how the command at hand sets a missing one ({full}: key.name, {name}: the name in options;
+    `dvc exp run -S ++env.options.id=...` by default, `turnrl env` says `-S id=...`)."""
     lines = []
     if model.model_config.get("extra") not in ("allow", "forbid"):   # pydantic's default drops unknown keys silently
         known = ", ".join(model.model_fields) or "none"
@@ -245,7 +248,7 @@ def validate_options(model: type[BaseModel], options: dict[str, Any], key: str) 
                 continue
             msg = " ".join(err["msg"].removeprefix("Value error, ").replace("Input should be", "must be").split())
             if err["type"] == "missing":
-                lines.append(f"{full}: required, set it (e.g. -S ++{full}=...)")
+                lines.append(f"{full}: required, set it (e.g. {set_as.format(full=full, name=where)})")
             else:
                 lines.append(f"{full} = {err.get('input')!r}: {msg}")
     if lines:

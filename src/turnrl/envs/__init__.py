@@ -59,9 +59,11 @@ def resolve(name: str, key: str = "env.name") -> EnvSpec:
     return _REGISTRY.resolve(name, key)
 
 
-def check_options(spec: EnvSpec, options: dict[str, Any], key: str = "env.options") -> dict[str, Any]:
-    """`options` validated by the spec's options model: keyword arguments for its factory."""
-    return validate_options(spec.options_model(), dict(options or {}), key)
+def check_options(spec: EnvSpec, options: dict[str, Any], key: str = "env.options",
+                  set_as: str = "-S ++{full}=...") -> dict[str, Any]:
+    """`options` validated by the spec's options model: keyword arguments for its factory
+    (`set_as`: how the command at hand sets a missing option, see `plugins.validate_options`)."""
+    return validate_options(spec.options_model(), dict(options or {}), key, set_as)
 
 
 def make(name: str, context: EnvContext | None = None, **options: Any) -> Env:

@@ -13,8 +13,9 @@ every StepResult, until one is done.
 NAME: a registered name or an import path; empty: params.yaml's `env.name`, with its
 `env.options` (then `-S` changes single options). `-S key=value`: an option, the value read as
 YAML (as `dvc exp run -S`). The row (`--row N`, default 0) is the Nth of data/processed/
-heldout.parquet when the preprocess stage wrote it, else of the environment's synthetic
-held-out rows (`--data PATH` names another processed parquet or data file).
+heldout.parquet when the preprocess stage wrote it for this environment and options (its
+manifest.json, or dvc.lock, records which), else of the environment's synthetic held-out rows
+(`--data PATH` names another processed parquet or data file).
 """
 from __future__ import annotations
 
@@ -60,15 +61,61 @@ def _from_params(params: str) -> tuple[str, dict[str, Any], int]:
     return cfg.env.name, dict(cfg.env.options), cfg.rollout.max_turns
 
 
-def _row(spec: envs.EnvSpec, index: int, data: str | None) -> tuple[dict, str]:
-    """The `index`th row and where it came from."""
+def _made_by(processed: Path = PROCESSED) -> tuple[str, dict] | None:
+    """(env.name, env.options) the preprocess stage wrote `processed` for: its manifest says so,
+    else (data from before the manifest recorded it) dvc.lock's preprocess params; None: unknown."""
+    try:
+        recorded = json.loads((processed.parent / "manifest.json").read_text()).get("env")
+        if isinstance(recorded, dict) and isinstance(recorded.get("name"), str):
+            return recorded["name"], dict(recorded.get("options") or {})
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        stages = yaml.safe_load(Path("dvc.lock").read_text()).get("stages") or {}
+        env = stages["preprocess"]["params"]["params.yaml"]["env"]
+        return env["name"], dict(env.get("options") or {})
+    except Exception:   # noqa: BLE001 - no lock, or no env recorded in it
+        return None
+
+
+def _belongs(spec: envs.EnvSpec, name: str, options: dict[str, Any], made_by: tuple[str, dict] | None) -> bool:
+    """Whether the processed data was made for this environment (unknown: assumed so)."""
+    if made_by is None:
+        return True
+    if made_by[0] != name:
+        return False
+    try:
+        return envs.check_options(spec, made_by[1]) == options
+    except PluginError:
+        return False
+
+
+def _row(spec: envs.EnvSpec, index: int, data: str | None, name: str = "",
+         options: dict[str, Any] | None = None) -> tuple[dict, str]:
+    """The `index`th row and where it came from: --data, else the processed held-out rows when
+    the preprocess stage made them for this environment (`name` with these resolved `options`),
+    else the environment's synthetic held-out rows."""
     from turnrl.data import sources
-    if data or PROCESSED.is_file():
+    name = name or spec.name
+    other = ""
+    if not data and PROCESSED.is_file():
+        made_by = _made_by()
+        if not _belongs(spec, name, options or {}, made_by):
+            other = (f"{PROCESSED} holds the rows preprocess made for env.name {made_by[0]!r}"
+                     f"{' with other options' if made_by[0] == name else ''}")
+    if data or (PROCESSED.is_file() and not other):
         path = Path(data) if data else PROCESSED
         rows = sources.read_parquet(path) if path.suffix == ".parquet" else sources.load_rows(path)
         where = str(path)
     elif spec.task is not None and spec.task.rows is not None:
         rows, where = spec.task.rows(index + 1, seed=0, split="heldout", exclude=set()), "synthetic held-out rows"
+        if other:
+            where += f"; {other}, not shown"
+    elif other:
+        raise EnvCliError(f"no rows of {name} to reset it with: {other}, and {name} has no synthetic rows; give "
+                          f"--data FILE (a data file of its rows), or run the preprocess stage for it "
+                          f"(dvc exp run -S env.name={name} preprocess, or set env.name in params.yaml and "
+                          "dvc repro preprocess)")
     else:
         raise EnvCliError(f"no rows to reset {spec.name or 'the environment'} with: it has no synthetic rows and "
                           f"{PROCESSED} does not exist; run `dvc repro preprocess` or give --data FILE")
@@ -94,7 +141,7 @@ def explore(name: str, options: dict[str, Any], row: int = 0, steps: list[str] |
             data: str | None = None, max_turns: int = 3) -> None:
     """Print the environment `name` with `options`, a row's first observation and each step."""
     spec = envs.resolve(name, "NAME")
-    resolved = envs.check_options(spec, options, "env.options")
+    resolved = envs.check_options(spec, options, "env.options", set_as="-S {name}=...")   # this command's -S
     data_dir = PROCESSED.parent if PROCESSED.parent.is_dir() else None
     env = spec.bind(resolved, envs.EnvContext(data_dir=data_dir, max_turns=max_turns, seed=0))()
     print(f"environment: {name}")
@@ -103,7 +150,7 @@ def explore(name: str, options: dict[str, Any], row: int = 0, steps: list[str] |
     print(f"stop: {list(getattr(env, 'stop', ()))}    observation role: {getattr(env, 'observation_role', 'user')}")
     if getattr(env, "tools", None):
         _show("tool schemas", env.tools)
-    example, where = _row(spec, row, data)
+    example, where = _row(spec, row, data, name, resolved)
     _show(f"row {row} ({where})", example)
     _show("first observation", env.reset(example))
     for turn, text in enumerate(steps, start=1):

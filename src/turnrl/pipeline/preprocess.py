@@ -60,6 +60,7 @@ def preprocess(cfg: Config, out_dir: Path) -> dict:
         if rows is not None:
             sources.write_rows(rows, bench_dir / f"{bench.name}.parquet")
         manifest["benchmarks"][bench.name] = {**info, "spec": benchmark_record(bench)}
+    manifest["env"] = {"name": cfg.env.name, "options": dict(cfg.env.options)}   # whose rows these are (turnrl env)
     manifest["bad_rows"] = {"policy": cfg.data.bad_rows,
                             "dropped": sum(f["dropped"] for f in dropped.values()), "files": dropped}
     write_json(out_dir / "manifest.json", manifest)
