@@ -19,9 +19,9 @@ def checkpoints(cfg):
     """(store, resume or None) for this config: decided before the MLflow run opens."""
     if not _checkpoints:
         from turnrl.training.folders import model_dir
-        from turnrl.training.checkpoint import CheckpointStore, fingerprint
+        from turnrl.training.checkpoint import CheckpointStore, run_fingerprint
         high = cfg.levels.high_model_path   # a second model for the high level, from its own folder
-        key = fingerprint(cfg, [Path(model_dir(START)), DATA / "train.parquet", *([Path(high)] if high else [])])
+        key = run_fingerprint(cfg, [Path(model_dir(START)), DATA / "train.parquet", *([Path(high)] if high else [])])
         store = CheckpointStore(cfg.train.checkpoint_dir, key, keep=cfg.train.keep_checkpoints)
         _checkpoints.update(store=store, resume=store.resumable(cfg.train.steps))
     return _checkpoints["store"], _checkpoints["resume"]

@@ -160,7 +160,7 @@ def train_two_steps(model_dir, tmp_path, env: dict, algorithm: dict, resume: boo
 
     from turnrl.config import Config
     from turnrl.pipeline.preprocess import load_split, preprocess
-    from turnrl.training.checkpoint import CheckpointStore, fingerprint
+    from turnrl.training.checkpoint import CheckpointStore, run_fingerprint
     from turnrl.training.loop import train
     data = {"env": env, "algorithm": algorithm,
             "data": {"train_examples": 32, "heldout_examples": 8}, "eval": {"benchmarks": []},
@@ -180,7 +180,7 @@ def train_two_steps(model_dir, tmp_path, env: dict, algorithm: dict, resume: boo
     if not resume:
         history = run(cfg)
     else:
-        store = CheckpointStore(tmp_path / "checkpoints", fingerprint(cfg, [model_dir]))
+        store = CheckpointStore(tmp_path / "checkpoints", run_fingerprint(cfg, [model_dir]))
         run(cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": 1})}), store)
         at = store.resumable(cfg.train.steps)
         assert at is not None and at.step == 1, "no checkpoint of step 1 to resume from"

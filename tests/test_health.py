@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from turnrl.config import Config, HealthCfg
-from turnrl.training.checkpoint import fingerprint
+from turnrl.training.checkpoint import run_fingerprint
 from turnrl.training.health import CHECKS, HealthMonitor, summarize
 
 
@@ -140,9 +140,9 @@ def test_health_settings_do_not_change_the_checkpoint_fingerprint():
     other = base.model_copy(deep=True)
     other.train.on_unhealthy = "stop"
     other.train.health.kl_ref_max = 0.3
-    assert fingerprint(base) == fingerprint(other)
+    assert run_fingerprint(base) == run_fingerprint(other)
     other.train.lr = 1e-4
-    assert fingerprint(base) != fingerprint(other)
+    assert run_fingerprint(base) != run_fingerprint(other)
 
 
 def test_reward_collapse_against_the_runs_best_window():

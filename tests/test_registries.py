@@ -20,7 +20,7 @@ from turnrl.algos import registry as algos
 from turnrl.config import ConfigError, load_config, parse_config
 from turnrl.plugins import PluginError
 from turnrl.rewards import functions, graders
-from turnrl.training.checkpoint import fingerprint
+from turnrl.training.checkpoint import run_fingerprint
 
 from conftest import ROOT
 
@@ -199,9 +199,9 @@ def test_the_old_mlmt_keys_still_work_named_as_moved_and_hash_the_same_training(
         a = parse_config(old)
     b = parse_config(new)
     assert a.algorithm.options == b.algorithm.options and a.algorithm.options["stage"] == 1   # the value is used
-    assert fingerprint(a) == fingerprint(b)
+    assert run_fingerprint(a) == run_fingerprint(b)
     other = parse_config({**new, "algorithm": {**new["algorithm"], "options": {"stage": 1, "betas": [0.1, 0, 0.3]}}})
-    assert fingerprint(other) != fingerprint(b)
+    assert run_fingerprint(other) != run_fingerprint(b)
     # for another algorithm an old key at its default did nothing: dropped; any other value is an error
     with pytest.warns(FutureWarning):
         assert parse_config({"algorithm": {"name": "grpo", "mlmt_betas": [0, 0, 0]}}).algorithm.options == {}

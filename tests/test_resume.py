@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from turnrl.config import Config
-from turnrl.training.checkpoint import CheckpointStore, fingerprint, step_seed, write_state
+from turnrl.training.checkpoint import CheckpointStore, run_fingerprint, step_seed, write_state
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,22 +75,22 @@ def test_resume_needs_the_same_fingerprint_and_a_step_within_train_steps(tmp_pat
 
 def test_fingerprint_covers_what_shapes_training_and_not_how_long_or_where(tmp_path):
     base = Config()
-    key = fingerprint(base)
+    key = run_fingerprint(base)
     for same in ({"train": {"steps": 60}}, {"train": {"checkpoint_every": 3, "keep_checkpoints": 5}},
                  {"eval": {"limit": 10}}, {"tracking": {"experiment": "x"}},
                  {"cluster": {"num_cpus": 8, "address": "head:6379", "placement": "separate", "engine_cpus": 2}}):
-        assert fingerprint(Config.model_validate(same)) == key, same
+        assert run_fingerprint(Config.model_validate(same)) == key, same
     for other in ({"train": {"lr": 1e-4}}, {"seed": 1}, {"rollout": {"n": 4}}, {"algorithm": {"name": "rloo"}},
                   {"data": {"train_examples": 100}}, {"model": {"dtype": "bfloat16"}},
                   {"cluster": {"trainer_ranks": 2}}, {"cluster": {"rollout_engines": 2}}):
-        assert fingerprint(Config.model_validate(other)) != key, other
+        assert run_fingerprint(Config.model_validate(other)) != key, other
     weights = tmp_path / "model" / "w.bin"
     weights.parent.mkdir()
     weights.write_bytes(b"\x00" * 10)
-    with_inputs = fingerprint(base, [weights.parent])
-    assert with_inputs != key and fingerprint(base, [weights.parent]) == with_inputs
+    with_inputs = run_fingerprint(base, [weights.parent])
+    assert with_inputs != key and run_fingerprint(base, [weights.parent]) == with_inputs
     weights.write_bytes(b"\x00" * 9 + b"\x01")
-    assert fingerprint(base, [weights.parent]) != with_inputs
+    assert run_fingerprint(base, [weights.parent]) != with_inputs
 
 
 def test_step_seed_is_a_function_of_seed_step_and_engine_only():

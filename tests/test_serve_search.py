@@ -61,7 +61,7 @@ def service(corpus_file):
 def test_the_service_answers_like_the_local_index(service, corpus_file):
     health = httpx.get(f"{service}/health").json()
     local = build_index(str(corpus_file))
-    assert health == {"ok": True, "passages": 5, "fingerprint": local.fingerprint, "top_k": 2,
+    assert health == {"ok": True, "passages": 5, "digest": local.digest, "top_k": 2,
                       "max_passage_chars": 60}       # params' top_k and passage length, the same corpus
     for query in QUERIES:
         got = httpx.post(f"{service}/search", json={"query": query, "k": 3}).json()

@@ -154,7 +154,7 @@ def load_corpus(source: Iterable[Mapping[str, Any]] | str | os.PathLike[str] | N
     return [_passage(i, p) for i, p in enumerate(source)]
 
 
-def _fingerprint(corpus: Sequence[Mapping[str, str]]) -> str:
+def _corpus_digest(corpus: Sequence[Mapping[str, str]]) -> str:
     h = hashlib.sha1()
     for p in corpus:
         for part in (p["id"], p["title"], p["text"]):
@@ -177,7 +177,7 @@ class SearchIndex:
         self.corpus = [_passage(i, p) for i, p in enumerate(corpus)]
         if not self.corpus:
             raise ValueError("cannot build a search index over an empty corpus")
-        self.fingerprint = _fingerprint(self.corpus)
+        self.digest = _corpus_digest(self.corpus)
         start = time.perf_counter()
         docs = [f"{p['title']}\n{p['text']}" if p["title"] else p["text"] for p in self.corpus]
         tokens = bm25s.tokenize(docs, stopwords=STOPWORDS, show_progress=False)
@@ -306,7 +306,7 @@ def build_index(corpus: Iterable[Mapping[str, Any]] | str | os.PathLike[str] | N
         if skey is not None and (hit := _cached(skey + params)) is not None:
             return hit
         passages = load_corpus(corpus, **load_kwargs)
-        ckey = ("content", _fingerprint(passages)) + params
+        ckey = ("content", _corpus_digest(passages)) + params
         index = _cached(ckey)
         if index is None:
             index = SearchIndex(passages, k1=k1, b=b, method=method)

@@ -42,7 +42,7 @@ class SearchService(ThreadingHTTPServer):
         return 200, {"passages": passages, "result": result}
 
     def health(self) -> dict:
-        return {"ok": True, "passages": len(self.index), "fingerprint": self.index.fingerprint, "top_k": self.top_k,
+        return {"ok": True, "passages": len(self.index), "digest": self.index.digest, "top_k": self.top_k,
                 "max_passage_chars": self.max_passage_chars}
 
     def start(self) -> "SearchService":

@@ -10,7 +10,7 @@ The corpus, top-k and passage length are the search environment's: from params
 `env.options.corpus` or the one `preprocess` wrote (`data/processed/corpus.parquet`); flags
 override them. Point the environment at it with `env.options.endpoint: http://HOST:PORT`.
 
-    GET  /health   {"ok": true, "passages": N, "fingerprint": ..., "top_k": k, "max_passage_chars": c}
+    GET  /health   {"ok": true, "passages": N, "digest": ..., "top_k": k, "max_passage_chars": c}
     POST /search   {"query": "...", "k": 3 (optional)}  ->
                    {"passages": [{id, title, text, score}], "result": "<result>...</result>"}
 

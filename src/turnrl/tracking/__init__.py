@@ -22,7 +22,7 @@ The modules, each imported where it is used (this package re-exports nothing):
 - `system`: CPU, memory, disk, network and GPU metrics of a stage run (`system/...`).
 - `artifacts`: files, dicts and tables as artifacts; data sets as run inputs (DVC md5 digests).
 - `model_logging`: the final policy as an MLflow transformers model (a copy, or a reference to
-  its folder by content fingerprint) and its Model Registry version.
+  its folder by content digest) and its Model Registry version.
 - `traces`: sampled trajectories as MLflow traces, a span per turn.
 - `logs`: `quiet_logs` (vLLM's logging configuration for this process and its Ray actors,
   repeated warnings once, expected ones dropped) and its filters.

@@ -1,5 +1,5 @@
 """The final policy as an MLflow model (a copy, or a reference to its folder by content
-fingerprint) and, with `tracking.register_model`, a Model Registry version of it."""
+digest, `folder_digest`) and, with `tracking.register_model`, a Model Registry version of it."""
 from __future__ import annotations
 
 import hashlib
@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from turnrl.tracking.runs import StageRun
 
-FINGERPRINT_TAG = "turnrl.model_fingerprint"
+FOLDER_DIGEST_TAG = "turnrl.model_fingerprint"   # the tag's name as runs already logged carry it
 log = logging.getLogger(__name__)
 
 
-def fingerprint(folder: str | Path) -> str:
+def folder_digest(folder: str | Path) -> str:
     """sha256 over a folder's files (relative paths and contents): which weights these are."""
     digest = hashlib.sha256()
     root = Path(folder)
@@ -48,7 +48,7 @@ def _folder_mb(folder: Path) -> float:
 class _ReferenceFlavor:
     """Writes a transformers-flavor MLflow model whose weights stay in `folder`: the flavor's
     hub reference (source_model_name, source_model_revision) names the local folder and its
-    content fingerprint, so `mlflow.transformers.load_model` reads the folder itself."""
+    content digest, so `mlflow.transformers.load_model` reads the folder itself."""
 
     def __init__(self, folder: Path, revision: str) -> None:
         self.folder, self.revision = folder.resolve(), revision
@@ -84,18 +84,18 @@ class _ReferenceFlavor:
 
 def log_policy(run: StageRun, folder: str | Path, *, name: str = "policy") -> str | None:
     """The final policy in `folder` (a Hugging Face folder) as an MLflow transformers model of
-    the stage run, tagged with its content fingerprint: a copy when it is at most
-    `tracking.model_copy_max_mb`, else a reference to the folder (path and fingerprint).
+    the stage run, tagged with its content digest: a copy when it is at most
+    `tracking.model_copy_max_mb`, else a reference to the folder (path and digest).
     Returns the model's id (None when not recorded). Loadable with
     `mlflow.transformers.load_model(f"models:/{model_id}", return_type="components")`."""
     cfg = run.cfg
     folder = Path(folder)
     if not cfg.tracking.log_model or not (folder / "config.json").exists():
         return None
-    revision = fingerprint(folder)
+    revision = folder_digest(folder)
     size_mb = _folder_mb(folder)
     copy = size_mb <= cfg.tracking.model_copy_max_mb
-    tags = {FINGERPRINT_TAG: revision, "turnrl.env": cfg.env.name, "turnrl.algorithm": cfg.algorithm.name,
+    tags = {FOLDER_DIGEST_TAG: revision, "turnrl.env": cfg.env.name, "turnrl.algorithm": cfg.algorithm.name,
             "turnrl.storage": "copy" if copy else f"reference to {folder.resolve()}",
             "turnrl.size_mb": f"{size_mb:.1f}"}
 
@@ -122,7 +122,7 @@ def log_policy(run: StageRun, folder: str | Path, *, name: str = "policy") -> st
             from mlflow.models import Model
             info = Model.log(artifact_path=None, name=name, flavor=_ReferenceFlavor(folder, revision),
                              run_id=run.run_id, tags=tags)
-        mlflow.set_tag(FINGERPRINT_TAG, revision)
+        mlflow.set_tag(FOLDER_DIGEST_TAG, revision)
         return info.model_id
 
     return run.recorder.now("model", f"the {name} model ({'copy' if copy else 'reference'}, {size_mb:.0f} MB)",
@@ -130,22 +130,22 @@ def log_policy(run: StageRun, folder: str | Path, *, name: str = "policy") -> st
 
 
 def register_policy(run: StageRun, folder: str | Path, baseline: dict, final: dict) -> Any:
-    """With `tracking.register_model: NAME`: the logged model whose fingerprint is `folder`'s
+    """With `tracking.register_model: NAME`: the logged model whose folder digest is `folder`'s
     becomes a new version of NAME, tagged with environment, algorithm and headline accuracy."""
     cfg = run.cfg
     name = cfg.tracking.register_model
     if not name:
         return None
-    revision = fingerprint(folder)
+    revision = folder_digest(folder)
 
     def register():
         import mlflow
         found = mlflow.search_logged_models(experiment_ids=[run.experiment_id],
-                                            filter_string=f"tags.`{FINGERPRINT_TAG}` = '{revision}'",
+                                            filter_string=f"tags.`{FOLDER_DIGEST_TAG}` = '{revision}'",
                                             order_by=[{"field_name": "creation_time", "ascending": False}],
                                             max_results=1, output_format="list")
         if not found:
-            log.warning("tracking.register_model %s: no logged model of %s (fingerprint %s) in experiment %s; "
+            log.warning("tracking.register_model %s: no logged model of %s (folder digest %s) in experiment %s; "
                         "was tracking.log_model off when it was trained?", name, folder, revision[:12],
                         cfg.tracking.experiment)
             return None

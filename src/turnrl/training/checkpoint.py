@@ -17,7 +17,7 @@ Rollouts need no generator state: each step seeds its sampling from (seed, step)
 (`step_seed`), so a resumed run samples what an uninterrupted one would have.
 
 When a run resumes: the newest complete checkpoint whose fingerprint matches the run's and
-whose step is at most `train.steps`. The fingerprint hashes every params key that shapes
+whose step is at most `train.steps`. The run fingerprint (`run_fingerprint`) hashes every params key that shapes
 what training computes (all of seed, model, data, env, algorithm, rollout, train except the
 keys in `NOT_SHAPING`: how long it runs, how often and where it saves or logs, what the health
 checks watch for and do; plus
@@ -64,7 +64,7 @@ def shaping_params(cfg: Config) -> dict[str, Any]:
             or k in SHAPING_CLUSTER}
 
 
-def fingerprint(cfg: Config, inputs: Iterable[Path] = ()) -> str:
+def run_fingerprint(cfg: Config, inputs: Iterable[Path] = ()) -> str:
     """sha256 of the shaping params and the content of `inputs` (files, or folders walked in
     name order), shortened to 16 hex digits."""
     digest = hashlib.sha256(json.dumps(shaping_params(cfg), sort_keys=True).encode())
@@ -100,7 +100,7 @@ class Resume:
 
 
 class CheckpointStore:
-    """The checkpoints of one training configuration (its `fingerprint`) in `root`."""
+    """The checkpoints of one training configuration (its `run_fingerprint`, kept as `fingerprint`) in `root`."""
 
     def __init__(self, root: str | Path, fingerprint: str, keep: int = 2):
         self.root, self.fingerprint, self.keep = Path(root).resolve(), fingerprint, keep
