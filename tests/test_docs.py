@@ -92,9 +92,15 @@ def test_the_docs_have_relative_links():
     assert len(LINKS) >= 10
 
 
+# pages the docs site's hooks write at build time (mkdocs.yml: docs/hooks/), linked from docs/
+GENERATED = {ROOT / "docs" / "reference" / "params.md"}
+
+
 @pytest.mark.parametrize("path, target", LINKS)
 def test_every_relative_link_resolves_inside_the_repository(path, target):
     resolved = (path.parent / target.split("#")[0]).resolve()
+    if resolved in GENERATED:
+        return
     assert resolved.exists(), f"{path.name}: link {target} -> {resolved} does not exist"
     assert resolved.is_relative_to(ROOT), f"{path.name}: link {target} leaves the repository"
 
