@@ -80,7 +80,7 @@ def main(cfg):
                         checkpoints=store, resume=resume, mlflow_run_id=run.run_id, info=where,
                         heldout_rows=load_split(DATA, "heldout") if cfg.train.eval_every else None)
     except BaseException as exc:   # whatever ends it, the steps done land: curves, metrics/train.json, MLflow
-        keep_failed(run, done, exc, summarize(done, where, resume, start))
+        keep_failed(run, done, exc, summarize_training(done, where, resume, start))
         if isinstance(exc, ActorFailure):   # e.g. a reward function that failed (reward.on_error: fail)
             print(f"turnrl train: {exc}. Checkpoints in {cfg.train.checkpoint_dir} are kept; a rerun resumes from "
                   "the last", file=sys.stderr)
@@ -89,7 +89,7 @@ def main(cfg):
             print(f"turnrl train: {exc}", file=sys.stderr)
             raise SystemExit(1) from None
         raise   # run_stage says what it was, in one line
-    summary = summarize(history, where, resume, start)
+    summary = summarize_training(history, where, resume, start)
     health_summary = summary["health"]
 
     plots.write_csv(history, Path("plots/train.csv"))
@@ -108,7 +108,7 @@ def main(cfg):
     model_logging.log_policy(run, FINAL)
 
 
-def summarize(history, where, resume, start):
+def summarize_training(history, where, resume, start):
     """metrics/train.json's numbers, from the steps in `history` (none, for a run that failed
     before its first step)."""
     from turnrl.training import health
@@ -135,7 +135,7 @@ def summarize(history, where, resume, start):
         "trainer_idle_frac_mean": mean("trainer_idle_frac"),
         "gen_tokens_per_s_mean": mean("gen_tokens_per_s"),
         "wall_s": time.perf_counter() - start,
-        "health": health.summarize(history),   # the checks that failed, from which step, for how many steps
+        "health": health.summarize_health(history),   # the checks that failed, from which step, for how many steps
     }
 
 

@@ -126,7 +126,7 @@ def test_missing_library_names_the_extra(monkeypatch):
 
 
 def test_partial_credit_is_what_training_maximizes_and_accuracy_counts_full_credit():
-    from turnrl.pipeline.evaluate import summarize
+    from turnrl.pipeline.evaluate import summarize_generations
     from turnrl.rollout.multi_turn import Trajectory
     row = _row("spell_backward")
     trajs = []
@@ -137,7 +137,7 @@ def test_partial_credit_is_what_training_maximizes_and_accuracy_counts_full_cred
         trajs.append(t)
     assert [t.reward for t in trajs] == pytest.approx([1.0, 0.857142857142857, 0.0], abs=1e-9)
     assert [t.outcome for t in trajs] == [1.0, 0.0, 0.0]
-    summary = summarize(trajs)
+    summary = summarize_generations(trajs)
     assert summary["accuracy"] == pytest.approx(1 / 3)
     assert summary["partial_credit_mean"] == pytest.approx((1.0 + 0.857142857142857) / 3, abs=1e-9)
 

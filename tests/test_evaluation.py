@@ -102,7 +102,7 @@ def test_task_metrics_and_generations(tmp_path, tiny_model_dir, cfg, monkeypatch
 
 def test_tool_rates_count_calls_and_successful_calls(tiny_model_dir):
     from turnrl import envs
-    from turnrl.pipeline.evaluate import summarize
+    from turnrl.pipeline.evaluate import summarize_generations
     from turnrl.rollout.chat import ChatFormat
     from turnrl.rollout.multi_turn import replay
     fmt = ChatFormat(AutoTokenizer.from_pretrained(tiny_model_dir))
@@ -110,10 +110,10 @@ def test_tool_rates_count_calls_and_successful_calls(tiny_model_dir):
     scripts = [["<code>print(12 * 34)</code>", "<answer>408</answer>"],     # called, ran
                ["<code>print(12 / 0)</code>", "<answer>408</answer>"],      # called, crashed
                ["<answer>408</answer>"], ["<answer>1</answer>"]]             # never called
-    out = summarize([replay(envs.make("code_tool"), fmt, example, s) for s in scripts])
+    out = summarize_generations([replay(envs.make("code_tool"), fmt, example, s) for s in scripts])
     assert out["tool_call_rate"] == 0.5 and out["tool_success_rate"] == 0.25 and out["accuracy"] == 0.75
     # environments without a tool have no tool rates
-    assert "tool_call_rate" not in summarize([replay(envs.make("intervention"), fmt, example, ["<answer>408</answer>"])])
+    assert "tool_call_rate" not in summarize_generations([replay(envs.make("intervention"), fmt, example, ["<answer>408</answer>"])])
 
 
 @pytest.mark.parametrize("n, c, k, expected", [

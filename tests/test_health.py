@@ -9,7 +9,7 @@ import pytest
 
 from turnrl.config import Config, HealthCfg
 from turnrl.training.checkpoint import run_fingerprint
-from turnrl.training.health import CHECKS, HealthMonitor, summarize
+from turnrl.training.health import CHECKS, HealthMonitor, summarize_health
 
 
 def healthy_step(step: int) -> dict:
@@ -34,7 +34,7 @@ def test_a_healthy_run_raises_nothing():
     steps = [healthy_step(s) for s in range(1, 41)]
     run(steps)
     assert all(m["health_flags"] == 0 for m in steps)
-    assert summarize(steps) == {"flags": {}, "healthy_last_step": True}
+    assert summarize_health(steps) == {"flags": {}, "healthy_last_step": True}
 
 
 def test_the_committed_healthy_grpo_curve_raises_nothing():
@@ -123,7 +123,7 @@ def test_summary_and_replay_match_a_continuous_run():
     for m in steps[3:]:
         m.update(groups_all_same_frac=1.0)
     run(steps)
-    summary = summarize(steps)
+    summary = summarize_health(steps)
     assert summary["flags"] == {"no_signal": {"first_step": 8, "last_step": 12, "steps": 5}}
     assert summary["healthy_last_step"] is False
     # A resumed run replays the checkpoint's history: step 9 fails as it did without the resume.

@@ -101,7 +101,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - miss
 
 
-def summarize(trajs: Sequence[Trajectory], k: int = 1) -> dict:
+def summarize_generations(trajs: Sequence[Trajectory], k: int = 1) -> dict:
     """Accuracy (mean@k), pass@k and token efficiency of trajectories grouped k per problem
     (trajectory i belongs to problem i // k, as `run_rollouts` orders them)."""
     n = len(trajs) // k if k else 0
@@ -219,7 +219,7 @@ class _Run:
         if name == "task":   # the training reward's parts, on the held-out set
             self.reward_functions.score(trajs, self.plain)
         decoding = "greedy" if e.temperature == 0 else f"temperature={e.temperature},top_p={e.top_p}"
-        block = {**summarize(trajs, k), **fields, "temperature": e.temperature, "top_p": e.top_p,
+        block = {**summarize_generations(trajs, k), **fields, "temperature": e.temperature, "top_p": e.top_p,
                  "samples_per_problem": k, "seed": self.cfg.seed}
         rows = records(trajs, self.decode, decoding, name, k, fields["env"])
         if name == "task" and e.greedy and e.temperature > 0:
@@ -227,7 +227,7 @@ class _Run:
                           seed=self.cfg.seed, env_workers=self.cfg.env.workers, progress=True,
                           observation_lag=self.cfg.rollout.observation_lag, rejoin=self.cfg.rollout.rejoin,
                           desc=f"eval {name} (greedy)")
-            g = summarize(greedy)
+            g = summarize_generations(greedy)
             block.update({"accuracy_greedy": g["accuracy"], "mean_response_tokens_greedy": g["mean_response_tokens"],
                           "tokens_per_correct_greedy": g["tokens_per_correct"]})
             rows += records(greedy, self.decode, "greedy", name, env=fields["env"])

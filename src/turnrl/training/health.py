@@ -174,7 +174,7 @@ def _failing_tools(metrics: dict, most: float) -> list[tuple[str, float]]:
     return out
 
 
-def summarize(history: Iterable[dict]) -> dict[str, Any]:
+def summarize_health(history: Iterable[dict]) -> dict[str, Any]:
     """From the `health_*` metrics of a run's steps: {"flags": {check: {first_step, last_step,
     steps}}, "healthy_last_step": bool}, for metrics/train.json."""
     flags: dict[str, dict] = {}
