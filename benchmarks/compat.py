@@ -40,7 +40,7 @@ def run_family(family: str, dtype: str, work: Path) -> dict:
     start = time.perf_counter()
     folder = miniatures.build(family, work / family / "model")
     built = time.perf_counter() - start
-    report = modelcheck.check_model(folder, dtype=dtype, work_dir=work / family / f"check-{dtype}")
+    report = modelcheck.check_model_folder(folder, dtype=dtype, work_dir=work / family / f"check-{dtype}")
     m = report.metrics
     fam = miniatures.FAMILIES[family]
     return {

@@ -169,7 +169,7 @@ def test_a_saved_policy_with_tied_embeddings_is_written_as_its_checkpoint(untrai
 def report(request, tmp_path_factory):
     family, dtype = request.param
     folder = miniatures.build(family, tmp_path_factory.mktemp(family))
-    return family, modelcheck.check_model(folder, dtype=dtype, work_dir=tmp_path_factory.mktemp(f"{family}-check"),
+    return family, modelcheck.check_model_folder(folder, dtype=dtype, work_dir=tmp_path_factory.mktemp(f"{family}-check"),
                                           fresh_engine=False)
 
 

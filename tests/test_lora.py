@@ -98,7 +98,7 @@ def test_modules_the_model_does_not_have_are_named_with_the_ones_it_has(qwen2):
 @pytest.mark.slow   # DeepSpeed ZeRO-2 and a vLLM engine: about a minute
 def test_a_lora_update_reaches_vllm_and_the_saved_adapters_reload(tmp_path_factory):
     folder = miniatures.build("qwen2", tmp_path_factory.mktemp("qwen2-warm"))
-    report = modelcheck.check_model(folder, zero_stages=(2,), engines=("vllm",), rollout=False, fresh_engine=False,
+    report = modelcheck.check_model_folder(folder, zero_stages=(2,), engines=("vllm",), rollout=False, fresh_engine=False,
                                     lora={"r": 4, "alpha": 8, "target_modules": "all-linear"},
                                     work_dir=tmp_path_factory.mktemp("lora-check"))
     checks = {c.name: c for c in report.checks}

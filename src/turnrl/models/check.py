@@ -1,6 +1,6 @@
 """Does a checkpoint work in turnrl? The checks a model family has to pass, run on any HF folder.
 
-    report = check_model("path/to/checkpoint", dtype="float32")
+    report = check_model_folder("path/to/checkpoint", dtype="float32")
     for c in report.checks: print(c.status, c.name, c.detail, c.fix)
 
 What is checked, in order (later checks are skipped when an earlier one they need failed):
@@ -38,7 +38,7 @@ the vLLM engine in a child process, because an in-process vLLM engine and a Deep
 not share a process (vLLM tears torch.distributed down when it goes). The weights cross in the
 buffers of `pack_tensors`, as they cross Ray's object store in training.
 
-Where each part lives: this module runs the checks in order (`check_model`) and holds the engine
+Where each part lives: this module runs the checks in order (`check_model_folder`) and holds the engine
 checks; `check_report` the results, bounds and the run's shared state; `template_checks` the chat
 template and trajectory checks; `engine_process` vLLM in a child process; `trainer_checks` the
 logprobs, ZeRO, save and rollout checks.
@@ -61,11 +61,11 @@ from turnrl.models.template_checks import (MARK_A, MARK_B, TwoTurnEnv, reference
 from turnrl.models.trainer_checks import build_batch, rollout_check, save_check, zero_stage_checks
 
 __all__ = ["GAP_BOUND", "GAP_BOUND_REASON", "MEAN_BOUND", "PROMPTS", "SYSTEM", "MARK_A", "MARK_B", "Report", "Result",
-           "EngineError", "EngineProcess", "UnsupportedArchitecture", "TwoTurnEnv", "check_model",
+           "EngineError", "EngineProcess", "UnsupportedArchitecture", "TwoTurnEnv", "check_model_folder",
            "reference_messages", "stop_ids", "template_checks", "trajectory_check"]
 
 
-def check_model(model_dir: str | Path, *, dtype: str = "float32", zero_stages: Sequence[int] = (2, 3),
+def check_model_folder(model_dir: str | Path, *, dtype: str = "float32", zero_stages: Sequence[int] = (2, 3),
                 samples: int = 6, max_tokens: int = 24, seed: int = 0, lr: float | None = None,
                 engines: Sequence[str] = ("vllm", "hf"), save: bool = True, rollout: bool = True,
                 work_dir: str | Path | None = None, bucket_mb: int = 1, template_type: str = "chat",

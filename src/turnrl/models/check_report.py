@@ -1,5 +1,5 @@
 """What the model checks report (`Result`, `Report`), the bounds they judge logprob gaps against,
-and the state one `check_model` run shares between its steps (`CheckRun`)."""
+and the state one `check_model_folder` run shares between its steps (`CheckRun`)."""
 from __future__ import annotations
 
 import time
@@ -63,7 +63,7 @@ class Report:
 
 @dataclass
 class CheckRun:
-    """One `check_model` run, as its steps share it: the settings, the report they add to, and what
+    """One `check_model_folder` run, as its steps share it: the settings, the report they add to, and what
     earlier steps left for later ones (the engines, the trainer, the sampled batch)."""
     model_dir: str
     dtype: str

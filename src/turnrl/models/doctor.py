@@ -250,7 +250,7 @@ def check_model(cfg: Config) -> list[Check]:
     from turnrl.models import check as modelcheck
     engines = ("vllm", "hf") if cfg.rollout.engine == "vllm" else ("hf",)
     with tempfile.TemporaryDirectory(prefix="turnrl-doctor-") as work:
-        report = modelcheck.check_model(folder, dtype=cfg.model.dtype, zero_stages=(cfg.train.zero_stage,),
+        report = modelcheck.check_model_folder(folder, dtype=cfg.model.dtype, zero_stages=(cfg.train.zero_stage,),
                                         engines=engines, samples=4, max_tokens=16, seed=cfg.seed, work_dir=work,
                                         template_type=cfg.model.template_type, fresh_engine=False,
                                         lora=cfg.model.lora.model_dump() if cfg.model.lora.enabled else None)
