@@ -88,11 +88,12 @@ class _State(Extension):
         md.treeprocessors.register(_Unmark(md), "turnrl_repo_unmark", -5)
 
     def rewrite(self, url: str) -> str:
-        if self.page is None or self.page.file.abs_src_path is None:
-            return url                          # a page with no file behind it (content made in memory)
-        root = Path(self.config.config_file_path).resolve().parent
-        new, problem = resolve(url, Path(os.path.normpath(self.page.file.abs_src_path)), self.pages,
-                               self.page.file.src_uri, Path(self.page.file.abs_dest_path), root)
+        if self.page is None:
+            return url
+        file, root = self.page.file, Path(self.config.config_file_path).resolve().parent
+        source = file.abs_src_path or os.path.join(self.config.docs_dir, file.src_uri)   # made in memory: as if in docs/
+        new, problem = resolve(url, Path(os.path.normpath(source)), self.pages, file.src_uri,
+                               Path(file.abs_dest_path), root)
         if problem:
             message = f"Doc file '{self.page.file.src_uri}': {problem}"
             self.problems.append(message)
