@@ -47,7 +47,7 @@ YAML_BLOCKS = [pytest.param(path, line, text, id=f"{path.relative_to(ROOT)}:{lin
 
 
 def test_the_docs_have_yaml_blocks():
-    assert len(YAML_BLOCKS) >= 3      # the README's tools block, plugins.md's reward and benchmarks
+    assert len(YAML_BLOCKS) >= 3      # the README's params example, tools.md's tools, plugins.md's reward and benchmarks
 
 
 @pytest.mark.parametrize("path, line, text", YAML_BLOCKS)
