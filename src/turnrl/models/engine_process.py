@@ -97,7 +97,7 @@ def _serve(conn, kind: str, model_dir: str, options: dict, log_path: str) -> Non
     except BaseException as exc:   # noqa: BLE001 - reported to the parent
         conn.send((False, _short_error(exc)))
         return
-    from turnrl.training.workers import unpack_tensors
+    from turnrl.training.weight_export import unpack_tensors
     while True:
         method, args, kwargs = conn.recv()
         if method == "close":

@@ -217,7 +217,7 @@ def _hf_reload(run: CheckRun, saved: Path, trained: torch.Tensor, problems: list
     """transformers' reload of the saved folder against the trainer: (logit gap, logprob gap)."""
     from transformers import AutoModelForCausalLM
 
-    from turnrl.training.workers import token_logprobs
+    from turnrl.training.batching import token_logprobs
     b, worker = run.batch, run.worker
     with torch.no_grad():
         worker.engine.eval()
@@ -267,7 +267,8 @@ def _adapter_gap(model_dir: str, saved: Path, dtype: str, ids: torch.Tensor, att
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from turnrl.training.workers import ADAPTER_DIR, token_logprobs
+    from turnrl.training.batching import token_logprobs
+    from turnrl.training.lora import ADAPTER_DIR
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     model = PeftModel.from_pretrained(base, str(saved / ADAPTER_DIR)).eval()
     with torch.no_grad():

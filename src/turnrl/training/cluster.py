@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 from turnrl.config import Config, ConfigError
+from turnrl.training.batching import combine_rank_stats
 from turnrl.training.checkpoint import step_seed
-from turnrl.training.workers import TrainerParams, combine_rank_stats
+from turnrl.training.workers import TrainerParams
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from turnrl.training.workers import RolloutParams, actor_location, unpack_tensors
+from turnrl.training.weight_export import unpack_tensors
+from turnrl.training.workers import RolloutParams, actor_location
 
 
 class RolloutWorker:

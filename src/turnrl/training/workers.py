@@ -6,14 +6,18 @@
 - `CriticWorker`: one rank of PPO's critic, a DeepSpeed group of its own.
 - `RolloutWorker` (turnrl.training.rollout_worker): a rollout engine plus the environments.
 
-Every trainer rank gets the whole rollout batch and trains on its share of each mini-batch
-(`rank_rows`), its loss weighted by the share's part of the mini-batch's normalizer
-(`share_weight`) and multiplied by the world size, so that DeepSpeed's average of the ranks'
-gradients is the gradient one rank computes on the whole mini-batch. A rank's share goes through
-the model in micro-batches of like-length rows (`train.micro_batch_rows`, `micro_batches`), the
-update's gradients accumulating into one optimizer step per mini-batch.
+Every trainer rank gets the whole rollout batch and trains on its share of each mini-batch, the
+ranks' losses weighted so that DeepSpeed's average of their gradients is the gradient one rank
+computes on the whole mini-batch, in micro-batches of like-length rows.
 
-The roles are joined only by "push named weights" (see turnrl.training.cluster).
+The roles are joined only by "push named weights" (see turnrl.training.cluster). The parts they
+are built from live beside this module, and their names stay importable from here:
+
+- turnrl.training.batching: logprobs and entropies from logits, each rank's rows, micro-batches,
+  share weights, the ranks' statistics combined;
+- turnrl.training.weight_export: what the engines load under which names, packed for Ray's object
+  store or streamed over NCCL;
+- turnrl.training.lora: the peft adapters and their merged weights.
 """
 from __future__ import annotations
 
@@ -28,22 +32,29 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from turnrl.algos import (entropy_from_logits, explained_variance, kl_estimate, logprobs_from_logits,
-                          masked_mean, nll_loss, off_policy_kl_mean, value_loss)
+from turnrl.algos import explained_variance, kl_estimate, masked_mean, nll_loss, off_policy_kl_mean, value_loss
 from turnrl.algos.registry import compute_policy_loss, resolve_loss
-from turnrl.config import AlgorithmCfg, Config, EnvCfg, LoraCfg, ModelCfg, RewardCfg, RolloutCfg, TrainCfg
+from turnrl.config import AlgorithmCfg, Config, EnvCfg, ModelCfg, RewardCfg, RolloutCfg, TrainCfg
+from turnrl.training.batching import (combine_rank_stats, entropy, micro_batch_count, micro_batches, normalizer,
+                                      rank_rows, share_weight, take_rows, token_logprobs)
 from turnrl.training.checkpoint import step_seed
+from turnrl.training.lora import (ADAPTER_DIR, LoraTargetError, base_name, lora_layers, lora_model,
+                                  merged_weight)
+from turnrl.training.weight_export import (ALIGN, Export, export_plan, gathering_source, pack_tensors,
+                                           unpack_tensors)
 
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """logits [B, L, V], input_ids [B, L] -> [B, L]: entry t is log p(token t | tokens < t);
-    entry 0 (no context) is 0. Token-aligned, like every per-token tensor of a batch."""
-    return torch.nn.functional.pad(logprobs_from_logits(logits[:, :-1], input_ids[:, 1:]), (1, 0))
-
-
-def entropy(logits: torch.Tensor) -> torch.Tensor:
-    """logits [B, L, V] -> [B, L]: entropy of the distribution token t was drawn from."""
-    return torch.nn.functional.pad(entropy_from_logits(logits[:, :-1]), (1, 0))
+__all__ = [
+    # the roles
+    "CriticWorker", "PolicyWorker", "RolloutParams", "TrainerParams", "actor_location", "rng_state",
+    "set_rng_state",
+    # turnrl.training.batching
+    "combine_rank_stats", "entropy", "micro_batch_count", "micro_batches", "normalizer", "rank_rows",
+    "share_weight", "take_rows", "token_logprobs",
+    # turnrl.training.lora
+    "ADAPTER_DIR", "LoraTargetError", "base_name", "lora_layers", "lora_model", "merged_weight",
+    # turnrl.training.weight_export
+    "ALIGN", "Export", "export_plan", "pack_tensors", "unpack_tensors",
+]
 
 
 # --------------------------------------------------------------------------- what each role reads
@@ -73,69 +84,6 @@ class RolloutParams:
     @classmethod
     def of(cls, cfg: Config) -> "RolloutParams":
         return cls(seed=cfg.seed, model=cfg.model, rollout=cfg.rollout, env=cfg.env, reward=cfg.reward)
-
-
-# --------------------------------------------------------------------------- data parallel
-def rank_rows(rows: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """This rank's contiguous share of the row indices `rows` (shares differ by at most one)."""
-    return rows.tensor_split(world_size)[rank]
-
-
-def normalizer(mask: torch.Tensor, agg: str) -> float:
-    """What `algos.aggregate(..., agg)` divides by for a [B, T] mask: its tokens (token-mean)
-    or its sequences with at least one token (seq-mean-*)."""
-    if agg == "token-mean":
-        return float(mask.sum())
-    return float((mask.sum(dim=-1) > 0).sum())
-
-
-def share_weight(part_mask: torch.Tensor, whole_mask: torch.Tensor, agg: str) -> float:
-    """w such that aggregate(whole) = sum over disjoint parts of w(part) * aggregate(part)."""
-    whole = normalizer(whole_mask, agg)
-    return normalizer(part_mask, agg) / whole if whole else 0.0
-
-
-def micro_batches(attention_mask: torch.Tensor, parts: int) -> list[tuple[torch.Tensor, int]]:
-    """(row indices [b], width) of each of `parts` micro-batches of a right-padded batch
-    (attention_mask [B, L]): rows of like length together (sorted by length, stable), sizes
-    differing by at most one, each micro-batch's width its longest row's, so padding costs no
-    compute. parts 0: one micro-batch of every row, at full width."""
-    B, L = attention_mask.shape
-    if parts == 0:
-        return [(torch.arange(B, device=attention_mask.device), L)]
-    positions = torch.arange(1, L + 1, device=attention_mask.device)
-    lengths = (attention_mask.bool() * positions).amax(dim=-1)   # one past the last attended token
-    return [(idx, max(1, int(lengths[idx].max())))
-            for idx in torch.argsort(lengths, stable=True).tensor_split(parts) if len(idx)]
-
-
-def micro_batch_count(rows: int, world_size: int, micro_batch_rows: int) -> int:
-    """How many micro-batches every rank splits its share of `rows` into: the same on every rank
-    (under ZeRO-3 each pass gathers the weights, a collective), enough that the largest share's
-    have at most `micro_batch_rows` rows, and none empty (at most the smallest share). 0: whole."""
-    if micro_batch_rows == 0:
-        return 0
-    largest, smallest = math.ceil(rows / world_size), rows // world_size   # `rank_rows`' shares
-    return max(1, min(math.ceil(largest / micro_batch_rows), smallest))
-
-
-def take_rows(batch: dict[str, torch.Tensor], idx: torch.Tensor, width: int) -> dict[str, torch.Tensor]:
-    """Rows `idx` of a batch, its token-aligned [B, L] tensors cut to their first `width` columns."""
-    L = batch["attention_mask"].shape[1]
-    return {k: v[idx, :width] if v.dim() >= 2 and v.shape[1] == L else v[idx] for k, v in batch.items()}
-
-
-def combine_rank_stats(per_rank: list[dict[str, dict]]) -> dict[str, float]:
-    """The ranks' train() results -> one dict: `sum` entries (per mini-batch, already weighted
-    by each rank's share) add up across ranks, `max` entries take the largest; both are then
-    averaged over mini-batches. `same` entries (computed on the whole batch) come from rank 0."""
-    out: dict[str, float] = {}
-    for kind, reduce in (("sum", sum), ("max", max)):
-        for key, first in per_rank[0][kind].items():
-            per_minibatch = [reduce(r[kind][key][i] for r in per_rank) for i in range(len(first))]
-            out[key] = sum(per_minibatch) / len(per_minibatch)
-    out.update(per_rank[0]["same"])
-    return out
 
 
 # --------------------------------------------------------------------------- DeepSpeed ranks
@@ -596,158 +544,10 @@ class PolicyWorker(_TrainerRank):
         self.transfer = NCCLTrainerWeightTransferEngine.trainer_init(
             NCCLTrainerInitInfo(master_address=master_address, master_port=master_port,
                                 world_size=world_size, rank=self.rank),
-            client=RayVLLMWeightSyncClient(engines), source=_gathering_source(self))
+            client=RayVLLMWeightSyncClient(engines), source=gathering_source(self))
 
     def send_weights(self) -> None:
         self.transfer.send_weights()
-
-
-# --------------------------------------------------------------------------- weights in transit
-ALIGN = 64   # bytes: every tensor of a packed bucket starts at a multiple of this
-
-
-def pack_tensors(named: list[tuple[str, torch.Tensor]]) -> tuple[Any, list[tuple[str, str, tuple, int, int]]]:
-    """Named tensors -> (one uint8 numpy buffer, [(name, dtype, shape, byte offset, bytes)]).
-    Ray's object store keeps a numpy buffer as one block of shared memory and hands it to a
-    reader on the same node without copying, where a dict of torch tensors is pickled tensor
-    by tensor (measured: ~0.4 s each way for a 4 MB model). Any dtype (bf16 too) goes as bytes."""
-    index, offset = [], 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        index.append((name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, nbytes))
-        offset += -(-nbytes // ALIGN) * ALIGN
-    buffer = torch.empty(offset, dtype=torch.uint8)
-    for (_, _, _, start, nbytes), (_, tensor) in zip(index, named):
-        buffer[start:start + nbytes] = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    return buffer.numpy(), index
-
-
-def unpack_tensors(packed: tuple[Any, list]) -> Iterator[tuple[str, torch.Tensor]]:
-    """`pack_tensors` reversed: (name, tensor) views into the buffer (read-only when it comes
-    from the object store: the engine copies them into its own weights)."""
-    import warnings
-    array, index = packed
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)   # "the given NumPy array is not writable"
-        buffer = torch.from_numpy(array)
-    for name, dtype, shape, start, nbytes in index:
-        yield name, buffer[start:start + nbytes].view(getattr(torch, dtype)).view(shape)
-
-
-def _gathering_source(rank: PolicyWorker):
-    """vLLM's WeightSource over a DeepSpeed module: full shapes up front, each parameter
-    gathered (ZeRO-3) while it is sent (with LoRA: merged, as in `PolicyWorker._param_buckets`)."""
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-
-    class GatheringSource(WeightSource):
-        def metadata(self) -> list:
-            return [ParamMeta(e.name, e.param.dtype, tuple(getattr(e.param, "ds_shape", e.param.shape)))
-                    for e in rank.exports(remove_duplicate=True)]
-
-        def __iter__(self):
-            for e in rank.exports(remove_duplicate=True):
-                with rank._gathered(e.sources()):
-                    yield e.name, e.value()
-
-    return GatheringSource()
-
-
-# --------------------------------------------------------------------------- LoRA
-ADAPTER_DIR = "adapter"   # peft's adapter folder inside a saved (merged) LoRA model
-
-
-class LoraTargetError(ValueError):
-    """model.lora.target_modules does not fit the model."""
-
-
-def lora_model(model: torch.nn.Module, lora: LoraCfg, seed: int) -> torch.nn.Module:
-    """`model` with LoRA adapters (peft) on `lora.target_modules`; everything else frozen. B
-    starts at zero, so the model computes what it did. A is drawn from `seed` alone: every
-    rank starts from the same adapters (the global generator is left as it was)."""
-    from peft import LoraConfig, get_peft_model
-    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
-                        target_modules=lora.target_modules, task_type="CAUSAL_LM")
-    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        try:
-            # adapters in the model's dtype (peft would keep bf16 models' adapters in fp32)
-            peft_model = get_peft_model(model, config, autocast_adapter_dtype=False)
-        except ValueError as exc:
-            raise LoraTargetError(f"model.lora.target_modules = {lora.target_modules!r}: {exc} The model's linear "
-                                  f"layers: {', '.join(linear)}") from None
-    from peft.tuners.lora import Linear as LoraLinear
-    output = peft_model.get_base_model().get_output_embeddings()
-    for name, layer in lora_layers(peft_model).items():
-        if type(layer) is not LoraLinear or layer.get_base_layer() is output:
-            raise LoraTargetError(f"model.lora.target_modules = {lora.target_modules!r} adapts {name} "
-                                  f"({type(layer.get_base_layer()).__name__}): turnrl adapts linear layers inside the "
-                                  f"model only, not embeddings or the LM head; its linear layers: {', '.join(linear)}")
-    return peft_model
-
-
-def lora_layers(module: torch.nn.Module) -> dict[str, Any]:
-    """The peft LoRA layers of `module` by name (inside the base model: no `base_model.model.`)."""
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:
-        return {}
-    root = module.get_base_model() if hasattr(module, "get_base_model") else module
-    return {n: m for n, m in root.named_modules() if isinstance(m, LoraLayer)}
-
-
-def base_name(name: str) -> str | None:
-    """A parameter's name inside peft's wrapped base model -> the base model's own name
-    (`...q_proj.base_layer.weight` -> `...q_proj.weight`); None for an adapter's own tensors
-    (`lora_A`, `lora_B`, ...). Names without peft's parts come back unchanged."""
-    parts = name.split(".")
-    if any(p.startswith("lora_") for p in parts):
-        return None
-    return ".".join(p for p in parts if p != "base_layer")
-
-
-def merged_weight(weight: torch.Tensor, layer: Any, adapter: str = "default") -> torch.Tensor:
-    """W + (alpha / r) B A for a peft LoRA linear layer (in fp32, then the weight's dtype)."""
-    a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
-    delta = (b.detach().float() @ a.detach().float()) * layer.scaling[adapter]
-    if layer.fan_in_fan_out:
-        delta = delta.T
-    return (weight.detach().float() + delta).to(weight.dtype)
-
-
-@dataclass
-class Export:
-    """One tensor the rollout engines get: `param` under `name` (the base model's name), or with
-    `lora` that layer's merged weight."""
-    name: str
-    param: torch.nn.Parameter
-    lora: Any = None
-
-    def sources(self) -> list[torch.nn.Parameter]:
-        """What must be gathered (ZeRO-3) to compute `value`."""
-        if self.lora is None:
-            return [self.param]
-        return [self.param, self.lora.lora_A["default"].weight, self.lora.lora_B["default"].weight]
-
-    def value(self) -> torch.Tensor:
-        return self.param.detach() if self.lora is None else merged_weight(self.param, self.lora)
-
-
-def export_plan(module: torch.nn.Module, remove_duplicate: bool = False) -> list[Export]:
-    """The weights an engine loads, for a plain model (its parameters) or a peft LoRA model (the
-    base model's parameters under their own names, adapted weights merged, adapters left out)."""
-    layers = lora_layers(module)
-    if not layers:
-        return [Export(n, p) for n, p in module.named_parameters(remove_duplicate=remove_duplicate)]
-    out = []
-    for name, param in module.get_base_model().named_parameters(remove_duplicate=remove_duplicate):
-        target = base_name(name)
-        if target is None:
-            continue
-        owner, _, leaf = name.rpartition(".")
-        layer = layers.get(owner.removesuffix(".base_layer")) if owner.endswith(".base_layer") else None
-        out.append(Export(target, param, layer if leaf == "weight" else None))
-    return out
 
 
 class CriticWorker(_TrainerRank):
