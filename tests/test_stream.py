@@ -11,8 +11,8 @@ from transformers import AutoTokenizer
 
 from turnrl.envs.base import StepResult
 from turnrl.rollout.chat import ChatFormat
-from turnrl.rollout.multi_turn import Budgets, Sample
-from turnrl.rollout.stream import Stream
+from turnrl.rollout.multi_turn import Budgets, Sample, Trajectory
+from turnrl.rollout.stream import Stream, TurnVersions
 
 
 class TwoTurns:
@@ -128,3 +128,42 @@ def test_roll_out_goes_ahead_of_the_queue_and_never_reaches_take_groups(engine_a
     finally:
         stream.stop()
         thread.join(timeout=30)
+
+
+def _turn(t: Trajectory) -> None:
+    t.add_turn(t.num_turns, [5, 6], [-1.0, -1.0], "turn")
+
+
+def test_turn_versions_stamp_each_turn_with_the_version_it_started_under():
+    """The staleness bookkeeping alone (no engine, no thread): a turn that straddles a weight load
+    keeps the version it started under; the next turn gets the new one; stamping twice adds nothing."""
+    versions, t = TurnVersions(3), Trajectory(example={}, prompt_ids=[1])
+    versions.turn_started(0)
+    versions.load(4)                    # new weights while turn 0 is being sampled
+    _turn(t)
+    versions.stamp(0, t)
+    assert t.turn_versions == [3] and versions.current == 4
+    versions.stamp(0, t)
+    assert t.turn_versions == [3]       # idempotent: the env step and the end may both stamp
+    versions.turn_started(0)
+    _turn(t)
+    versions.load(5)
+    versions.stamp(0, t)
+    assert t.turn_versions == [3, 4]
+
+
+def test_turn_versions_keep_trajectories_apart_and_forget_the_ones_that_left():
+    versions = TurnVersions()
+    a, b = Trajectory(example={}, prompt_ids=[1]), Trajectory(example={}, prompt_ids=[1])
+    versions.turn_started(0)
+    versions.load(1)
+    versions.turn_started(1)
+    _turn(a), _turn(b)
+    versions.stamp(1, b)
+    versions.stamp(0, a)
+    assert (a.turn_versions, b.turn_versions) == ([0], [1])
+    versions.forget(0)
+    _turn(a)                            # a turn of a trajectory no longer tracked: the current version
+    versions.stamp(0, a)
+    assert a.turn_versions == [0, 1]
+    versions.forget(0)                  # forgetting twice is harmless

@@ -14,7 +14,8 @@ done, so a slow tool holds back its own group only.
 Every policy turn keeps the engine's logprob of each sampled token and the policy version
 the weights had when the turn started (`Trajectory.turn_versions`); a turn that straddles a
 weight load is stamped with the older version (the logprobs stay exact: the engine reports
-them under the weights that sampled each token).
+them under the weights that sampled each token). That bookkeeping is `TurnVersions`, pure (no
+engine, no thread) and tested on its own.
 """
 from __future__ import annotations
 
@@ -31,6 +32,33 @@ from tqdm.auto import tqdm
 from turnrl.envs.base import Env
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.multi_turn import BatchStepper, Budgets, Engine, Trajectory, _EventLoop, _Rollout, _start
+
+
+class TurnVersions:
+    """The staleness bookkeeping of a stream: the policy version of the weights loaded now, the
+    version each trajectory's current turn started under, and each finished turn stamped with the
+    version it started under (a turn that straddles a weight load keeps the older one)."""
+
+    def __init__(self, version: int = 0):
+        self.current = version
+        self._started: dict[int, int] = {}   # trajectory -> the version its current turn started under
+
+    def load(self, version: int) -> None:
+        """New weights: turns that start from now on are sampled by `version`."""
+        self.current = version
+
+    def turn_started(self, i: int) -> None:
+        self._started[i] = self.current
+
+    def stamp(self, i: int, t: Trajectory) -> None:
+        """Trajectory i's finished turns that have no version yet get the version their turn
+        started under (the current one for a trajectory never started here). Idempotent."""
+        while len(t.turn_versions) < t.num_turns:
+            t.turn_versions.append(self._started.get(i, self.current))
+
+    def forget(self, i: int) -> None:
+        """Trajectory i has left (its group is done)."""
+        self._started.pop(i, None)
 
 
 class Stream(_Rollout):
@@ -54,7 +82,7 @@ class Stream(_Rollout):
         self.turn_of: dict[int, int] = {}
         self.level_at: dict[int, str] = {}
         self.asked_at: dict[int, float] = {}
-        self.version_at: dict[int, int] = {}   # the policy version when each trajectory's current turn started
+        self.versions = TurnVersions(version)   # the policy version of the weights and of each turn
         self.bar = tqdm(disable=True)
         self.events = None
         if inspect.iscoroutinefunction(getattr(probe, "step", None)):
@@ -63,7 +91,6 @@ class Stream(_Rollout):
         self.waiting = []
         self.step = 0
         self.make_env, self.n, self.max_groups = make_env, n, max_groups
-        self.version = version
         self._pending_weights: tuple[int, Callable[[], None]] | None = None
         self._group_of: dict[int, int] = {}
         self._left: dict[int, int] = {}          # group -> trajectories not yet ended
@@ -76,6 +103,11 @@ class Stream(_Rollout):
         self._stopped = False
         self.busy_s = 0.0   # seconds spent decoding (the engine's busy time)
         self.error: BaseException | None = None
+
+    @property
+    def version(self) -> int:
+        """The policy version of the weights the engine holds now."""
+        return self.versions.current
 
     # ------------------------------------------------------------------ the driver's side
     def feed(self, examples: list[dict]) -> None:
@@ -170,7 +202,7 @@ class Stream(_Rollout):
         if pending is not None:
             version, apply = pending
             apply()
-            self.version = version
+            self.versions.load(version)
 
     def _admit(self) -> None:
         """Start the queued examples' groups while fewer than max_groups are in flight."""
@@ -195,17 +227,17 @@ class Stream(_Rollout):
                     self.end(i)
 
     def start_turn(self, i: int) -> None:
-        self.version_at[i] = self.version
+        self.versions.turn_started(i)
         super().start_turn(i)
 
     def env_step(self, i: int, text: str):
-        self._stamp_versions_of(i)   # the turn the engine just finished goes to the environment
+        self.versions.stamp(i, self.trajs[i])   # the turn the engine just finished goes to the environment
         return super().env_step(i, text)
 
     def end(self, i: int, finish: str | None = None) -> None:
         if finish is not None:
             self.trajs[i].finish = finish
-        self._stamp_versions_of(i)   # a turn cut by the token limit ends here, not in env_step
+        self.versions.stamp(i, self.trajs[i])   # a turn cut by the token limit ends here, not in env_step
         group = self._group_of[i]
         self._left[group] -= 1
         if self._left[group]:
@@ -215,17 +247,12 @@ class Stream(_Rollout):
         members = sorted(k for k, g in self._group_of.items() if g == group)
         done = [self.trajs.pop(k) for k in members]
         for k in members:
-            for table in (self.envs, self.turn_of, self.level_at, self.asked_at, self.version_at, self._group_of):
+            for table in (self.envs, self.turn_of, self.level_at, self.asked_at, self._group_of):
                 table.pop(k, None)
+            self.versions.forget(k)
         with self._lock:
             (self._finished if tag is None else self._tagged[tag]).append(done)
             self._lock.notify_all()
 
     def _training_groups(self) -> int:
         return sum(tag is None for tag in self._tag_of.values())
-
-    def _stamp_versions_of(self, i: int) -> None:
-        """Trajectory i's finished turns get the version their turn started under."""
-        t = self.trajs[i]
-        while len(t.turn_versions) < t.num_turns:
-            t.turn_versions.append(self.version_at.get(i, self.version))
