@@ -228,3 +228,78 @@ def test_preprocess_records_the_environment_it_made_the_rows_for(tmp_path):
     cfg = load_config(ROOT / "params.yaml", ["eval.benchmarks=[]", "data.train_examples=4", "data.heldout_examples=2",
                                              "env.options={timeout_s: 3}"])
     assert preprocess(cfg, tmp_path)["env"] == {"name": "code_tool", "options": {"timeout_s": 3}}
+
+
+# --------------------------------------------------------------------------- e. stop strings for every adapter
+class _Game:
+    """A gymnasium-style text game of one's own (gym_text's module:factory): one turn, reward 1."""
+
+    def reset(self, seed=None):
+        return "Say a number.", {}
+
+    def step(self, action):
+        return "", 1.0, True, False, {}
+
+
+def make_game():
+    return _Game()
+
+
+ADAPTERS = {   # each adapter with options that make it without its library's work (that starts at reset)
+    "gym_text": {"make": "test_first_hour:make_game"},
+    "skyrl_gym": {"id": "gsm8k_multi_turn"},
+    "verifiers": {"environment": "arith_vf", "path": [str(ROOT / "examples" / "verifiers_env")]},
+    "openenv": {"env_class": "examples.openenv_guess.env:GuessEnvironment"},
+    "tools": {"functions": ["examples.tools.calc:calculator"]},
+    "code_tool": {},
+}
+
+
+@pytest.mark.parametrize("name", sorted(ADAPTERS))
+def test_env_stop_replaces_every_environments_own(name, monkeypatch):
+    monkeypatch.setenv("DVC_ROOT", str(ROOT))
+    try:
+        spec = envs.resolve(name)
+        options = envs.check_options(spec, ADAPTERS[name])
+    except PluginError as exc:   # the adapter's library is not installed here
+        pytest.skip(str(exc))
+    own = spec.bind(options)()
+    assert envs.with_stop(spec.bind(options), None)().stop == own.stop   # null: the environment's own
+    assert envs.with_stop(spec.bind(options), ["</answer>", "\n\n"])().stop == ("</answer>", "\n\n")
+
+
+def test_env_stop_is_a_params_key_the_factory_applies():
+    from turnrl.config import load_config
+    cfg = load_config(ROOT / "params.yaml", ["env.stop=[</answer>]"])
+    assert cfg.env.factory(max_turns=3, seed=0)().stop == ("</answer>",)
+    assert load_config(ROOT / "params.yaml").env.factory(max_turns=3, seed=0)().stop == envs.make("code_tool").stop
+
+
+def test_the_rollout_stops_at_env_stop_else_at_the_templates_end_of_turn(tiny_model_dir, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from conftest import ScriptedEngine
+    from turnrl.rollout.chat import ChatFormat
+    from turnrl.rollout.multi_turn import Budgets, run_rollouts
+    monkeypatch.setenv("DVC_ROOT", str(ROOT))
+    fmt = ChatFormat(AutoTokenizer.from_pretrained(tiny_model_dir))
+    assert fmt.end_of_turn == "<|im_end|>"
+    make = envs.resolve("gym_text").bind({"make": "test_first_hour:make_game", "kwargs": {},
+                                          "system_prompt": "Play."})
+    engine = ScriptedEngine(fmt.tokenizer, ["7"])
+    [t] = run_rollouts(engine, [{"game_seed": 1}], make, fmt, Budgets(2, 16, 200))
+    assert engine.calls[0]["stop"] == ("<|im_end|>",) and t.outcome == 1.0   # no stop strings of its own
+    engine = ScriptedEngine(fmt.tokenizer, ["<answer>7</answer>"])
+    run_rollouts(engine, [{"game_seed": 1}], envs.with_stop(make, ["</answer>"]), fmt, Budgets(2, 16, 200))
+    assert engine.calls[0]["stop"] == ("</answer>",)
+
+
+def test_turnrl_env_shows_the_stop_strings_and_what_ends_a_turn_without_them(tmp_path, monkeypatch, capsys):
+    from turnrl.cli import main
+    monkeypatch.setenv("DVC_ROOT", str(ROOT))
+    monkeypatch.chdir(tmp_path)
+    assert main(["env", "gym_text", "-S", "make=test_first_hour:make_game"]) == 0
+    assert "stop: [] (none: a turn ends at the model's chat-template end-of-turn token; env.stop or --stop sets " \
+           "strings)" in capsys.readouterr().out
+    assert main(["env", "gym_text", "-S", "make=test_first_hour:make_game", "--stop", "</answer>"]) == 0
+    assert "stop: ['</answer>'] (env.stop)" in capsys.readouterr().out

@@ -195,6 +195,11 @@ class EnvCfg(_Section):
     options: dict[str, Any] = Field(default_factory=dict, description=(
         "the environment's options (its factory's keyword arguments); {}: its defaults. `python -m turnrl.config` "
         "prints them resolved; set one with dvc exp run -S ++env.options.KEY=VALUE"))
+    stop: list[str] | None = Field(None, description=(
+        "strings that end a policy turn, replacing the environment's own (every built-in and adapter: a "
+        "checkpoint trained on code_tool ends its answers with </answer> and emits no end-of-turn token after "
+        "it); null: the environment's own, and where it has none (verifiers, skyrl_gym, gym_text, openenv, "
+        "tools) the model's chat-template end-of-turn token ends a turn. `turnrl env` shows them"))
     workers: int = Field(4, gt=0, description=(
         "threads stepping environments (sandbox runs, searches, endpoint calls): mostly process start-up and "
         "waiting, so more than the cores help (128 sandbox runs on 2 cores: 2.46 s with 2 threads, 2.04 s with 4)"))
@@ -231,7 +236,7 @@ class EnvCfg(_Section):
         `data_dir` (data/processed) is where the environment's data files are (a search corpus)."""
         from turnrl import envs
         context = envs.EnvContext(data_dir=Path(data_dir) if data_dir else None, max_turns=max_turns, seed=seed)
-        return envs.resolve(self.name).bind(self.checked_options(), context)
+        return envs.with_stop(envs.resolve(self.name).bind(self.checked_options(), context), self.stop)
 
 
 def leftover_options_hint(name: str, spec: Any, options: dict, lock: Path = Path("dvc.lock")) -> str:

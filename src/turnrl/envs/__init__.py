@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from turnrl.envs.base import LEVELS, Env, EnvContext, EnvSpec, StepResult
+from turnrl.envs.base import LEVELS, Env, EnvContext, EnvSpec, StepResult, with_stop
 from turnrl.plugins import PluginError, Registry, validate_options
 
 def _as_spec(obj: Any, name: str, key: str) -> EnvSpec:
@@ -73,4 +73,4 @@ def make(name: str, context: EnvContext | None = None, **options: Any) -> Env:
 
 
 __all__ = ["LEVELS", "Env", "EnvContext", "EnvSpec", "StepResult", "check_options", "make", "names", "register",
-           "resolve"]
+           "resolve", "with_stop"]

@@ -8,6 +8,8 @@ An environment is a small stateful object, one per trajectory:
 
 Required attributes: `system_prompt` (the system message), `stop` (strings that end a policy
 turn), `observation_role` ("tool" or "user": the chat role observations are rendered in).
+params' `env.stop` replaces an environment's `stop` (every built-in and adapter alike:
+`with_stop`); a turn of an environment with none ends at the model's end-of-turn token.
 
 `observation` is text the environment adds to the conversation (a tool result, feedback, an
 intervention); it is never trained on. `reward` is this turn's reward (turn-level algorithms
@@ -44,7 +46,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 from pydantic import BaseModel
 
@@ -112,6 +114,24 @@ class Env(Protocol):
     def reset(self, example: dict) -> str: ...
 
     def step(self, text: str) -> StepResult: ...
+
+
+def with_stop(factory: Callable[[], Env], stop: Sequence[str] | None) -> Callable[[], Env]:
+    """`factory` whose environments end a policy turn at `stop` instead of their own `stop`
+    (params' `env.stop`); None: the environment's own, unchanged."""
+    if stop is None:
+        return factory
+    strings = tuple(str(s) for s in stop)
+
+    def make() -> Env:
+        env = factory()
+        try:
+            env.stop = strings
+        except AttributeError:   # a read-only attribute: a plugin that cannot take env.stop
+            raise TypeError(f"{type(env).__name__}.stop cannot be set, so env.stop cannot apply; make `stop` a "
+                            "plain attribute") from None
+        return env
+    return make
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """`turnrl env [NAME] [-S key=value ...] [--row N] [--step TEXT ...]`: look at an environment by hand.
 
 Prints the environment's resolved options (defaults filled in, checked as `env.options` is),
-its system prompt, stop strings and observation role, its tool schemas (the `tools`
-environment, or any with a `tools` attribute: what the chat template renders), the row and the
+its system prompt, stop strings (params' env.stop, or --stop, replaces its own) and observation
+role, its tool schemas (the `tools` environment, or any with a `tools` attribute: what the chat
+template renders), the row and the
 first observation `reset` gives for it, then steps it with each `--step` text in turn, printing
 every StepResult, until one is done.
 
@@ -54,11 +55,11 @@ def _options(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
-def _from_params(params: str) -> tuple[str, dict[str, Any], int]:
-    """(env.name, env.options, rollout.max_turns) of a params file."""
+def _from_params(params: str) -> tuple[str, dict[str, Any], int, list[str] | None]:
+    """(env.name, env.options, rollout.max_turns, env.stop) of a params file."""
     from turnrl.config import load_config
     cfg = load_config(params)
-    return cfg.env.name, dict(cfg.env.options), cfg.rollout.max_turns
+    return cfg.env.name, dict(cfg.env.options), cfg.rollout.max_turns, cfg.env.stop
 
 
 def _made_by(processed: Path = PROCESSED) -> tuple[str, dict] | None:
@@ -138,16 +139,21 @@ def _show(label: str, value: Any) -> None:
 
 
 def explore(name: str, options: dict[str, Any], row: int = 0, steps: list[str] | tuple[str, ...] = (),
-            data: str | None = None, max_turns: int = 3) -> None:
-    """Print the environment `name` with `options`, a row's first observation and each step."""
+            data: str | None = None, max_turns: int = 3, stop: list[str] | None = None) -> None:
+    """Print the environment `name` with `options` (and env.stop `stop`), a row's first
+    observation and each step."""
     spec = envs.resolve(name, "NAME")
     resolved = envs.check_options(spec, options, "env.options", set_as="-S {name}=...")   # this command's -S
     data_dir = PROCESSED.parent if PROCESSED.parent.is_dir() else None
-    env = spec.bind(resolved, envs.EnvContext(data_dir=data_dir, max_turns=max_turns, seed=0))()
+    env = envs.with_stop(spec.bind(resolved, envs.EnvContext(data_dir=data_dir, max_turns=max_turns, seed=0)), stop)()
     print(f"environment: {name}")
     _show("options", resolved)
     _show("system prompt", getattr(env, "system_prompt", None))
-    print(f"stop: {list(getattr(env, 'stop', ()))}    observation role: {getattr(env, 'observation_role', 'user')}")
+    strings = [s for s in getattr(env, "stop", ()) if s]
+    where = " (env.stop)" if stop is not None and strings else ""
+    if not strings:
+        where = " (none: a turn ends at the model's chat-template end-of-turn token; env.stop or --stop sets strings)"
+    print(f"stop: {strings}{where}    observation role: {getattr(env, 'observation_role', 'user')}")
     if getattr(env, "tools", None):
         _show("tool schemas", env.tools)
     example, where = _row(spec, row, data, name, resolved)
@@ -174,16 +180,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--row", type=int, default=0, help="which row to reset with (default 0)")
     parser.add_argument("--step", dest="steps", action="append", default=[], metavar="TEXT",
                         help="a policy turn to step with (repeat for more turns)")
+    parser.add_argument("--stop", dest="stop", action="append", default=None, metavar="TEXT",
+                        help="a string that ends a policy turn, as env.stop (repeat for more; replaces the "
+                             "environment's own)")
     parser.add_argument("--data", default=None, help="rows from this file instead of data/processed/heldout.parquet")
     parser.add_argument("--params", default="params.yaml", help="the params file NAME defaults from")
     args = parser.parse_args(argv)
     from turnrl.config import ConfigError
     from turnrl.data.sources import DataSourceError
     try:
-        name, options, max_turns = args.name, {}, 3
+        name, options, max_turns, stop = args.name, {}, 3, None
         if not name:
-            name, options, max_turns = _from_params(args.params)
-        explore(name, {**options, **_options(args.options)}, args.row, args.steps, args.data, max_turns)
+            name, options, max_turns, stop = _from_params(args.params)
+        explore(name, {**options, **_options(args.options)}, args.row, args.steps, args.data, max_turns,
+                args.stop if args.stop is not None else stop)
     except (EnvCliError, PluginError, ConfigError, DataSourceError) as exc:
         print(f"turnrl env: {exc}", file=sys.stderr)
         return 2

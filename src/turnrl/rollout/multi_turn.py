@@ -233,6 +233,18 @@ def level_of(env: Env, turn: int) -> str:
     return level
 
 
+def stop_strings(env: Env, fmt: ChatFormat) -> tuple[str, ...]:
+    """What ends a policy turn of `env`: its `stop` strings (params' env.stop replaces them), or,
+    where it has none (the ecosystem adapters), the chat template's end-of-turn token, which the
+    engines also stop at as the model's eos: the same for a model whose template's end of turn is
+    not its eos."""
+    own = tuple(s for s in getattr(env, "stop", ()) if s)
+    if own:
+        return own
+    end = fmt.end_of_turn
+    return (end,) if end else ()
+
+
 def error_text(exc: BaseException) -> str:
     return one_line(exc, 400)
 
@@ -403,7 +415,7 @@ class _Rollout:
         self.left_in_group = [group_size] * (len(trajs) // group_size)   # trajectories not yet ended
         self.observation_lag, self.rejoin = observation_lag, rejoin
         live = [e for e in envs if e is not None]
-        options = dict(stop=tuple(live[0].stop), temperature=temperature, top_p=top_p)
+        options = dict(stop=stop_strings(live[0], fmt), temperature=temperature, top_p=top_p)
         self.by_level = engine if isinstance(engine, Mapping) else {"low": engine}
         self.steppers: dict[int, Stepper] = {}      # one per distinct engine, whatever levels it plays
         for e in self.by_level.values():
