@@ -137,10 +137,10 @@ def report(results: list[dict], seeds: list[int], port: int, baselines: list[dic
     return "\n".join(lines + ["", commits_line(results)]) + "\n"
 
 
-def serve_judge(port: int, seed: int) -> subprocess.Popen:
-    """benchmarks/noisy_judge.py on `port`, once it answers."""
+def serve_judge(port: int, seed: int, faults: list[str] = ()) -> subprocess.Popen:
+    """benchmarks/noisy_judge.py on `port` (`faults`: its flags, e.g. --flip 0), once it answers."""
     proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks/noisy_judge.py"), "--port", str(port),
-                             "--seed", str(seed)])
+                             "--seed", str(seed), *faults])
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         with socket.socket() as s:
@@ -161,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline-results", type=Path, default=ROOT / "benchmarks/dynamic_sampling.json",
                         help="where the programmatic rows not run here are read from")
     parser.add_argument("--port", type=int, default=8731, help="the judge's port on loopback")
+    parser.add_argument("--judge-faults", default="", metavar="FLAGS",
+                        help="the judge's faults other than its defaults, e.g. '--flip 0 --babble 0 --overload 0' "
+                             "(a truthful judge: whether a failure is the judge's noise or the judge's path)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/turnrl_judge_bench"))
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks/judge.json")
     parser.add_argument("--report", type=Path, default=ROOT / "benchmarks/JUDGE.md")
@@ -171,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = [(chosen, args.seeds)] if chosen else [(every, args.seeds[:1]),
                                                   ([r for r in every if "judge" in r.name], args.seeds[1:])]
     baselines = json.loads(args.baseline_results.read_text()) if args.baseline_results.exists() else []
-    judge = serve_judge(args.port, seed=0)
+    judge = serve_judge(args.port, seed=0, faults=args.judge_faults.split())
     try:
         for todo, seeds in plan:
             run_rows(todo, seeds, lambda row: args.work_dir, args.results, run, args.set,
