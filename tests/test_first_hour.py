@@ -303,3 +303,36 @@ def test_turnrl_env_shows_the_stop_strings_and_what_ends_a_turn_without_them(tmp
            "strings)" in capsys.readouterr().out
     assert main(["env", "gym_text", "-S", "make=test_first_hour:make_game", "--stop", "</answer>"]) == 0
     assert "stop: ['</answer>'] (env.stop)" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- f. the prompt column: what the model saw
+def test_generations_prompt_is_the_games_first_observation_not_the_episode_seed(tiny_model_dir, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from turnrl.envs.gym_text import episode_rows
+    from turnrl.pipeline.evaluate import records
+    from turnrl.rollout.chat import ChatFormat
+    from turnrl.rollout.multi_turn import Trajectory, replay
+    from turnrl.training.loop import sample_table
+    monkeypatch.setenv("DVC_ROOT", str(ROOT))
+    fmt = ChatFormat(AutoTokenizer.from_pretrained(tiny_model_dir))
+    [row] = episode_rows(1, seed=0, split="heldout", exclude=set())
+    assert row["prompt"].startswith("episode seed ")
+    t = replay(envs.make("gym_text", make="test_first_hour:make_game"), fmt, row, ["7"])
+    assert t.shown_prompt == "Say a number."
+    assert records([t], fmt.tokenizer.decode, "greedy", "heldout")[0]["prompt"] == "Say a number."
+    assert sample_table([t], fmt.tokenizer.decode)["prompt"] == ["Say a number."]
+    # no conversation recorded (an agent program's episode): the row's prompt
+    assert Trajectory(example={"prompt": "Compute 2 + 2."}, prompt_ids=[1]).shown_prompt == "Compute 2 + 2."
+
+
+def test_a_textarena_games_prompt_is_its_first_observation(tiny_model_dir):
+    pytest.importorskip("textarena")
+    from transformers import AutoTokenizer
+
+    from turnrl.rollout.chat import ChatFormat
+    from turnrl.rollout.multi_turn import replay
+    fmt = ChatFormat(AutoTokenizer.from_pretrained(tiny_model_dir))
+    env = envs.make("gym_text", envs.EnvContext(max_turns=1), make="textarena:GuessTheNumber-v0")
+    t = replay(env, fmt, {"game_seed": 3, "prompt": "episode seed 3"}, ["[5]"])
+    assert "episode seed" not in t.shown_prompt and "Guess" in t.shown_prompt

@@ -168,7 +168,7 @@ def records(trajs: Sequence[Trajectory], decode: Callable, decoding: str, benchm
             env: str | None = None) -> list[dict]:
     return [{
         "benchmark": benchmark, "id": str(t.example.get("id")), "sample": i % k,
-        "prompt": t.example.get("prompt"), "answer": str(t.example.get("answer")),
+        "prompt": t.shown_prompt, "answer": str(t.example.get("answer")),   # what the model saw first
         "subject": t.example.get("subject"), "level": t.example.get("level"),
         "trajectory": decode(t.response_ids), "extracted": t.info.get("extracted"),
         "correct": t.outcome > 0, "reason": grading_reason(t, env), "reward": float(t.info.get("partial_credit", t.outcome)), "finish": t.finish,

@@ -189,7 +189,7 @@ def _turn_spans(t, now: float) -> list[SpanPlan]:
         g_start, g_end = turn_times[k] if k < len(turn_times) else (now, now)
         text = t.turn_texts[k]
         level = t.levels[k] if k < len(t.levels) else "low"
-        read = t.example.get("prompt", "") if k == 0 else (t.observations[k - 1] if k - 1 < len(t.observations) else "")
+        read = t.shown_prompt if k == 0 else (t.observations[k - 1] if k - 1 < len(t.observations) else "")
         out_tokens = policy_tokens.get(k, 0)
         generate = SpanPlan(
             name="generate" if level == "low" else "generate (high level)", span_type="LLM",
@@ -273,7 +273,7 @@ def plan(t, *, name: str, tags: dict[str, Any], attributes: dict[str, Any] | Non
                        **{f"info.{k}": v for k, v in _numbers(info).items()},
                        **(attributes or {})}
     root = SpanPlan(name=name, span_type="AGENT", start_ns=min(starts), end_ns=end,
-                    inputs={"task": _clip(t.example.get("prompt", "")), "answer": str(t.example.get("answer", ""))},
+                    inputs={"task": _clip(t.shown_prompt), "answer": str(t.example.get("answer", ""))},
                     outputs={"answer": answer if answer is not None else _clip(final_text[-2000:]),
                              "finish": t.finish, "reward": t.reward},
                     attributes=root_attributes, children=children,

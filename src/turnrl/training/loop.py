@@ -253,7 +253,7 @@ def sample_table(trajs: Sequence[Trajectory], decode: Callable[[list[int]], str]
     """A few trajectories as columns for an MLflow table."""
     picked = list(trajs[:limit])
     return {
-        "prompt": [t.example.get("prompt", "") for t in picked],
+        "prompt": [t.shown_prompt for t in picked],
         "answer": [str(t.example.get("answer", "")) for t in picked],
         "trajectory": [decode(t.response_ids) for t in picked],
         "turns": [t.num_turns for t in picked],
