@@ -336,3 +336,71 @@ def test_a_textarena_games_prompt_is_its_first_observation(tiny_model_dir):
     env = envs.make("gym_text", envs.EnvContext(max_turns=1), make="textarena:GuessTheNumber-v0")
     t = replay(env, fmt, {"game_seed": 3, "prompt": "episode seed 3"}, ["[5]"])
     assert "episode seed" not in t.shown_prompt and "Guess" in t.shown_prompt
+
+
+# --------------------------------------------------------------------------- g. the tools warm start with one's own tools
+def population(city: str) -> str:
+    """The population of a city.
+
+    Args:
+        city: The city's name, e.g. Paris.
+    """
+    return {"Paris": "2100000"}.get(city, "unknown")
+
+
+def demonstrate_population(row: dict, rng, good: bool) -> list[str]:
+    """The warm start's turns for the population tool: call it, then answer."""
+    import json
+    call = json.dumps({"name": "population", "arguments": {"city": "Paris"}})
+    return [f"<tool_call>\n{call}\n</tool_call>", "<answer>2100000</answer>"]
+
+
+def test_own_tools_with_the_tiny_model_and_no_demonstration_are_refused_before_any_work(tmp_path, monkeypatch,
+                                                                                         capsys):
+    from turnrl.config import main
+    monkeypatch.setenv("DVC_ROOT", str(ROOT))
+    assert main([str(ROOT / "params.yaml"), "-S", "env.name=tools",
+                 "-S", "env.options={functions: [test_first_hour:population]}"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if "model.path" in line]
+    assert lines == ["error: params.yaml: model.path = tiny: the tools environment's warm start demonstrates calls "
+                     "to the built-in calculator, which the configured tools (test_first_hour:population) do not "
+                     "include; set env.options.demonstration to module:function ((row, rng, good) -> the turns "
+                     "calling your tools, then the answer), add turnrl.envs.tools:calculator to "
+                     "env.options.functions, or set model.path to a checkpoint"]
+    from turnrl.pipeline.prepare_model import WarmStartError, demonstrable
+    task = envs.resolve("tools").task_for(envs.check_options(envs.resolve("tools"),
+                                                             {"functions": ["test_first_hour:population"]}))
+    with pytest.raises(WarmStartError, match="warm start demonstrates calls to the built-in calculator"):
+        demonstrable(task, "tools")
+
+
+def test_a_demonstration_hook_beside_the_functions_demonstrates_the_configured_tools(tiny_model_dir, monkeypatch,
+                                                                                     capsys):
+    import random
+
+    from transformers import AutoTokenizer
+
+    from turnrl.config import main
+    from turnrl.rollout.chat import ChatFormat
+    from turnrl.rollout.multi_turn import replay
+    monkeypatch.setenv("DVC_ROOT", str(ROOT))
+    options = {"functions": ["test_first_hour:population"], "demonstration": "test_first_hour:demonstrate_population"}
+    assert main([str(ROOT / "params.yaml"), "-q", "-S", "env.name=tools", "-S",
+                 "env.options={functions: [test_first_hour:population], "
+                 "demonstration: test_first_hour:demonstrate_population}"]) == 0, capsys.readouterr().err
+    spec = envs.resolve("tools")
+    resolved = envs.check_options(spec, options)
+    task = spec.task_for(resolved)
+    demo = task.demonstrate({"prompt": "How many people live in Paris?", "answer": "2100000"}, random.Random(0), True)
+    fmt = ChatFormat(AutoTokenizer.from_pretrained(tiny_model_dir))
+    t = replay(spec.bind(resolved)(), fmt, {"prompt": "How many people live in Paris?", "answer": "2100000"},
+               demo.turns)
+    assert t.info["tool_calls"] == 1 and t.info["tool_errors"] == 0 and t.outcome == 1.0
+
+
+@pytest.mark.parametrize("functions", [["turnrl.envs.tools:calculator"], ["examples.tools.calc:calculator"]])
+def test_the_calculators_demonstrations_stay_where_a_calculator_is_configured(functions, monkeypatch):
+    from turnrl.envs.tools import TASK
+    monkeypatch.setenv("DVC_ROOT", str(ROOT))
+    spec = envs.resolve("tools")
+    assert spec.task_for(envs.check_options(spec, {"functions": functions})) is TASK

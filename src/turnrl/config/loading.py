@@ -164,7 +164,9 @@ def check_plugins(cfg: Config) -> list[str]:
         if "synthetic" in (cfg.data.train_set, cfg.data.heldout_set) and (task is None or task.rows is None):
             problems.append(f"data.train_set / data.heldout_set = synthetic: the environment {cfg.env.name!r} has no "
                             "synthetic task (EnvSpec.task with rows); set them to your data files (jsonl/parquet)")
-        if cfg.model.path == "tiny" and (task is None or task.demonstration is None):
+        if cfg.model.path == "tiny" and task is not None and task.demonstration is None and task.no_demonstration:
+            problems.append(f"model.path = tiny: {task.no_demonstration}")
+        elif cfg.model.path == "tiny" and (task is None or task.demonstration is None):
             problems.append(f"model.path = tiny: the embedded model is warm-started on demonstrations, and the "
                             f"environment {cfg.env.name!r} gives none (EnvSpec.task with a demonstration hook); "
                             "add one, or set model.path to a checkpoint")

@@ -69,6 +69,8 @@ class SyntheticTask:
     any_row        the demonstration takes any row with a reference answer (`answer`), not only
                    this task's own rows: with `data.train_set` naming a data set (reasoning-gym,
                    a jsonl with answers) the warm start demonstrates that set's training rows
+    no_demonstration  without a demonstration: why, and what to set (the line `model.path: tiny`
+                   is refused with, before any work, instead of the generic one)
     """
     name: str
     rows: Callable[..., list[dict]] | None = None
@@ -76,6 +78,7 @@ class SyntheticTask:
     demonstration: Callable[[dict, random.Random, bool], "Demonstration | list[str]"] | None = None
     skill_good_fraction: float = 1.0
     any_row: bool = False
+    no_demonstration: str = ""
 
     def splits(self, train: int, heldout: int, seed: int) -> tuple[list[dict], list[dict]]:
         """Train and held-out rows; no problem occurs in both."""

@@ -44,7 +44,8 @@ A package of its parts:
     transports    HTTP endpoints and MCP servers (stdio or streamable HTTP), lost sessions reopened
     toolbox       a process's tools of one configuration: concurrency, timeouts, retries
     environment   the environment (`ToolsEnv`) and its options
-    calculator    the default tool and the tiny model's warm-start demonstrations
+    calculator    the default tool and the tiny model's warm-start demonstrations (`tools_task`:
+                  the `demonstration` hook's, for tools of one's own)
 
 Whatever a tool does (raises, calls sys.exit, never returns, loses its server), the call ends
 within `timeout_s` with an error observation, and later calls work (docs/plugins.md, Tools).
@@ -52,7 +53,7 @@ within `timeout_s` with an error observation, and later calls work (docs/plugins
 from __future__ import annotations
 
 from turnrl.envs.base import EnvSpec
-from turnrl.envs.tools.calculator import TASK, calculator, calculator_demonstration
+from turnrl.envs.tools.calculator import TASK, calculator, calculator_demonstration, tools_task
 from turnrl.envs.tools.environment import SYSTEM_PROMPT, ToolsEnv, ToolsOptions, make_tools_env
 from turnrl.envs.tools.functions import FunctionTool
 from turnrl.envs.tools.parsers import (PARSERS, ParsedTurn, ToolCall, parse_hermes, parse_llama3, parse_mistral,
@@ -61,10 +62,10 @@ from turnrl.envs.tools.tool import ERROR_KINDS, CallOutcome, Tool, ToolError, Tr
 from turnrl.envs.tools.toolbox import ToolBox, close_toolboxes, toolbox
 from turnrl.envs.tools.transports import HTTPTool, HTTPToolSpec, MCPServerSpec, MCPSession, MCPTool
 
-ENV = EnvSpec(factory=make_tools_env, options=ToolsOptions, task=TASK, name="tools")
+ENV = EnvSpec(factory=make_tools_env, options=ToolsOptions, task=TASK, name="tools", task_from_options=tools_task)
 
 __all__ = ["ENV", "ERROR_KINDS", "PARSERS", "SYSTEM_PROMPT", "TASK", "CallOutcome", "FunctionTool", "HTTPTool",
            "HTTPToolSpec", "MCPServerSpec", "MCPSession", "MCPTool", "ParsedTurn", "Tool", "ToolBox", "ToolCall",
            "ToolError", "ToolsEnv", "ToolsOptions", "TransportError", "calculator", "calculator_demonstration",
            "close_toolboxes", "make_tools_env", "parse_hermes", "parse_llama3", "parse_mistral", "resolve_parser",
-           "toolbox"]
+           "toolbox", "tools_task"]

@@ -60,3 +60,40 @@ def calculator_demonstration(row: dict, rng, good: bool) -> synthetic.Demonstrat
 
 
 TASK = synthetic.SyntheticTask("tools", synthetic.product_rows, lambda r: (r["a"], r["b"]), calculator_demonstration)
+
+
+def tools_task(options: dict) -> synthetic.SyntheticTask:
+    """The warm start's task for these (validated) `tools` options: `demonstration`, the hook
+    beside the functions, demonstrating the configured tools (on data.train_set's rows, or the
+    synthetic products); else the calculator's demonstrations where the calculator is one of the
+    tools; else none, with the one line that says what to set (every replayed call would name a
+    tool the policy does not have)."""
+    hook = options.get("demonstration") or ""
+    if hook:
+        from turnrl.plugins import load_object
+        return synthetic.SyntheticTask("tools", TASK.rows, TASK.key, load_object(hook, "env.options.demonstration"),
+                                       any_row=True)
+    functions = list(options.get("functions") or [])
+    if any(_is_calculator(path) for path in functions) or any(h.get("name") == "calculator"
+                                                               for h in options.get("http") or []):
+        return TASK
+    tools = functions + [h.get("name", "?") for h in options.get("http") or []] + \
+        [f"mcp {m.get('url') or ' '.join(m.get('command') or [])}" for m in options.get("mcp") or []]
+    return synthetic.SyntheticTask("tools", TASK.rows, TASK.key, None, no_demonstration=(
+        f"the tools environment's warm start demonstrates calls to the built-in calculator, which the configured "
+        f"tools ({', '.join(tools)}) do not include; set env.options.demonstration to module:function "
+        f"((row, rng, good) -> the turns calling your tools, then the answer), add turnrl.envs.tools:calculator "
+        f"to env.options.functions, or set model.path to a checkpoint"))
+
+
+def _is_calculator(path: str) -> bool:
+    """A function the calculator's demonstrations can call: named calculator, taking `expression`
+    (the built-in, or a copy of one's own such as examples/tools/calc.py)."""
+    import inspect
+
+    from turnrl.plugins import PluginError, load_object
+    try:
+        fn = load_object(path, "env.options.functions")
+        return getattr(fn, "__name__", "") == "calculator" and "expression" in inspect.signature(fn).parameters
+    except (PluginError, TypeError, ValueError):
+        return False

@@ -116,6 +116,21 @@ class ToolsOptions(BaseModel):
     max_calls_per_turn: int = Field(4, ge=1)
     max_result_chars: int = Field(1000, ge=16, description="a tool's result is cut to this length")
     system_prompt: str = SYSTEM_PROMPT
+    demonstration: str = Field("", description=(
+        "model.path: tiny's warm start with your tools: module:function (row, rng, good) -> the policy turns "
+        "(a Demonstration or a list of texts: the calls in the parser's format, then the answer) for a row of "
+        "data.train_set (or the synthetic products); empty: the built-in calculator's, which need "
+        "turnrl.envs.tools:calculator among functions"))
+
+    @field_validator("demonstration")
+    @classmethod
+    def _demonstration(cls, value: str) -> str:
+        if value:
+            if not is_import_path(value):
+                raise ValueError(f"{value!r}: an import path is module:function, e.g. my_pkg.tools:demonstrate")
+            if not callable(load_object(value, "env.options.demonstration")):
+                raise ValueError(f"{value!r} is not a function")
+        return value
 
     @field_validator("functions")
     @classmethod
@@ -156,8 +171,9 @@ def make_tools_env(*, functions: Sequence[str] = ("turnrl.envs.tools:calculator"
                    http: Sequence[HTTPToolSpec | dict] = (), mcp: Sequence[MCPServerSpec | dict] = (),
                    parser: str = "hermes", grader: str = "math", timeout_s: float = 10.0, max_concurrent: int = 64,
                    retries: int = 2, max_calls_per_turn: int = 4, max_result_chars: int = 1000,
-                   system_prompt: str = SYSTEM_PROMPT) -> ToolsEnv:
-    """A `tools` environment; its ToolBox is shared by every environment of the same tools."""
+                   system_prompt: str = SYSTEM_PROMPT, demonstration: str = "") -> ToolsEnv:
+    """A `tools` environment; its ToolBox is shared by every environment of the same tools
+    (`demonstration` is the warm start's, `tools_task`'s)."""
     from turnrl.rewards.graders import grader as resolve_grader
     http = [h if isinstance(h, HTTPToolSpec) else HTTPToolSpec.model_validate(h) for h in http]
     mcp = [m if isinstance(m, MCPServerSpec) else MCPServerSpec.model_validate(m) for m in mcp]
