@@ -167,3 +167,22 @@ def test_turn_versions_keep_trajectories_apart_and_forget_the_ones_that_left():
     versions.stamp(0, a)
     assert a.turn_versions == [0, 1]
     versions.forget(0)                  # forgetting twice is harmless
+
+
+def test_the_stream_and_the_batch_rollout_share_one_turn_engine(engine_and_format):
+    """Both are a TurnEngine: the stream's turns stop where the batch rollout's do (an environment
+    without stop strings: the chat template's end of turn), and an ended group leaves no state."""
+    from turnrl.rollout.multi_turn import TurnEngine, stop_strings
+    engine, fmt = engine_and_format
+    stream, thread = _stream(engine_and_format)
+    try:
+        assert isinstance(stream, TurnEngine)
+        (stepper,) = stream.steppers.values()
+        assert stepper.options["stop"] == stop_strings(TwoTurns(), fmt) == (fmt.end_of_turn,)
+        stream.feed([{"prompt": "a"}])
+        (group,) = _take(stream, 1)
+    finally:
+        stream.stop()
+        thread.join(timeout=30)
+    assert len(group) == 2 and all(t.finish == "answer" for t in group)
+    assert not (stream.trajs or stream.envs or stream.turn_of or stream.level_at or stream.asked_at)

@@ -331,7 +331,7 @@ def observation_texts(observation: str | Sequence[str] | None) -> tuple[str | li
     return messages, "\n".join(messages)
 
 
-def _start(make_env: Callable[[], Env], example: dict, fmt: ChatFormat) -> tuple[Env | None, Trajectory]:
+def start_trajectory(make_env: Callable[[], Env], example: dict, fmt: ChatFormat) -> tuple[Env | None, Trajectory]:
     """A fresh environment reset on `example`, and its trajectory; an environment that raises
     gives (None, a trajectory already ended with env_error and no response)."""
     try:
@@ -394,7 +394,7 @@ def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict]
     trajs: list[Trajectory] = []
     for example in examples:
         for _ in range(n):
-            env, t = _start(make_env, example, fmt)
+            env, t = start_trajectory(make_env, example, fmt)
             envs.append(env)
             trajs.append(t)
     if not any(e is not None for e in envs):
@@ -413,73 +413,80 @@ def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict]
 _Pending = tuple[int, int, Sample, Future]
 
 
-class _Rollout:
-    """The state of one `run_rollouts` call: each trajectory's turn, level and pending answer."""
+class TurnEngine:
+    """The turn-by-turn core of a rollout, shared by `run_rollouts` (one fixed batch) and
+    turnrl.rollout.stream's `Stream` (trajectories that come and go while training goes on).
 
-    def __init__(self, engine: Engine | Mapping[str, Engine], envs: list[Env | None], trajs: list[Trajectory],
-                 fmt: ChatFormat, budgets: Budgets, *, temperature: float, top_p: float, seed: int | None,
-                 observation_lag: int, rejoin: str, progress: bool, desc: str, group_size: int = 1,
-                 on_group_done: Callable[[list[Trajectory]], None] | None = None):
-        self.envs, self.trajs, self.fmt, self.budgets, self.seed = envs, trajs, fmt, budgets, seed
-        self.group_size, self.on_group_done = group_size, on_group_done
-        self.left_in_group = [group_size] * (len(trajs) // group_size)   # trajectories not yet ended
+    It holds trajectories by index: each one's environment, current turn, that turn's level and
+    when it went to the engine. `admit(i, env, t)` starts trajectory i; every policy turn goes to
+    the engine of its level (`start_turn`, within the budgets); `decode` runs one engine step and
+    sends each finished turn to its environment (`env_step`: the thread pool `pool`, or an event
+    loop for coroutine steps); `take_answers` rejoins the answers by the `rejoin` rule ("lag":
+    `observation_lag` engine steps later, in a fixed order; "ready": as they are back), and
+    `end_turn` appends the observation and starts the next turn or ends the trajectory.
+
+    A subclass says what ending means (`end(i, finish)`: count its group, hand it out) and when to
+    step (its `run`); `release(i)` forgets a trajectory that has left. The engine's sampling
+    options come from the probe environment: its stop strings (`stop_strings`: params' env.stop,
+    else the chat template's end of turn) and whether its `step` is a coroutine function.
+    """
+
+    def __init__(self, engine: Engine | Mapping[str, Engine], fmt: ChatFormat, budgets: Budgets, probe: Env, *,
+                 temperature: float, top_p: float, seed: int | None = None, observation_lag: int = 0,
+                 rejoin: str = "ready"):
+        if rejoin not in REJOIN:
+            raise ValueError(f"rejoin = {rejoin!r}: must be one of {', '.join(REJOIN)}")
+        self.fmt, self.budgets, self.seed = fmt, budgets, seed
         self.observation_lag, self.rejoin = observation_lag, rejoin
-        live = [e for e in envs if e is not None]
-        options = dict(stop=stop_strings(live[0], fmt), temperature=temperature, top_p=top_p)
+        options = dict(stop=stop_strings(probe, fmt), temperature=temperature, top_p=top_p)
         self.by_level = engine if isinstance(engine, Mapping) else {"low": engine}
         self.steppers: dict[int, Stepper] = {}      # one per distinct engine, whatever levels it plays
         for e in self.by_level.values():
             if id(e) not in self.steppers:
                 self.steppers[id(e)] = e.stepper(**options) if hasattr(e, "stepper") else BatchStepper(e, **options)
-        self.turn_of = [0] * len(trajs)
-        self.level_at: list[str] = ["low"] * len(trajs)   # the level of each trajectory's current turn
-        self.asked_at = [0.0] * len(trajs)                # when its current turn went to the engine
-        self.bar = tqdm(total=len(trajs), desc=desc, unit="traj", disable=not progress, leave=False)
-        self.events = _EventLoop() if inspect.iscoroutinefunction(live[0].step) else None
+        self.envs: dict[int, Env | None] = {}
+        self.trajs: dict[int, Trajectory] = {}
+        self.turn_of: dict[int, int] = {}
+        self.level_at: dict[int, str] = {}       # the level of each trajectory's current turn
+        self.asked_at: dict[int, float] = {}     # when its current turn went to the engine
+        self.events = _EventLoop() if inspect.iscoroutinefunction(getattr(probe, "step", None)) else None
         self.pool: ThreadPoolExecutor | None = None
         # a heap by due step with rejoin "lag", in arrival order with "ready"
         self.waiting: list[_Pending] = []
         self.step = 0
 
-    def run(self, pool: ThreadPoolExecutor) -> None:
-        self.pool = pool
-        try:
-            for i in range(len(self.trajs)):
-                if self.envs[i] is not None:
-                    self.start_turn(i)
-                else:             # its environment failed to start
-                    self.end(i)
-            while True:
-                self.take_answers()
-                busy = [s for s in self.steppers.values() if s.busy()]
-                if busy:
-                    self.decode(busy)
-                elif not self.waiting:
-                    break
-                elif self.rejoin == "lag":
-                    self.step = self.waiting[0][0]            # nothing to decode: the next answer
-                else:                                         # nothing to decode: until one is back
-                    wait_futures([e[3] for e in self.waiting], return_when=FIRST_COMPLETED)
-        finally:
-            for stepper in self.steppers.values():
-                stepper.abort()
-            if self.events is not None:
-                self.events.close()
-            self.bar.close()
+    def admit(self, i: int, env: Env | None, t: Trajectory) -> None:
+        """Trajectory i (`start_trajectory`'s pair): its first turn goes to the engine, or, its
+        environment having failed to start (None), it ends at once."""
+        self.envs[i], self.trajs[i], self.turn_of[i], self.level_at[i] = env, t, 0, "low"
+        if env is not None:
+            self.start_turn(i)
+        else:
+            self.end(i)
+
+    def release(self, i: int) -> Trajectory:
+        """Forget trajectory i (ended, its group handed out); its trajectory."""
+        for table in (self.envs, self.turn_of, self.level_at, self.asked_at):
+            table.pop(i, None)
+        return self.trajs.pop(i)
+
+    def end(self, i: int, finish: str | None = None) -> None:
+        """Trajectory i ended (`finish`: why, where the loop ended it rather than its
+        environment). A subclass counts it; call this first."""
+        if finish is not None:
+            self.trajs[i].finish = finish
+
+    def close(self) -> None:
+        """Stop the engines' generation in flight and the event loop of coroutine steps."""
+        for stepper in self.steppers.values():
+            stepper.abort()
+        if self.events is not None:
+            self.events.close()
 
     def env_step(self, i: int, text: str) -> Future:
         if self.events is not None:
             return self.events.submit(_safe_astep(self.envs[i], text))
         return self.pool.submit(_safe_step, self.envs[i], text)
-
-    def end(self, i: int, finish: str | None = None) -> None:
-        if finish is not None:
-            self.trajs[i].finish = finish
-        self.bar.update()
-        group = i // self.group_size
-        self.left_in_group[group] -= 1
-        if not self.left_in_group[group] and self.on_group_done is not None:
-            self.on_group_done(self.trajs[group * self.group_size:(group + 1) * self.group_size])
 
     def start_turn(self, i: int) -> None:
         t, turn, b = self.trajs[i], self.turn_of[i], self.budgets
@@ -554,6 +561,50 @@ class _Rollout:
                     heapq.heappush(self.waiting, entry)
                 else:
                     self.waiting.append(entry)
+
+
+class _Rollout(TurnEngine):
+    """One `run_rollouts` call: a fixed batch, groups of `group_size` in order, a progress bar."""
+
+    def __init__(self, engine: Engine | Mapping[str, Engine], envs: list[Env | None], trajs: list[Trajectory],
+                 fmt: ChatFormat, budgets: Budgets, *, temperature: float, top_p: float, seed: int | None,
+                 observation_lag: int, rejoin: str, progress: bool, desc: str, group_size: int = 1,
+                 on_group_done: Callable[[list[Trajectory]], None] | None = None):
+        live = [e for e in envs if e is not None]
+        super().__init__(engine, fmt, budgets, live[0], temperature=temperature, top_p=top_p, seed=seed,
+                         observation_lag=observation_lag, rejoin=rejoin)
+        self.batch, self.batch_envs = trajs, envs
+        self.group_size, self.on_group_done = group_size, on_group_done
+        self.left_in_group = [group_size] * (len(trajs) // group_size)   # trajectories not yet ended
+        self.bar = tqdm(total=len(trajs), desc=desc, unit="traj", disable=not progress, leave=False)
+
+    def run(self, pool: ThreadPoolExecutor) -> None:
+        self.pool = pool
+        try:
+            for i, (env, t) in enumerate(zip(self.batch_envs, self.batch)):
+                self.admit(i, env, t)
+            while True:
+                self.take_answers()
+                busy = [s for s in self.steppers.values() if s.busy()]
+                if busy:
+                    self.decode(busy)
+                elif not self.waiting:
+                    break
+                elif self.rejoin == "lag":
+                    self.step = self.waiting[0][0]            # nothing to decode: the next answer
+                else:                                         # nothing to decode: until one is back
+                    wait_futures([e[3] for e in self.waiting], return_when=FIRST_COMPLETED)
+        finally:
+            self.close()
+            self.bar.close()
+
+    def end(self, i: int, finish: str | None = None) -> None:
+        super().end(i, finish)
+        self.bar.update()
+        group = i // self.group_size
+        self.left_in_group[group] -= 1
+        if not self.left_in_group[group] and self.on_group_done is not None:
+            self.on_group_done(self.batch[group * self.group_size:(group + 1) * self.group_size])
 
 
 def replay(env: Env, fmt: ChatFormat, example: dict, turns: Sequence[str]) -> Trajectory:

@@ -6,8 +6,8 @@
         engine decodes
     a group whose n trajectories all ended  -->  finished  --take_groups()-->  driver
 
-It is the multi-turn loop of `turnrl.rollout.multi_turn` (`_Rollout`: its turns, budgets,
-environments and rejoin rule "ready") run as a service: trajectories are admitted while fewer
+It is the multi-turn loop's core, `turnrl.rollout.multi_turn.TurnEngine` (its turns, budgets,
+environments, stop strings and rejoin rule "ready"), run as a service: trajectories are admitted while fewer
 than `max_groups` groups are in flight, and handed out a group at a time as soon as the group is
 done, so a slow tool holds back its own group only.
 
@@ -19,7 +19,6 @@ engine, no thread) and tested on its own.
 """
 from __future__ import annotations
 
-import inspect
 import threading
 import time
 from collections import deque
@@ -27,11 +26,9 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Callable, Mapping
 
-from tqdm.auto import tqdm
-
 from turnrl.envs.base import Env
 from turnrl.rollout.chat import ChatFormat
-from turnrl.rollout.multi_turn import BatchStepper, Budgets, Engine, Trajectory, _EventLoop, _Rollout, _start
+from turnrl.rollout.multi_turn import Budgets, Engine, TurnEngine, Trajectory, start_trajectory
 
 
 class TurnVersions:
@@ -61,35 +58,18 @@ class TurnVersions:
         self._started.pop(i, None)
 
 
-class Stream(_Rollout):
-    """A `_Rollout` whose trajectories come and go (dicts by index instead of one fixed list).
-    The driver's thread calls `feed`, `take_groups`, `load_weights` and `stop`; `run` is the
-    generating thread's loop."""
+class Stream(TurnEngine):
+    """A `TurnEngine` whose trajectories come and go: admitted a group at a time while there is
+    room, released when their group is handed out. The driver's thread calls `feed`,
+    `take_groups`, `load_weights` and `stop`; `run` is the generating thread's loop."""
 
     def __init__(self, engine: Engine | Mapping[str, Engine], make_env: Callable[[], Env], fmt: ChatFormat,
                  budgets: Budgets, *, n: int, max_groups: int, temperature: float, top_p: float,
                  env_workers: int = 4, version: int = 0):
         probe = make_env()   # the environment's stop strings and whether its step is a coroutine
-        self.fmt, self.budgets, self.seed, self.observation_lag, self.rejoin = fmt, budgets, None, 0, "ready"
-        self.by_level = engine if isinstance(engine, Mapping) else {"low": engine}
-        options = dict(stop=tuple(probe.stop), temperature=temperature, top_p=top_p)
-        self.steppers = {}
-        for e in self.by_level.values():
-            if id(e) not in self.steppers:
-                self.steppers[id(e)] = e.stepper(**options) if hasattr(e, "stepper") else BatchStepper(e, **options)
-        self.envs: dict[int, Env | None] = {}
-        self.trajs: dict[int, Trajectory] = {}
-        self.turn_of: dict[int, int] = {}
-        self.level_at: dict[int, str] = {}
-        self.asked_at: dict[int, float] = {}
+        super().__init__(engine, fmt, budgets, probe, temperature=temperature, top_p=top_p, rejoin="ready")
         self.versions = TurnVersions(version)   # the policy version of the weights and of each turn
-        self.bar = tqdm(disable=True)
-        self.events = None
-        if inspect.iscoroutinefunction(getattr(probe, "step", None)):
-            self.events = _EventLoop()
         self.pool = ThreadPoolExecutor(max_workers=env_workers)
-        self.waiting = []
-        self.step = 0
         self.make_env, self.n, self.max_groups = make_env, n, max_groups
         self._pending_weights: tuple[int, Callable[[], None]] | None = None
         self._group_of: dict[int, int] = {}
@@ -189,10 +169,7 @@ class Stream(_Rollout):
                 self._lock.notify_all()
             raise
         finally:
-            for stepper in self.steppers.values():
-                stepper.abort()
-            if self.events is not None:
-                self.events.close()
+            self.close()
             self.pool.shutdown(wait=False, cancel_futures=True)
             self.stop()
 
@@ -218,13 +195,8 @@ class Stream(_Rollout):
             for _ in range(n):
                 i = self._next_index
                 self._next_index += 1
-                env, t = _start(self.make_env, example, self.fmt)
-                self.envs[i], self.trajs[i], self.turn_of[i], self.level_at[i] = env, t, 0, "low"
                 self._group_of[i] = group
-                if env is not None:
-                    self.start_turn(i)
-                else:   # its environment failed to start: ended already
-                    self.end(i)
+                self.admit(i, *start_trajectory(self.make_env, example, self.fmt))
 
     def start_turn(self, i: int) -> None:
         self.versions.turn_started(i)
@@ -235,8 +207,7 @@ class Stream(_Rollout):
         return super().env_step(i, text)
 
     def end(self, i: int, finish: str | None = None) -> None:
-        if finish is not None:
-            self.trajs[i].finish = finish
+        super().end(i, finish)
         self.versions.stamp(i, self.trajs[i])   # a turn cut by the token limit ends here, not in env_step
         group = self._group_of[i]
         self._left[group] -= 1
@@ -245,10 +216,9 @@ class Stream(_Rollout):
         del self._left[group]
         tag = self._tag_of.pop(group)
         members = sorted(k for k, g in self._group_of.items() if g == group)
-        done = [self.trajs.pop(k) for k in members]
+        done = [self.release(k) for k in members]
         for k in members:
-            for table in (self.envs, self.turn_of, self.level_at, self.asked_at, self._group_of):
-                table.pop(k, None)
+            del self._group_of[k]
             self.versions.forget(k)
         with self._lock:
             (self._finished if tag is None else self._tagged[tag]).append(done)
