@@ -56,8 +56,8 @@ def test_a_game_that_cannot_start_says_why_in_one_line(wordle_offline):
     text = str(err.value)
     assert "\n" not in text
     assert text.startswith("env.options.make = textarena:Wordle-v0: the game cannot start: "
-                           "LookupError: Resource words not found.")
-    assert "python -m nltk.downloader words" in text
+                           "LookupError: Resource words not found; NLTK's 'words' data is missing: download it once "
+                           "where the network is reachable (python -m nltk.downloader words)")
 
 
 def test_an_environment_error_in_a_trajectory_is_never_an_empty_reason():

@@ -54,8 +54,9 @@ def _textarena(env_id: str, kwargs: dict[str, Any]):
     try:
         return textarena.make(env_id, **kwargs)
     except Exception as exc:   # noqa: BLE001 - the library's own "unknown id" error, on one line
-        raise PluginError(f"env.options.make = textarena:{env_id}: the game cannot start: {one_line(exc)}"
-                          f"{_download_hint(exc)}") from None
+        hint = _download_hint(exc)
+        raise PluginError(f"env.options.make = textarena:{env_id}: the game cannot start: "
+                          f"{one_line(exc).rstrip('.') if hint else one_line(exc)}{hint}") from None
 
 
 def _download_hint(exc: BaseException) -> str:
@@ -63,8 +64,8 @@ def _download_hint(exc: BaseException) -> str:
     found = re.search(r"nltk\.download\(['\"]([\w.-]+)['\"]\)", str(exc))
     if found is None:
         return ""
-    return (f"; it needs NLTK's {found.group(1)!r} data: download it once where the network is reachable "
-            f"(python -m nltk.downloader {found.group(1)}) or copy an nltk_data folder holding it")
+    return (f"; NLTK's {found.group(1)!r} data is missing: download it once where the network is reachable "
+            f"(python -m nltk.downloader {found.group(1)}), or copy an nltk_data folder holding it")
 
 
 def make_game(make: str, kwargs: dict[str, Any] | None = None) -> tuple[str, Any]:
