@@ -404,3 +404,43 @@ def test_the_calculators_demonstrations_stay_where_a_calculator_is_configured(fu
     monkeypatch.setenv("DVC_ROOT", str(ROOT))
     spec = envs.resolve("tools")
     assert spec.task_for(envs.check_options(spec, {"functions": functions})) is TASK
+
+
+def test_the_agent_gateway_takes_env_stop_for_calls_that_send_none(tiny_model_dir):
+    """env.name: agent: the program's calls choose their own stop strings (OpenAI's `stop`); a
+    call that sends none gets env.stop."""
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    from turnrl.gateway.program import make_program
+    from turnrl.gateway.runner import AgentRunner, ScriptedEngine
+    from turnrl.rollout.chat import ChatFormat
+    from turnrl.rollout.multi_turn import Budgets
+    fmt = ChatFormat(AutoTokenizer.from_pretrained(tiny_model_dir))
+    program = envs.with_stop(lambda: make_program(program="examples.agents.calculator_agent:run"), ["</answer>"])()
+    assert program.stop == ("</answer>",)   # AgentProgram is a frozen dataclass: replaced, not set
+    limits = AgentRunner.limits(program, Budgets(4, 16, 256, 1024), 1.0, 1.0)
+    assert limits.stop == ("</answer>",)
+    seen = []
+
+    class Recording(ScriptedEngine):
+        def stepper(self, **_):
+            stepper = super().stepper()
+            add = stepper.add
+
+            def recording(key, prompt, max_tokens, seed, options=None):
+                seen.append(tuple((options or {}).get("stop", ())))
+                add(key, prompt, max_tokens, seed, options)
+            stepper.add = recording
+            return stepper
+    runner = AgentRunner()
+    try:
+        _, gateway = runner.gateway(Recording(fmt), fmt, program)
+        ep = gateway.open({"prompt": "Compute 2 * 3."}, limits)
+        client = OpenAI(base_url=gateway.base_url, api_key=ep.key, max_retries=0)
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Compute 2 * 3."}])
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Compute 2 * 3."}],
+                                       stop=["\n"])
+    finally:
+        runner.close()
+    assert seen == [("</answer>",), ("\n",)]

@@ -42,6 +42,7 @@ the environment reads (a search corpus) during `preprocess`.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -125,6 +126,8 @@ def with_stop(factory: Callable[[], Env], stop: Sequence[str] | None) -> Callabl
 
     def make() -> Env:
         env = factory()
+        if dataclasses.is_dataclass(env) and any(f.name == "stop" for f in dataclasses.fields(env)):
+            return dataclasses.replace(env, stop=strings)   # a frozen one too (the agent's AgentProgram)
         try:
             env.stop = strings
         except AttributeError:   # a read-only attribute: a plugin that cannot take env.stop

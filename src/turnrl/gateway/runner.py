@@ -134,7 +134,8 @@ class AgentRunner:
     def limits(program: AgentProgram, budgets: Budgets, temperature: float, top_p: float) -> Limits:
         return Limits(temperature=temperature, top_p=top_p, max_calls=budgets.max_turns,
                       max_tokens_per_call=budgets.max_tokens_per_turn, max_tokens_total=budgets.max_tokens_total,
-                      context=budgets.max_context, request_sampling=program.options.sampling == "request")
+                      context=budgets.max_context, request_sampling=program.options.sampling == "request",
+                      stop=tuple(s for s in program.stop if s))
 
     def episode(self, gateway: Gateway, program: AgentProgram, example: dict, limits: Limits, fmt: ChatFormat,
                 script: Sequence[str] | None = None) -> Trajectory:

@@ -138,6 +138,7 @@ class Limits:
     max_tokens_total: int = 1 << 20    # rollout.max_tokens_total: sampled tokens over the episode
     context: int = 1 << 30             # the engine's context length
     request_sampling: bool = False     # env.options.sampling: request
+    stop: tuple[str, ...] = ()         # env.stop: the stop strings of a call that sends none
 
 
 @dataclass
@@ -366,7 +367,7 @@ class Gateway:
                                  f"context holds {limits.context} (at most {room} more)", "context_length_exceeded")
         if not isinstance(body.get("stream_options") or {}, dict):
             raise HTTPError(400, "stream_options must be an object, e.g. {\"include_usage\": true}")
-        stop = body.get("stop") or []
+        stop = body.get("stop") or list(limits.stop)   # the program's own, else env.stop
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 8:
             raise HTTPError(400, "stop must be a string or a list of at most 8 strings")
