@@ -84,8 +84,9 @@ def test_a_stdio_mcp_command_must_exist(tmp_path, monkeypatch, capsys):
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"seed": 0, "env": {"name": "tools"}}))
 
     def config(command: list[str]) -> tuple[int, str]:
-        code = cli.main(["config", "--quiet", "-S", "env.options={functions: [], mcp: [{command: %s}]}"
-                         % json.dumps(command)])
+        # (the calculator among the tools: model.path tiny's warm start has its demonstrations)
+        code = cli.main(["config", "--quiet", "-S", "env.options={functions: ['turnrl.envs.tools.calculator:calculator'], "
+                         "mcp: [{command: %s}]}" % json.dumps(command)])
         return code, capsys.readouterr().err
     assert config([sys.executable, "server.py"]) == (0, "")
     code, err = config(["no-such-mcp-server", "--stdio"])
