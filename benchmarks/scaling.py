@@ -25,7 +25,7 @@ def run_setup(params: str, overrides: list[str], ranks: int, engines: int, steps
     import ray
 
     from turnrl.config import load_config
-    from turnrl.models.folders import model_dir
+    from turnrl.training.folders import model_dir
     from turnrl.pipeline.preprocess import load_split
     from turnrl.training.loop import train
     cfg = load_config(params, [*overrides, f"cluster.trainer_ranks={ranks}", f"cluster.rollout_engines={engines}",

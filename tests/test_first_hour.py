@@ -109,7 +109,7 @@ def test_a_deleted_models_initial_says_it_is_gone_and_how_to_get_it_back_not_the
 
 @pytest.mark.parametrize("path", ["tiny", "Qwen/Qwen2.5-0.5B-Instruct", "my-start", "models/initial-copy"])
 def test_other_model_paths_pass_that_check(path):
-    from turnrl.pipeline.checks import initial_model_problem
+    from turnrl.config.checks import initial_model_problem
     assert initial_model_problem(path) is None
 
 

@@ -8,8 +8,7 @@ whose command does not exist fails in seconds with exit 2, not minutes later ins
 Every function is pure (it reads files, it starts nothing) and returns a list of problems, one
 line each, naming the params key, its value and the fix. Schema and plugin checks are
 `turnrl.config.load_config`'s; these are the ones that need the files and the machine. They live
-with the params they check (turnrl.config, below the pipeline that calls them);
-turnrl.pipeline.checks re-exports them.
+with the params they check (turnrl.config, below the pipeline that calls them).
 """
 from __future__ import annotations
 
