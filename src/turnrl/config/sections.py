@@ -23,12 +23,12 @@ class _Section(BaseModel):
 # --------------------------------------------------------------------------- model
 class TinyModel(_Section):
     """The embedded Qwen2-architecture model built by `prepare_model` when model.path is tiny."""
-    hidden_size: int = Field(128, gt=0, multiple_of=32)
-    num_layers: int = Field(4, gt=0)
-    num_heads: int = Field(4, gt=0)
-    num_kv_heads: int = Field(2, gt=0)
+    hidden_size: int = Field(128, gt=0, multiple_of=32, description="the tiny model's width")
+    num_layers: int = Field(4, gt=0, description="the tiny model's decoder layers")
+    num_heads: int = Field(4, gt=0, description="attention heads")
+    num_kv_heads: int = Field(2, gt=0, description="key/value heads (grouped-query attention)")
     vocab_size: int = Field(1024, ge=300, description="byte-level BPE target size")
-    max_position_embeddings: int = Field(2048, ge=128)
+    max_position_embeddings: int = Field(2048, ge=128, description="the longest sequence the tiny model takes")
 
     @model_validator(mode="after")
     def _heads(self) -> "TinyModel":
@@ -44,13 +44,13 @@ class WarmStart(_Section):
     phase on demonstrations that all use the environment well, then a short prior phase on a
     mixture that sets how often the policy does (see `turnrl.data.synthetic`)."""
     demonstrations: int = Field(1500, gt=0, description="scripted demonstrations per phase (replayed through the env)")
-    skill_steps: int = Field(1200, ge=0)
-    prior_steps: int = Field(40, ge=0)
+    skill_steps: int = Field(1200, ge=0, description="optimizer steps of the skill phase (good demonstrations)")
+    prior_steps: int = Field(40, ge=0, description="optimizer steps of the prior phase (the good_fraction mixture)")
     good_fraction: float = Field(0.3, ge=0.0, le=1.0, description=(
         "share of prior-phase demonstrations that use the environment well; the rest show the "
         "habit RL must unlearn (guess, skip the feedback, ramble)"))
-    batch_size: int = Field(16, gt=0)
-    lr: float = Field(1e-3, gt=0)
+    batch_size: int = Field(16, gt=0, description="demonstrations per optimizer step")
+    lr: float = Field(1e-3, gt=0, description="the warm start's learning rate")
 
 
 #: Modules LoRA does not adapt here: the embeddings and the LM head (often one tied tensor).
@@ -98,8 +98,10 @@ class LoraCfg(_Section):
 
 class ModelCfg(_Section):
     path: str = Field("tiny", min_length=1, description="'tiny', a local HF folder, or a hub id")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    template_type: Literal["chat", "base"] = "chat"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="the weights' dtype in training and rollouts (bfloat16 on GPUs)")
+    template_type: Literal["chat", "base"] = Field(
+        "chat", description="chat: prompts through the tokenizer's chat template; base: plain text turns")
     tiny: TinyModel = TinyModel()
     warmstart: WarmStart = WarmStart()
     lora: LoraCfg = Field(default_factory=LoraCfg, description=(
@@ -132,7 +134,7 @@ class SftCfg(_Section):
     steps: int = Field(100, gt=0, description="optimizer steps")
     batch_size: int = Field(16, gt=0, description="conversation samples per optimizer step (drawn with replacement)")
     lr: float = Field(1e-5, gt=0, description="learning rate (AdamW, linear warmup over warmup_steps)")
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warmup over N optimizer steps; 0: none")
     max_length: int = Field(4096, gt=0, description=(
         "the most tokens of one sample: a longer conversation is cut at the right (its later turns dropped, counted "
         "as truncated); an assistant message that alone does not fit is an error naming its row"))
@@ -485,13 +487,19 @@ class AlgorithmCfg(_Section):
         "values are worse than a constant (explained variance < 0), and GAE's advantages would push the "
         "policy along that noise on every token"))
     value_clip: float | None = Field(0.2, gt=0, description="ppo: clip range of the value loss (null: unclipped)")
-    clip_low: float = Field(0.2, ge=0.0, lt=1.0)
-    clip_high: float = Field(0.28, ge=0.0)
-    dual_clip: float | None = Field(None, gt=1.0)
-    kl_coef: float = Field(0.0, ge=0.0)
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    entropy_coef: float = Field(0.0, ge=0.0)
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0, description=(
+        "the clipped loss: the ratio's lower bound is 1 - clip_low"))
+    clip_high: float = Field(0.28, ge=0.0, description=(
+        "the clipped loss: the ratio's upper bound is 1 + clip_high (DAPO's clip-higher)"))
+    dual_clip: float | None = Field(None, gt=1.0, description=(
+        "dual-clip PPO: a negative advantage's loss at most dual_clip x |A|; null: off"))
+    kl_coef: float = Field(0.0, ge=0.0, description=(
+        "weight of the KL to the reference (starting) model in the loss; 0: only measured (kl_ref)"))
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="the estimator of the KL to the reference (Schulman's k1, k2, k3)")
+    entropy_coef: float = Field(0.0, ge=0.0, description="weight of an entropy bonus in the loss")
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
+        "token-mean", description="how token losses make the batch's loss: a mean over all tokens, or over sequences")
     options: dict[str, Any] = Field(default_factory=dict, description=(
         "the algorithm's own settings (mlmt: stage, alpha, betas, context_coef, context_cap), checked by its "
         "registered options model; read by its advantage function as cfg.options"))
@@ -542,12 +550,13 @@ class AlgorithmCfg(_Section):
 
 # --------------------------------------------------------------------------- rollout
 class RolloutCfg(_Section):
-    engine: Literal["vllm", "hf"] = "vllm"
+    engine: Literal["vllm", "hf"] = Field(
+        "vllm", description="the rollout engine: vLLM, or transformers' generate (hf)")
     n: int = Field(8, ge=1, description="group size: samples per prompt")
-    max_turns: int = Field(3, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_tokens_per_turn: int = Field(48, gt=0)
+    max_turns: int = Field(3, ge=1, description="policy turns an episode may take")
+    temperature: float = Field(1.0, ge=0.0, description="sampling temperature of the rollouts")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling of the rollouts; 1: off")
+    max_tokens_per_turn: int = Field(48, gt=0, description="tokens one policy turn may generate")
     max_tokens_total: int = Field(160, gt=0, description="policy + environment tokens after the prompt")
     kv_cache_gib: float = Field(1.0, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU")
     observation_lag: int = Field(0, ge=0, description=(
@@ -589,12 +598,12 @@ class HealthCfg(_Section):
 
 
 class TrainCfg(_Section):
-    steps: int = Field(40, gt=0)
-    prompts_per_step: int = Field(16, gt=0)
-    lr: float = Field(5e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
-    zero_stage: Literal[0, 1, 2, 3] = 2
+    steps: int = Field(40, gt=0, description="training steps (a rollout batch and an update each)")
+    prompts_per_step: int = Field(16, gt=0, description="prompts (groups of rollout.n trajectories) per step")
+    lr: float = Field(5e-4, gt=0, description="the policy's learning rate (AdamW)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    grad_clip: float = Field(1.0, gt=0, description="gradient norm clip")
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage of the trainer ranks")
     overlap_rollout: bool = Field(False, description=(
         "generate the next step's rollouts while this step trains: a step costs about the longer of the two "
         "instead of their sum, and the update is one step off-policy (its batch was sampled by the weights "
@@ -715,7 +724,7 @@ class EvalCfg(_Section):
         "multi = through the training environment's protocol (env.name: tool turns, interventions, refinement), "
         "graded by the environment"))
     temperature: float = Field(1.0, ge=0.0, description="0 = greedy; > 0 samples with top_p")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling of the evaluation; 1: off")
     samples: int = Field(1, ge=1, description="k samples per problem: accuracy is mean@k, plus pass@k")
     greedy: bool = Field(True, description="also a greedy pass on the task block (accuracy_greedy)")
     max_tokens: int = Field(96, gt=0, description="response tokens of a single-protocol answer")
@@ -754,7 +763,8 @@ class ClusterCfg(_Section):
     num_cpus: int = Field(2, gt=0, description="CPUs of the local Ray started when address is empty")
     trainer_ranks: int = Field(1, ge=1, description="DeepSpeed world size: trainer ranks, each a Ray actor")
     rollout_engines: int = Field(1, ge=1, description="rollout engines sharing each step's prompts")
-    placement: Literal["colocated", "separate"] = "colocated"
+    placement: Literal["colocated", "separate"] = Field(
+        "colocated", description="engines and trainer ranks on the same devices (colocated) or their own (separate)")
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description=(
         "Ray placement group strategy over nodes (SPREAD: one bundle per node where possible)"))
     trainer_cpus: float = Field(0.5, gt=0, description="Ray CPUs per trainer rank (and per critic rank)")
@@ -788,7 +798,7 @@ class TracesCfg(_Section):
 
 class TrackingCfg(_Section):
     uri: str = Field("", description="empty: sqlite:///mlflow.db in the project; else any MLflow tracking URI")
-    experiment: str = Field("turnrl", min_length=1)
+    experiment: str = Field("turnrl", min_length=1, description="the MLflow experiment runs are logged to")
     traces: TracesCfg = TracesCfg()
     system_metrics: bool = Field(True, description="CPU, memory (and GPU) of each stage run, every 10 s")
     log_model: bool = Field(True, description="the final policy as an MLflow transformers model of the train run")
@@ -808,7 +818,7 @@ class TrackingCfg(_Section):
 
 
 class Config(_Section):
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, description="seeds the data split, the model build, sampling and training")
     model: ModelCfg = ModelCfg()
     sft: SftCfg = SftCfg()
     data: DataCfg = DataCfg()
