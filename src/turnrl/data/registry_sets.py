@@ -11,6 +11,7 @@ from types import MappingProxyType
 from typing import Any
 
 from turnrl.data.files import DataSourceError
+from turnrl.errors import one_line
 
 #: Environment variable naming the local data directory (e.g. ``../shared/data``).
 ENV_VAR = "TURNRL_DATA_DIR"
@@ -226,7 +227,7 @@ def _load_hub(spec: DatasetSpec) -> tuple[Iterable[tuple[int, Any]] | None, str]
     except BaseException as exc:  # noqa: BLE001 - offline, auth, renamed repo, ... all mean "not reachable"
         if isinstance(exc, KeyboardInterrupt):
             raise
-        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        return None, one_line(exc)
     return records, ""
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 
 from turnrl import envs
-from turnrl.errors import one_line
+from turnrl.errors import first_line, one_line
 from turnrl.plugins import PluginError
 
 PROCESSED = Path("data/processed/heldout.parquet")
@@ -51,7 +51,7 @@ def _options(pairs: list[str]) -> dict[str, Any]:
         try:
             out[key.strip().removeprefix("env.options.")] = yaml.safe_load(value) if value else ""
         except yaml.YAMLError as exc:
-            raise EnvCliError(f"-S {pair!r}: the value is not YAML ({str(exc).splitlines()[0]}); quote it") from None
+            raise EnvCliError(f"-S {pair!r}: the value is not YAML ({first_line(exc)}); quote it") from None
     return out
 
 
