@@ -251,7 +251,7 @@ def leftover_options_hint(name: str, spec: Any, options: dict, lock: Path = Path
     unknown = [key for key in options if key not in model.model_fields]
     if not unknown:
         return ""
-    previous = _locked_env(lock)
+    previous = locked_env(lock)
     owner = ""
     if previous and previous[0] != name and all(key in previous[1] for key in unknown):
         owner = f"the previous run's environment, {previous[0]!r} (dvc.lock)"
@@ -276,14 +276,16 @@ def leftover_options_hint(name: str, spec: Any, options: dict, lock: Path = Path
             f"-S ++env.options.KEY=VALUE for its own), or delete them from env.options in params.yaml")
 
 
-def _locked_env(lock: Path) -> tuple[str, dict] | None:
-    """(env.name, env.options) the last `dvc repro`/`dvc exp run` recorded in dvc.lock, if any."""
+def locked_env(lock: Path = Path("dvc.lock"),
+               stages_first: tuple[str, ...] = ("prepare_model", "preprocess", "train")) -> tuple[str, dict] | None:
+    """(env.name, env.options) the last `dvc repro`/`dvc exp run` recorded in dvc.lock for the first
+    of `stages_first` that has them, if any."""
     try:
         import yaml
         stages = (yaml.safe_load(lock.read_text()) or {}).get("stages") or {}
     except Exception:   # noqa: BLE001 - no lock, or one that does not parse: no previous environment
         return None
-    for stage in ("prepare_model", "preprocess", "train"):
+    for stage in stages_first:
         env = (((stages.get(stage) or {}).get("params") or {}).get("params.yaml") or {}).get("env")
         if isinstance(env, dict) and isinstance(env.get("name"), str):
             return env["name"], dict(env.get("options") or {})

@@ -32,6 +32,7 @@ from typing import Any
 import yaml
 
 from turnrl import envs
+from turnrl.config.sections import locked_env
 from turnrl.errors import first_line, one_line
 from turnrl.plugins import PluginError
 
@@ -71,12 +72,7 @@ def _made_by(processed: Path = PROCESSED) -> tuple[str, dict] | None:
             return recorded["name"], dict(recorded.get("options") or {})
     except (OSError, ValueError, AttributeError):
         pass
-    try:
-        stages = yaml.safe_load(Path("dvc.lock").read_text()).get("stages") or {}
-        env = stages["preprocess"]["params"]["params.yaml"]["env"]
-        return env["name"], dict(env.get("options") or {})
-    except Exception:   # noqa: BLE001 - no lock, or no env recorded in it
-        return None
+    return locked_env(stages_first=("preprocess",))
 
 
 def _belongs(spec: envs.EnvSpec, name: str, options: dict[str, Any], made_by: tuple[str, dict] | None) -> bool:
