@@ -144,6 +144,7 @@ def check_plugins(cfg: Config) -> list[str]:
     its options, its synthetic task and demonstrations where params need them, the algorithm,
     the reward functions and the benchmarks' graders. One fix-it line per problem."""
     from turnrl import envs
+    from turnrl.data.synthetic import demonstration_problem
     from turnrl.plugins import PluginError
     from turnrl.rewards.functions import from_config as reward_functions
     from turnrl.rewards.graders import grader
@@ -164,12 +165,8 @@ def check_plugins(cfg: Config) -> list[str]:
         if "synthetic" in (cfg.data.train_set, cfg.data.heldout_set) and (task is None or task.rows is None):
             problems.append(f"data.train_set / data.heldout_set = synthetic: the environment {cfg.env.name!r} has no "
                             "synthetic task (EnvSpec.task with rows); set them to your data files (jsonl/parquet)")
-        if cfg.model.path == "tiny" and task is not None and task.demonstration is None and task.no_demonstration:
-            problems.append(f"model.path = tiny: {task.no_demonstration}")
-        elif cfg.model.path == "tiny" and (task is None or task.demonstration is None):
-            problems.append(f"model.path = tiny: the embedded model is warm-started on demonstrations, and the "
-                            f"environment {cfg.env.name!r} gives none (EnvSpec.task with a demonstration hook); "
-                            "add one, or set model.path to a checkpoint")
+        if cfg.model.path == "tiny" and (problem := demonstration_problem(task, cfg.env.name)):
+            problems.append(f"model.path = tiny: {problem}")
     attempt(cfg.algorithm.fill_options)        # the algorithm and its options, defaults filled in
     from turnrl.algos.registry import resolve as resolve_algorithm
     try:

@@ -96,6 +96,18 @@ class SyntheticTask:
         return demo if isinstance(demo, Demonstration) else Demonstration(list(demo))
 
 
+def demonstration_problem(task: SyntheticTask | None, env_name: str) -> str:
+    """Why `model.path: tiny` cannot be warm-started on environment `env_name`'s `task`, one line
+    (its own `no_demonstration` where it says why); "" when it can."""
+    if task is not None and task.demonstration is not None:
+        return ""
+    if task is not None and task.no_demonstration:
+        return task.no_demonstration
+    return (f"the embedded model is warm-started on the environment's demonstrations, and {env_name!r} gives none; "
+            "add EnvSpec(task=SyntheticTask(name, demonstration=fn)) (docs/plugins.md, \"The warm start\"), or set "
+            "model.path to a checkpoint")
+
+
 def _number(rng: random.Random, digits: int) -> int:
     return rng.randint(10 ** (digits - 1), 10 ** digits - 1)
 

@@ -33,13 +33,9 @@ def _failure(env_name: str, row: dict, what: str, exc: BaseException) -> WarmSta
 def demonstrable(task: synthetic.SyntheticTask | None, env_name: str) -> synthetic.SyntheticTask:
     """The environment's task if it gives demonstrations; else, before any work, a WarmStartError
     (a game, an environment without a task: only a checkpoint can play it)."""
-    if task is not None and task.demonstration is None and task.no_demonstration:
-        raise WarmStartError(f"env.name = {env_name!r}: model.path: tiny: {task.no_demonstration}")
-    if task is None or task.demonstration is None:
-        raise WarmStartError(f"env.name = {env_name or getattr(task, 'name', '')!r}: model.path: tiny is warm-started "
-                             "on the environment's demonstrations and it gives none; add EnvSpec(task=SyntheticTask("
-                             "name, demonstration=fn)) (docs/plugins.md, \"The warm start\") or set model.path to a "
-                             "checkpoint")
+    env_name = env_name or getattr(task, "name", "")
+    if problem := synthetic.demonstration_problem(task, env_name):
+        raise WarmStartError(f"env.name = {env_name!r}: model.path: tiny: {problem}")
     return task
 
 
