@@ -24,6 +24,8 @@ that id (the plain id: the full message log; `-train`: prompt, game messages and
   unchanged, the mover moves again) -> `Move(legal=False, why=<the library's reason>)` and
   `to_move()` is still the mover; the next invalid move in a row ends the game (the mover -1, the
   other +1, game_info `invalid_move`) -> `Move(legal=False, why=...)` and `to_move()` is None.
+  (SimpleNegotiation judges an acceptance and a new offer in one text separately: "[Accept]" with a
+  malformed offer trades, then counts the offer as the invalid move.)
 - `rewards()`: `close()`'s per-player rewards, by role (0.0 each before the game ends).
   `reward_sum` is 0.0 for the games below (every ending is TextArena's `set_winner` +1/-1,
   `set_draw` 0/0 or an invalid move's -1/+1), None for any other id (not checked).
@@ -35,6 +37,9 @@ that id (the plain id: the full message log; `-train`: prompt, game messages and
   while the game runs, SimpleNegotiation draws resources at reset); each game keeps its own generator
   state and swaps it in around the library's calls, so a game depends on its seed and moves only,
   however many tables play at once, and the caller's `random` is left as it was.
+- An id the library does not know, kwargs its game does not take, or a game that cannot start with
+  two players (a one-player id; one needing NLTK data offline, with the download to run): a
+  PluginError in one line naming `key`, at construction (`GameTable` makes one game to read roles).
 
 The four games (each runs offline: no NLTK data, no network, no judge model):
 
@@ -45,7 +50,7 @@ The four games (each runs offline: no NLTK data, no network, no judge model):
 - `ConnectFour-v0` (6x7): a longer board game (up to 42 moves, 7 choices) with a winning first
   mover, where the built-in Nim already covers take-away games; legal moves `[col c]`, the columns
   not full. (`Nim-v0` is supported too: `[pile quantity]`.)
-- `SimpleNegotiation-v0` (10 turns): free-text talk with trade offers, a general-sum bargaining
+- `SimpleNegotiation-v0` (a limit of 10 turns, 11 moves as TextArena counts): free-text talk with trade offers, a general-sum bargaining
   task scored zero-sum by TextArena (the larger gain in inventory value wins) (SPIRAL). Any text is
   a legal move unless an offer or acceptance in it is malformed or unaffordable, so its legal moves
   are a representative menu, not all of them: `[Deny]`, `[Accept]` when the opponent's offer is
@@ -92,7 +97,8 @@ def _simple_negotiation(env, state, pid: int) -> list[str]:
     moves = ["[Deny]"]
     offer = state.game_state.get("current_offer")
     held = state.game_state["player_resources"][pid]
-    if offer and offer["from_player"] != pid and all(held.get(r, 0) >= q for r, q in offer["requested_resources"].items()):
+    affordable = offer and all(held.get(r, 0) >= q for r, q in offer["requested_resources"].items())
+    if affordable and offer["from_player"] != pid:   # the library would let a player accept its own offer
         moves.append("[Accept]")
     moves += [f"[Offer: 1 {give} -> 1 {want}]" for give in env.resource_names if held.get(give, 0) >= 1
               for want in env.resource_names if want != give]
