@@ -21,6 +21,8 @@ A group of one has no baseline: its advantage is 0. A group with identical rewar
 
 from __future__ import annotations
 
+from typing import Mapping, Sequence
+
 import torch
 
 from .losses import masked_whiten
@@ -154,6 +156,22 @@ def grpo(
     norm_by_std=False gives R - mean_g (Dr. GRPO).
     """
     return _to_tokens(group_normalize(rewards, group_ids, norm_by_std, eps), mask)
+
+
+def role_baseline(*, rewards: torch.Tensor, mask: torch.Tensor, roles: Sequence[str],
+                  baselines: Mapping[str, float], decay: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """Role-conditioned advantage estimation (SPIRAL's RAE): a baseline per role kept across
+    steps, b_role <- decay * b_role + (1 - decay) * mean(rewards of the role's trajectories in
+    this batch) (a role seen first starts from 0), then A = R - b_role on every trained token.
+    In a game whose first mover wins more often, each role is measured against its own expected
+    return, not the mixture. rewards [B], mask [B, T], roles [B] -> (advantages [B, T], the
+    updated baselines)."""
+    updated = dict(baselines)
+    for role in dict.fromkeys(roles):
+        mine = [float(r) for r, k in zip(rewards.tolist(), roles) if k == role]
+        updated[role] = decay * updated.get(role, 0.0) + (1 - decay) * sum(mine) / len(mine)
+    base = torch.tensor([updated[k] for k in roles], dtype=rewards.dtype)
+    return _to_tokens(rewards - base, mask), updated
 
 
 def dr_grpo(*, rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:

@@ -62,6 +62,25 @@ def mlmt(x: AdvantageInputs, cfg) -> torch.Tensor:
                     betas=x.extras.get("betas", (0.0, 0.0, 0.0)), refine_bonus=x.extras.get("refine_bonus"))
 
 
+class RaeOptions(BaseModel):
+    """`algorithm.options` of rae."""
+    model_config = ConfigDict(extra="forbid")
+    decay: float = Field(0.95, ge=0, lt=1, description=(
+        "the role baselines' EMA decay: b <- decay * b + (1 - decay) * the role's mean reward this step"))
+
+
+@register("rae", options=RaeOptions)
+def rae(x: AdvantageInputs, cfg) -> torch.Tensor:
+    """SPIRAL's role-conditioned advantage estimation (`advantages.role_baseline`): a baseline per
+    game and role (`AdvantageInputs.roles`; trajectories of no role share the "" one), kept across
+    the run's steps in `inputs.state` (a resumed run starts them from 0 again)."""
+    opts = RaeOptions.model_validate(cfg.options or {})
+    roles = x.roles or ("",) * len(x.rewards)
+    advantages, x.state["role_baselines"] = adv.role_baseline(
+        rewards=x.rewards, mask=x.mask, roles=roles, baselines=x.state.get("role_baselines", {}), decay=opts.decay)
+    return advantages
+
+
 class OpdOptions(BaseModel):
     """`algorithm.options` of opd."""
     model_config = ConfigDict(extra="forbid")

@@ -68,6 +68,10 @@ class AdvantageInputs:
     extras         dict    the algorithm's `prepare` results
     logprobs       [B, T]  the sampling engine's logprob of each sampled token (0 off the mask)
     teacher_logprobs [B, T] reward.teacher's logprob of each sampled token (opd), else None
+    roles          [B]     what each trajectory played: "<game>/<role>" for a seat of a game of several
+                           players (`env.name: game`), "" elsewhere (role-conditioned baselines key on it)
+    state          dict    kept by the training loop for the run, empty at its start: an advantage
+                           function's memory across steps (rae's role baselines); not checkpointed
     """
     rewards: "torch.Tensor"
     turn_rewards: "torch.Tensor"
@@ -80,6 +84,8 @@ class AdvantageInputs:
     extras: dict[str, Any] = field(default_factory=dict)
     logprobs: "torch.Tensor | None" = None
     teacher_logprobs: "torch.Tensor | None" = None
+    roles: tuple[str, ...] = ()
+    state: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

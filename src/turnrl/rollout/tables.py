@@ -1,0 +1,343 @@
+"""Rolling out games of several players (`env.name: game`, turnrl.envs.games): the
+`EpisodeRunner` that seats the policy and its opponents at tables.
+
+    for each row (a game seed and the role it trains) and each of its n games: a table
+        the row's role                -> a policy seat: trajectory k of the row's group
+        every other role              -> the row's opponent (example["opponent"], else env.options.opponent):
+                                         a scripted player, or `self`: another policy seat
+    self-play pairs rows: a row training role r and a later row training another role share
+    their k-th tables (the first row's game seed), so one game trains both seats (half the
+    generation); a row left unpaired plays policy seats that are sampled and not trained.
+
+Every policy seat is a trajectory of the `TurnEngine`: its prompt is the system prompt and
+what the game shows it when it is first to move; each of its turns is a move, and the
+observation after it is what the game shows it when it is next to move (the other seats' moves
+happen while its answer waits: it rejoins then, as a slow tool's answer would). Only policy
+seats have tokens, so the loss mask covers only the roles the policy plays; a row's role is the
+only one its trajectories train, and each group is one (game seed, role): group normalisation
+is within role.
+
+An illegal move follows env.options.illegal (the game ends, or the mover retries); a seat the
+loop ends (its turn cut by the token limit, its budget spent) loses as an illegal move would; at
+rollout.max_turns the game ends drawn. A game or player that raises ends its table's seats as
+environment errors; the other tables go on.
+"""
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from tqdm.auto import tqdm
+
+from turnrl.envs.base import StepResult
+from turnrl.envs.games import SELF, Game, GameTable, Player, make_player, opponent_rng
+from turnrl.rollout.chat import ChatFormat
+from turnrl.rollout.multi_turn import ENV_ERROR, Budgets, Sample, Trajectory, TurnEngine, error_result
+
+GAME_OVER = "game_over"
+
+
+@dataclass
+class _Seat:
+    """A policy seat: the trajectory at `index` plays `role`."""
+    table: "_Table"
+    role: str
+    index: int
+    started: bool = False
+    ended: bool = False
+    illegal: int = 0                 # its illegal moves in this game
+    retries: int = 0                 # illegal moves in a row, this turn
+    reward_since: float = 0.0        # per-turn rewards since its last move
+    answer: Future | None = None     # its last move's answer: set when it is next to move, or the game ends
+
+
+@dataclass
+class _Table:
+    game: Game
+    seed: int
+    players: dict[str, Player]                      # the scripted roles
+    seats: dict[str, _Seat] = field(default_factory=dict)   # the policy's roles
+    rng: random.Random = field(default_factory=random.Random)
+    over: bool = False
+    transcript: list[str] = field(default_factory=list)     # "role: move" (a "!" marks an illegal one)
+
+
+def opponent_of(example: dict, table_env: GameTable) -> str:
+    return str(example.get("opponent") or table_env.opponent)
+
+
+def pair_rows(examples: Sequence[dict], table_env: GameTable) -> list[tuple[int, int | None]]:
+    """(row, its self-play partner or None) for every row that opens tables, in order: a
+    self-play row is paired with the first earlier unpaired self-play row of another role."""
+    out: list[tuple[int, int | None]] = []
+    waiting: list[int] = []          # indices into out of unpaired self-play rows
+    for e, example in enumerate(examples):
+        if opponent_of(example, table_env) != SELF:
+            out.append((e, None))
+            continue
+        match = next((w for w in waiting if examples[out[w][0]]["role"] != example["role"]), None)
+        if match is None:
+            waiting.append(len(out))
+            out.append((e, None))
+        else:
+            waiting.remove(match)
+            out[match] = (out[match][0], e)
+    return out
+
+
+class _Tables(TurnEngine):
+    """One `GameRunner.run`: the batch's tables, rolled out together."""
+
+    def __init__(self, engine: Any, examples: Sequence[dict], table_env: GameTable, fmt: ChatFormat,
+                 budgets: Budgets, *, n: int, temperature: float, top_p: float, seed: int | None,
+                 progress: bool = False, desc: str = "rollout",
+                 on_group_done: Callable[[list[Trajectory]], None] | None = None, opponent: str | None = None):
+        super().__init__(engine, fmt, budgets, table_env, temperature=temperature, top_p=top_p, seed=seed,
+                         rejoin="ready")
+        self.env, self.n, self.on_group_done = table_env, n, on_group_done
+        self.batch: list[Trajectory] = [Trajectory(example=ex, prompt_ids=[]) for ex in examples for _ in range(n)]
+        self.left_in_group = [n] * len(examples)
+        self.seat_of: dict[int, _Seat] = {}
+        self.extra = len(self.batch)        # the next index of an untrained seat
+        self.bar = tqdm(total=len(self.batch), desc=desc, unit="traj", disable=not progress, leave=False)
+        for e, example in enumerate(examples):
+            if example.get("role") not in table_env.roles:
+                raise ValueError(f"row {example.get('id', e)!r}: role {example.get('role')!r} is not a role of the "
+                                 f"game {table_env.game_name} ({', '.join(table_env.roles)}); remake the data "
+                                 "(dvc repro preprocess) after changing env.options.game")
+        self.tables = [self._open(examples, a, b, k, opponent) for a, b in pair_rows(examples, table_env)
+                       for k in range(n)]
+
+    # ------------------------------------------------------------------ seating
+    def _open(self, examples: Sequence[dict], a: int, b: int | None, k: int, opponent: str | None) -> _Table:
+        first = examples[a]
+        seed = int(first["game_seed"])
+        game = self.env.new_game()
+        game.reset(seed)
+        table = _Table(game=game, seed=seed, players={}, rng=opponent_rng(seed, k))
+        by_role = {first["role"]: a * self.n + k}
+        if b is not None:
+            by_role[examples[b]["role"]] = b * self.n + k
+        name = opponent or opponent_of(first, self.env)
+        for role in game.roles:
+            if role in by_role:
+                index = by_role[role]
+            elif name == SELF:      # an untrained policy seat
+                index, self.extra = self.extra, self.extra + 1
+                self.trajs[index] = Trajectory(example={**first, "role": role, "trained": False}, prompt_ids=[])
+            else:
+                table.players[role] = make_player(name, "the row's opponent" if first.get("opponent")
+                                                  else "env.options.opponent")
+                continue
+            table.seats[role] = self.seat_of[index] = _Seat(table, role, index)
+            if index < len(self.batch):
+                self.trajs[index] = self.batch[index]
+        return table
+
+    def start(self) -> None:
+        for table in self.tables:
+            self._advance(table)
+
+    # ------------------------------------------------------------------ the game's side
+    def _advance(self, table: _Table) -> None:
+        """Play the scripted roles until a policy seat is to move (its turn starts) or the game ends."""
+        try:
+            while not table.over:
+                role = table.game.to_move()
+                if role is None:
+                    return self._finish(table, GAME_OVER)
+                observation = table.game.observe(role)
+                if role in table.seats:
+                    return self._give_turn(table.seats[role], observation)
+                move = table.players[role].act(observation, table.game.legal_moves(), table.rng)
+                self._apply(table, role, str(move))
+        except Exception as exc:   # noqa: BLE001 - a broken game or player ends its own table only
+            self._fail(table, exc)
+
+    def _apply(self, table: _Table, role: str, text: str) -> None:
+        """The mover's move; an illegal one ends the game or is retried (env.options.illegal)."""
+        move = table.game.play(text)
+        seat = table.seats.get(role)
+        for end in (self.fmt.end_of_turn, self.fmt.eos_token):   # the token that closed a policy turn
+            text = text[:-len(end)] if end and text.endswith(end) else text
+        table.transcript.append(f"{role}: {text.strip()[:40]}" + ("" if move.legal else " (illegal)"))
+        for other, reward in (move.rewards or {}).items():
+            if other in table.seats:
+                table.seats[other].reward_since += float(reward)
+        if move.legal:
+            if seat is not None:
+                seat.retries = 0
+            return
+        if seat is not None:
+            seat.illegal += 1
+            if self.env.illegal == "retry" and seat.retries < self.env.max_retries:
+                seat.retries += 1
+                return self._give_turn(seat, f"Illegal move: {move.why}. {table.game.observe(role)}")
+        self._finish(table, "illegal_move", offender=role)
+
+    def _give_turn(self, seat: _Seat, observation: str) -> None:
+        t = self.trajs[seat.index]
+        if not seat.started:
+            seat.started = True
+            system = self.env.system_for(seat.table.game, seat.role)
+            t.prompt_ids = self.fmt.prompt_ids(system, observation)
+            t.messages = ([{"role": "system", "content": system}] if system else []) + \
+                [{"role": "user", "content": observation}]
+            self.admit(seat.index, self.env, t)
+            return
+        reward, seat.reward_since = seat.reward_since, 0.0
+        seat.answer.set_result((StepResult(observation, reward, False, {}), (time.time(), time.time())))
+
+    def _rewards(self, table: _Table, reason: str, offender: str | None) -> dict[str, float]:
+        roles = table.game.roles
+        if offender is not None:      # zero-sum: the others win; else they get nothing
+            zero_sum = getattr(table.game, "reward_sum", None) == 0.0
+            return {r: self.env.illegal_reward if r == offender else (1.0 if zero_sum else 0.0) for r in roles}
+        if reason == "max_turns":
+            return {r: 0.0 for r in roles}
+        rewards = {r: float(v) for r, v in table.game.rewards().items()}
+        expected = getattr(table.game, "reward_sum", None)
+        if expected is not None and abs(sum(rewards.values()) - expected) > 1e-6:
+            raise ValueError(f"the game {self.env.game_name}'s rewards {rewards} sum to {sum(rewards.values())}, "
+                             f"not its reward_sum {expected}")
+        return rewards
+
+    def _finish(self, table: _Table, reason: str, offender: str | None = None) -> None:
+        """The game is over: every policy seat gets its role's reward as its outcome."""
+        try:
+            rewards = self._rewards(table, reason, offender)
+        except Exception as exc:   # noqa: BLE001
+            return self._fail(table, exc)
+        table.over = True
+        transcript = " | ".join(table.transcript)
+        for role, seat in table.seats.items():
+            r = rewards.get(role, 0.0)
+            info = {"outcome": r, "reason": reason, "win": float(r > 0), "draw": float(r == 0), "loss": float(r < 0),
+                    "illegal_moves": float(seat.illegal), "first_mover": float(role == table.game.roles[0]),
+                    "game_moves": float(len(table.transcript)), "transcript": transcript}
+            self._end_seat(seat, StepResult(None, seat.reward_since, True, info))
+
+    def _fail(self, table: _Table, exc: BaseException) -> None:
+        table.over = True
+        for seat in table.seats.values():
+            self._end_seat(seat, error_result(exc))
+
+    def _end_seat(self, seat: _Seat, result: StepResult) -> None:
+        t = self.trajs[seat.index]
+        if seat.ended:                      # the loop ended it (cut off, out of budget): keep its finish
+            t.outcome = float(result.info.get("outcome", t.outcome))
+            t.info.update({k: v for k, v in result.info.items() if k != "reason"})
+        elif seat.started:                  # waiting for its move's answer: the game's end is the answer
+            seat.answer.set_result((result, (time.time(), time.time())))
+        else:                               # the game ended before its first move
+            system = self.env.system_for(seat.table.game, seat.role)
+            t.prompt_ids = self.fmt.prompt_ids(system, "")
+            self.envs[seat.index] = self.env
+            t.record(result)
+            t.turn_rewards.clear()          # no turn was played
+            self.end(seat.index)
+
+    # ------------------------------------------------------------------ the engine's side
+    def env_step(self, i: int, text: str) -> Future:
+        """Seat i's move: its answer is set when it is next to move, or when the game ends."""
+        seat = self.seat_of[i]
+        seat.answer = Future()
+        table = seat.table
+        try:
+            self._apply(table, seat.role, text)
+            if not seat.answer.done():   # legal, the game goes on: the others move until a seat is to
+                self._advance(table)
+        except Exception as exc:   # noqa: BLE001
+            self._fail(table, exc)
+        return seat.answer
+
+    def end(self, i: int, finish: str | None = None) -> None:
+        super().end(i, finish)
+        seat = self.seat_of.get(i)
+        if seat is not None and not seat.ended:
+            seat.ended = True
+            table = seat.table
+            if not table.over:   # the loop ended a seat mid-game
+                t = self.trajs[i]
+                if t.finish == ENV_ERROR:
+                    self._fail(table, RuntimeError(t.info.get("env_error", "environment error")))
+                elif t.finish == "max_turns":
+                    self._finish(table, "max_turns")
+                else:            # truncated / token_budget: no move came, as an illegal one
+                    seat.illegal += 1
+                    self._finish(table, "no_move", offender=seat.role)
+        if i < len(self.batch):
+            self.bar.update()
+            group = i // self.n
+            self.left_in_group[group] -= 1
+            if not self.left_in_group[group] and self.on_group_done is not None:
+                self.on_group_done(self.batch[group * self.n:(group + 1) * self.n])
+
+    def run(self) -> list[Trajectory]:
+        try:
+            self.start()
+            while True:
+                self.take_answers()
+                busy = [s for s in self.steppers.values() if s.busy()]
+                if busy:
+                    self.decode(busy)
+                elif not self.waiting:
+                    break
+                elif not any(entry[3].done() for entry in self.waiting):
+                    raise RuntimeError(f"{len(self.waiting)} game seats wait for a move no seat can make "
+                                       "(a bug in turnrl.rollout.tables)")
+        finally:
+            self.close()
+            self.bar.close()
+        return self.batch
+
+
+class _ScriptEngine:
+    """An engine that answers seat turns with a demonstration's moves, in order (the warm start)."""
+
+    def __init__(self, fmt: ChatFormat, turns: Sequence[str]):
+        self.fmt, self.turns = fmt, list(turns)
+
+    def generate(self, prompts, *, max_tokens, stop, temperature, top_p, seeds) -> list[Sample]:
+        out = []
+        for _ in prompts:
+            ids = self.fmt.encode(self.turns.pop(0) if self.turns else "")
+            if self.fmt.end_of_turn_id is not None and not self.fmt.ends_turn(ids):
+                ids.append(self.fmt.end_of_turn_id)
+            out.append(Sample(ids, [0.0] * len(ids), "stop"))
+        return out
+
+
+class GameRunner:
+    """The `EpisodeRunner` of `env.name: game`."""
+
+    def run(self, engine, examples, make_env, fmt, budgets, *, n: int = 1, temperature: float = 1.0,
+            top_p: float = 1.0, seed: int | None = None, progress: bool = False, desc: str = "rollout",
+            on_group_done=None, **_: Any) -> list[Trajectory]:
+        """n trajectories per row (trajectory i of row i // n), each the row's role's seat."""
+        if not examples:
+            return []
+        return _Tables(engine, examples, make_env(), fmt, budgets, n=n, temperature=temperature, top_p=top_p,
+                       seed=seed, progress=progress, desc=desc, on_group_done=on_group_done).run()
+
+    def stream(self, engine, make_env, fmt, budgets, **options):
+        raise NotImplementedError("env.name: game is rolled out in train.mode: sync only for now; set "
+                                  "-S train.mode=sync")
+
+    def replay(self, make_env: Callable[[], GameTable], fmt: ChatFormat, example: dict,
+               turns: Sequence[str]) -> Trajectory:
+        """A demonstration's moves for the row's role, replayed through the real game against
+        env.options.demonstration_opponent (seeded as `turnrl.envs.games.demonstration_turns`)."""
+        table_env = make_env()
+        budgets = Budgets(max_turns=max(1, len(turns)), max_tokens_per_turn=1 << 20, max_tokens_total=1 << 30)
+        return _Tables(_ScriptEngine(fmt, turns), [example], table_env, fmt, budgets, n=1, temperature=0.0,
+                       top_p=1.0, seed=None, opponent=table_env.demonstration_opponent).run()[0]
+
+    def load_weights(self, version: int, apply: Callable[[], None]) -> None:
+        apply()
+
+    def close(self) -> None:
+        pass

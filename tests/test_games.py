@@ -1,0 +1,239 @@
+"""Games of several players (`env.name: game`): the protocol with scripted games, the tables
+runner (turn order, per-role rewards, masks over the policy's roles only, self-play pairing,
+illegal moves, faults), the rows, the warm start's replays, and role-conditioned advantages."""
+import random
+import re
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from turnrl import envs
+from turnrl.algos import advantages as adv
+from turnrl.algos.registry import AdvantageInputs
+from turnrl.algos.registry import resolve as resolve_algorithm
+from turnrl.envs.games import Move, Nim, RandomPlayer, TicTacToe, demonstration_turns, make_player, GameTable
+from turnrl.plugins import PluginError
+from turnrl.rollout.chat import ChatFormat
+from turnrl.rollout.multi_turn import ENV_ERROR, Budgets, Sample
+from turnrl.rollout.tables import GameRunner, pair_rows
+
+BUDGETS = Budgets(max_turns=10, max_tokens_per_turn=16, max_tokens_total=400)
+
+
+@pytest.fixture(scope="module")
+def fmt(tiny_model_dir):
+    return ChatFormat(AutoTokenizer.from_pretrained(tiny_model_dir))
+
+
+class MoveEngine:
+    """Answers each seat's turn with `pick(prompt text)`: a stand-in for the model in these unit
+    tests of the runner around it. Records the prompts it saw."""
+
+    def __init__(self, fmt, pick, finish="stop"):
+        self.fmt, self.pick, self.finish, self.prompts = fmt, pick, finish, []
+
+    def generate(self, prompts, *, max_tokens, stop, temperature, top_p, seeds):
+        out = []
+        for p in prompts:
+            text = self.fmt.tokenizer.decode(p)
+            self.prompts.append(text)
+            ids = self.fmt.encode(self.pick(text)) + [self.fmt.end_of_turn_id]
+            out.append(Sample(ids, [-0.5] * len(ids), self.finish))
+        return out
+
+
+def last_heap(text: str) -> int:
+    return int(re.findall(r"Heap (\d+)", text)[-1])
+
+
+def game_env(**options):
+    spec = envs.resolve("game")
+    checked = envs.check_options(spec, options)
+    return spec, spec.bind(checked), spec.task_for(checked)
+
+
+def test_nim_and_tictactoe_follow_their_rules():
+    nim = Nim()
+    nim.reset(3)
+    start = nim.heap
+    assert nim.to_move() == "first" and nim.legal_moves() == ["1", "2", "3"][:min(3, start)]
+    assert not nim.play("take 4").legal and nim.heap == start and nim.to_move() == "first"   # unchanged
+    while nim.to_move() is not None:
+        mover = nim.to_move()
+        assert nim.play(nim.legal_moves()[-1]).legal
+    assert nim.rewards()[mover] == 1.0 and sum(nim.rewards().values()) == 0.0   # who took the last won
+
+    ttt = TicTacToe()
+    ttt.reset(0)
+    for cell in ("1", "4", "2", "5"):
+        assert ttt.play(f"cell {cell}").legal
+    assert not ttt.play("4").legal and ttt.to_move() == "first"                   # taken
+    assert ttt.play("3").legal and ttt.to_move() is None
+    assert ttt.rewards() == {"first": 1.0, "second": -1.0}
+    assert "You are O" in TicTacToe().observe("second")
+
+
+def test_self_play_pairs_rows_and_each_seat_is_its_own_trajectory(fmt):
+    _, make, task = game_env(game="nim")
+    rows = task.rows(4, seed=0, split="train", exclude=set())
+    assert [r["role"] for r in rows] == ["first", "second", "first", "second"]
+    assert rows[0]["game_seed"] == rows[1]["game_seed"] and rows[0]["game"] == "nim"
+    assert pair_rows(rows, make()) == [(0, 1), (2, 3)]
+    groups = []
+    engine = MoveEngine(fmt, lambda text: str(min(3, last_heap(text))))
+    trajs = GameRunner().run(engine, rows, make, fmt, BUDGETS, n=2, on_group_done=groups.append)
+    assert len(trajs) == 8 and len(groups) == 4 and all(len(g) == 2 for g in groups)
+    for k in range(2):            # row 0's k-th and row 1's k-th trajectories sat at one table
+        first, second = trajs[k], trajs[2 + k]
+        assert first.example["role"] == "first" and second.example["role"] == "second"
+        assert first.outcome + second.outcome == 0.0 and {first.outcome, second.outcome} == {1.0, -1.0}
+        assert first.info["transcript"] == second.info["transcript"]
+        moves = first.info["transcript"].split(" | ")
+        assert [m.split(":")[0] for m in moves] == ["first", "second"] * (len(moves) // 2) + ["first"] * (len(moves) % 2)
+        # each seat's tokens: its own moves trained (mask 1), the game's messages not (mask 0)
+        assert first.num_turns == (len(moves) + 1) // 2 and second.num_turns == len(moves) // 2
+        for t in (first, second):
+            assert t.finish == "game_over" and t.info["illegal_moves"] == 0.0
+            assert sum(t.loss_mask) == t.num_turns * 2     # "3" + end of turn, per move
+            assert t.info["first_mover"] == float(t.example["role"] == "first")
+    # the second mover's prompt already shows the first mover's move
+    heap = Nim()
+    heap.reset(rows[1]["game_seed"])
+    assert f"Heap {heap.heap - 3}" in fmt.tokenizer.decode(trajs[2].prompt_ids)
+
+
+def test_a_scripted_opponent_plays_the_other_role_and_only_the_row_role_is_trained(fmt):
+    _, make, task = game_env(game="tictactoe", opponent="random")
+    row = task.rows(2, seed=0, split="train", exclude=set())[1]
+    assert row["role"] == "second"
+
+    def free_cell(text):
+        board = re.findall(r"Board: ([^ .]+)", text)[-1].replace("/", "")
+        return next(c for c in board if c.isdigit())
+    trajs = GameRunner().run(MoveEngine(fmt, free_cell), [row], make, fmt, BUDGETS, n=3, seed=5)
+    assert len(trajs) == 3
+    for t in trajs:
+        moves = t.info["transcript"].split(" | ")
+        assert moves[0].startswith("first:") and t.num_turns == sum(m.startswith("second") for m in moves)
+        assert t.info["win"] + t.info["draw"] + t.info["loss"] == 1.0
+        assert "You are O" in fmt.tokenizer.decode(t.prompt_ids)
+    # the opponent's generator is seeded per (game seed, table): the same run gives the same games
+    again = GameRunner().run(MoveEngine(fmt, free_cell), [row], make, fmt, BUDGETS, n=3, seed=5)
+    assert [t.info["transcript"] for t in again] == [t.info["transcript"] for t in trajs]
+
+
+def test_an_illegal_move_ends_the_game_or_is_retried(fmt):
+    _, make, task = game_env(game="nim", opponent="first")
+    row = task.rows(1, seed=0, split="train", exclude=set())[0]
+    [t] = GameRunner().run(MoveEngine(fmt, lambda text: "7"), [row], make, fmt, BUDGETS)
+    assert t.finish == "illegal_move" and t.outcome == -1.0 and t.info["illegal_moves"] == 1.0 and t.num_turns == 1
+
+    _, make, _ = game_env(game="nim", opponent="first", illegal="retry", max_retries=1)
+    answers = iter(["7", "1"] * 20)
+    engine = MoveEngine(fmt, lambda text: next(answers))
+    [t] = GameRunner().run(engine, [row], make, fmt, Budgets(max_turns=40, max_tokens_per_turn=16,
+                                                            max_tokens_total=4000))
+    assert "Illegal move: 7 is not 1, 2 or 3" in engine.prompts[1]
+    assert t.finish == "game_over" and t.info["illegal_moves"] >= 1 and t.num_turns > 2
+
+    _, make, _ = game_env(game="nim", opponent="first", illegal="retry", max_retries=1, illegal_reward=-2.0)
+    [t] = GameRunner().run(MoveEngine(fmt, lambda text: "9"), [row], make, fmt, BUDGETS)
+    assert t.finish == "illegal_move" and t.outcome == -2.0 and t.info["illegal_moves"] == 2.0   # one retry, then out
+
+
+def test_a_cut_off_turn_loses_and_max_turns_draws(fmt):
+    _, make, task = game_env(game="nim")
+    rows = task.rows(2, seed=0, split="train", exclude=set())
+    trajs = GameRunner().run(MoveEngine(fmt, lambda text: "1", finish="length"), rows, make, fmt, BUDGETS)
+    assert trajs[0].finish == "truncated" and trajs[0].outcome == -1.0
+    assert trajs[1].outcome == 1.0 and trajs[1].num_turns == 0 and trajs[1].finish == "no_move"   # never moved
+    short = Budgets(max_turns=1, max_tokens_per_turn=16, max_tokens_total=400)
+    trajs = GameRunner().run(MoveEngine(fmt, lambda text: "1"), rows, make, fmt, short)
+    assert {t.finish for t in trajs} == {"max_turns"} and all(t.outcome == 0.0 and t.info["draw"] for t in trajs)
+
+
+class Broken(Nim):
+    """Crashes a few moves into every game whose heap starts odd."""
+
+    def reset(self, seed):
+        super().reset(seed)
+        self.start = self.heap
+
+    def play(self, text):
+        if self.start % 2 and self.heap < self.start - 2:
+            raise RuntimeError("the rules engine crashed")
+        return super().play(text)
+
+
+class Unfair(Nim):
+    def rewards(self):
+        return {"first": 1.0, "second": 1.0}
+
+
+def test_a_broken_game_ends_its_own_table_only(fmt, monkeypatch):
+    _, make, task = game_env(game="tests.test_games:Broken")
+    rows = task.rows(16, seed=0, split="train", exclude=set())
+    trajs = GameRunner().run(MoveEngine(fmt, lambda text: "1"), rows, make, fmt, BUDGETS)
+    for t in trajs:
+        game = Broken()
+        game.reset(t.example["game_seed"])
+        if game.heap % 2:
+            assert t.finish == ENV_ERROR and "the rules engine crashed" in t.info["env_error"]
+        else:   # the other tables played on to the end
+            assert t.finish == "game_over" and t.outcome in (1.0, -1.0)
+    assert {t.finish for t in trajs} == {ENV_ERROR, "game_over"}
+    _, make, task = game_env(game="tests.test_games:Unfair")
+    trajs = GameRunner().run(MoveEngine(fmt, lambda text: str(min(3, last_heap(text)))),
+                             task.rows(2, seed=0, split="train", exclude=set()), make, fmt, BUDGETS)
+    assert all(t.finish == ENV_ERROR and "reward_sum 0.0" in t.info["env_error"] for t in trajs)
+
+
+def test_bad_names_are_one_line_errors():
+    with pytest.raises(PluginError, match=r"trained_roles .* has no role 'black'"):
+        GameTable(game="nim", trained_roles=["black"])
+    with pytest.raises(PluginError, match=r"env.options.opponent = 'grandmaster'"):
+        make_player("grandmaster")
+    with pytest.raises(PluginError, match=r"env.options.game = 'chess'"):
+        GameTable(game="chess")
+
+
+def test_held_out_rows_play_each_role_against_each_evaluation_opponent(fmt):
+    _, make, task = game_env(game="nim", eval_opponents=["random", "first"])
+    held = task.rows(8, seed=0, split="heldout", exclude=set())
+    assert {r["subject"] for r in held} == {"first vs random", "first vs first", "second vs random", "second vs first"}
+    train = task.rows(8, seed=0, split="train", exclude={r["game_seed"] for r in held})
+    assert not {r["game_seed"] for r in train} & {r["game_seed"] for r in held}
+    trajs = GameRunner().run(MoveEngine(fmt, lambda text: "1"), held, make, fmt, BUDGETS)
+    assert all(t.finish == "game_over" for t in trajs)
+
+
+def test_demonstrations_replay_through_the_real_game(fmt):
+    spec, make, task = game_env(game="tictactoe")
+    for row in task.rows(4, seed=0, split="train", exclude=set()):
+        demo = task.demonstrate(row, random.Random(1), True)
+        t = GameRunner().replay(make, fmt, row, demo.turns)
+        assert t.finish == "game_over" and t.info["illegal_moves"] == 0.0
+        assert [x.split("<")[0] for x in t.turn_texts] == demo.turns and sum(t.loss_mask) > 0
+
+
+def test_role_baselines_by_hand():
+    rewards = torch.tensor([1.0, -1.0, 1.0, 1.0])
+    mask = torch.ones(4, 2)
+    roles = ["nim/first", "nim/second", "nim/first", "nim/second"]
+    a, base = adv.role_baseline(rewards=rewards, mask=mask, roles=roles, baselines={}, decay=0.5)
+    assert base == {"nim/first": 0.5, "nim/second": 0.0}       # 0.5 * 0 + 0.5 * mean
+    assert torch.allclose(a[:, 0], torch.tensor([0.5, -1.0, 0.5, 1.0]))
+    a, base = adv.role_baseline(rewards=rewards, mask=mask, roles=roles, baselines=base, decay=0.5)
+    assert base == {"nim/first": 0.75, "nim/second": 0.0} and torch.allclose(a[0], torch.tensor([0.25, 0.25]))
+
+    rae = resolve_algorithm("rae")
+    state: dict = {}
+    x = AdvantageInputs(rewards=rewards, turn_rewards=torch.zeros(4, 0), mask=mask, turn_ids=torch.zeros(4, 2),
+                        high=torch.zeros(4, 2, dtype=torch.bool), group_ids=torch.tensor([0, 0, 1, 1]),
+                        first_obs_pos=torch.full((4,), 2), roles=tuple(roles), state=state)
+
+    class Cfg:
+        options = {"decay": 0.5}
+    rae.advantages(x, Cfg())
+    assert state["role_baselines"] == {"nim/first": 0.5, "nim/second": 0.0}   # kept across steps by the caller
