@@ -237,3 +237,17 @@ def test_role_baselines_by_hand():
         options = {"decay": 0.5}
     rae.advantages(x, Cfg())
     assert state["role_baselines"] == {"nim/first": 0.5, "nim/second": 0.0}   # kept across steps by the caller
+
+
+@pytest.mark.parametrize("illegal", ["end", "retry"])
+def test_textarena_tictactoe_at_the_tables_under_either_illegal_rule(fmt, illegal):
+    """The policy repeats a taken cell: with `end` turnrl's rule ends the game at once; with
+    `retry` (5 retries allowed) TextArena's own rule ends it at the second invalid move."""
+    pytest.importorskip("textarena", reason="the ecosystem extra (textarena) is not installed")
+    _, make, task = game_env(game="textarena:TicTacToe-v0", illegal=illegal, max_retries=5)
+    rows = task.rows(2, seed=0, split="train", exclude=set())
+    assert [r["role"] for r in rows] == ["player0", "player1"]
+    first, second = GameRunner().run(MoveEngine(fmt, lambda text: "[4]"), rows, make, fmt, BUDGETS)
+    assert first.outcome == 1.0 and second.outcome == -1.0 and second.finish == "illegal_move"
+    assert second.info["illegal_moves"] == (1.0 if illegal == "end" else 2.0) and first.info["illegal_moves"] == 0.0
+    assert second.num_turns == (1 if illegal == "end" else 2)

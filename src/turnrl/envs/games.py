@@ -11,8 +11,10 @@ A game is a small stateful object, one per table (an episode):
     game.rewards() -> {role: r}   each role's reward, once the game is over
 
 Optional: `reward_sum` (what the roles' final rewards sum to, e.g. 0.0 for a zero-sum game;
-checked at every game's end, a game that breaks it ends as an environment error) and
-`system_prompt(role)`. A `Move`'s `rewards` are per-turn rewards where the game gives them.
+checked at every game's end, a game that breaks it ends as an environment error),
+`system_prompt(role)`, and `lists_legal_moves = False` for a game whose `legal_moves` cannot
+list them (scripted players cannot play it: refused when the options are read). A `play` that
+returns an illegal move and leaves no one to move ended the game by its own rule. A `Move`'s `rewards` are per-turn rewards where the game gives them.
 
 Who plays a role is a `Player` (the policy's roles excepted): anything with
 `act(observation, legal_moves, rng) -> str`. The built-ins: `random` (a random legal move),
@@ -254,7 +256,15 @@ class GameTable:
         self.max_retries, self.system_prompt = max_retries, system_prompt
         self.demonstration_opponent = demonstration_opponent
         self.eval_opponents = list(eval_opponents or ["random", "first"])
-        self.roles = tuple(self.new_game().roles)
+        probe = self.new_game()
+        self.roles = tuple(probe.roles)
+        if not getattr(probe, "lists_legal_moves", True):   # a game a scripted player cannot play
+            scripted = [f"{key} {name}" for key, names in (("opponent", [opponent]), ("eval_opponents", self.eval_opponents))
+                        for name in names if name in BUILTIN_PLAYERS]
+            if scripted:
+                raise PluginError(f"env.options.game = {game}: the game lists no legal moves, so "
+                                  f"{', '.join(scripted)} cannot play it; use self or a player of your own "
+                                  "(module:factory)")
         self.trained_roles = list(trained_roles or self.roles)
         unknown = [r for r in self.trained_roles if r not in self.roles]
         if unknown:

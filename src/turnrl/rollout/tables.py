@@ -173,6 +173,9 @@ class _Tables(TurnEngine):
             return
         if seat is not None:
             seat.illegal += 1
+        if table.game.to_move() is None:   # the game's own rule ended it (TextArena's second invalid move)
+            return self._finish(table, "illegal_move")
+        if seat is not None:
             if self.env.illegal == "retry" and seat.retries < self.env.max_retries:
                 seat.retries += 1
                 return self._give_turn(seat, f"Illegal move: {move.why}. {table.game.observe(role)}")
