@@ -251,3 +251,31 @@ def test_textarena_tictactoe_at_the_tables_under_either_illegal_rule(fmt, illega
     assert first.outcome == 1.0 and second.outcome == -1.0 and second.finish == "illegal_move"
     assert second.info["illegal_moves"] == (1.0 if illegal == "end" else 2.0) and first.info["illegal_moves"] == 0.0
     assert second.num_turns == (1 if illegal == "end" else 2)
+
+
+def test_the_task_block_reports_win_draw_loss_and_illegal_moves_per_role_and_opponent(fmt):
+    from turnrl.pipeline.evaluate import breakdown, summarize_generations
+    spec, make, task = game_env(game="nim", eval_opponents=["random", "first"])
+    held = task.rows(16, seed=0, split="heldout", exclude=set())
+    picks = iter(["1", "1", "9"] * 100)    # every third move illegal
+    trajs = GameRunner().run(MoveEngine(fmt, lambda text: next(picks)), held, make, fmt, BUDGETS)
+    block = summarize_generations(trajs, 1, spec.eval_metrics)
+    assert block["win"] + block["draw"] + block["loss"] == pytest.approx(1.0)
+    assert block["win"] == block["accuracy"] and 0 < block["illegal_move_rate"] <= 1
+    by = breakdown(trajs, "subject", 1, spec.eval_metrics)
+    assert set(by) == {"first vs random", "first vs first", "second vs random", "second vs first"}
+    for subject, entry in by.items():
+        mine = [t for t in trajs if t.example["subject"] == subject]
+        assert entry["n"] == len(mine) and entry["loss"] == sum(t.outcome < 0 for t in mine) / len(mine)
+
+
+def test_params_with_a_game_are_checked_before_any_work():
+    from turnrl.config import Config
+    from turnrl.config.checks import game_problems
+    ok = Config.model_validate({"env": {"name": "game", "options": {"game": "tictactoe"}}})
+    assert game_problems(ok) == []
+    bad = Config.model_validate({"env": {"name": "game", "options": {"game": "nim", "eval_opponents": ["grandmaster"]}},
+                                 "train": {"mode": "async"}, "algorithm": {"policy_loss": "decoupled"}})
+    problems = game_problems(bad)
+    assert len(problems) == 2 and all("\n" not in p for p in problems)
+    assert "train.mode = async" in problems[0] and "env.options.eval_opponents = 'grandmaster'" in problems[1]

@@ -201,7 +201,10 @@ def initial_model_problem(path: str, initial: Path = INITIAL) -> str | None:
 # --------------------------------------------------------------------------- games
 def game_problems(cfg: Config) -> list[str]:
     """env.name: gym_text: the game `env.options.make` names can be made and reset (TextArena's
-    Wordle without NLTK's word list fails here, in seconds, not in the first rollout)."""
+    Wordle without NLTK's word list fails here, in seconds, not in the first rollout); env.name:
+    game: its game, roles and players can be made, and the mode rolls tables out."""
+    if cfg.env.name == "game":
+        return _table_problems(cfg)
     if cfg.env.name != "gym_text":
         return []
     try:
@@ -232,6 +235,30 @@ def game_problems(cfg: Config) -> list[str]:
             except Exception:   # noqa: BLE001 - closing a probe game is best effort
                 pass
     return []
+
+
+def _table_problems(cfg: Config) -> list[str]:
+    try:
+        options = cfg.env.checked_options()
+    except Exception:   # noqa: BLE001 - load_config has reported the options already
+        return []
+    from turnrl.envs.games import GameTable, make_player
+    from turnrl.errors import one_line
+    from turnrl.plugins import PluginError
+    problems = []
+    if cfg.train.mode == "async":
+        problems.append("train.mode = async: env.name: game is rolled out in train.mode: sync only for now (its "
+                        "tables are not streamed yet); set -S train.mode=sync")
+    try:
+        table = GameTable(**options)
+        make_player(table.opponent, "env.options.opponent")
+        for name in table.eval_opponents:
+            make_player(name, "env.options.eval_opponents")
+    except PluginError as exc:
+        problems.append(str(exc))
+    except Exception as exc:   # noqa: BLE001 - a game or player of one's own that raises
+        problems.append(f"env.options.game = {options.get('game')!r}: the game cannot start: {one_line(exc)}")
+    return problems
 
 
 # --------------------------------------------------------------------------- tools

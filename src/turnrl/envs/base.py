@@ -164,6 +164,8 @@ class EnvSpec:
                   `env.name: agent` plugs in the OpenAI-compatible gateway (turnrl.gateway)
     task_from_options  `(validated options) -> SyntheticTask | None`: a task that depends on the
                   options (the agent's demonstration hook); used instead of `task` where given
+    eval_metrics  numeric `info` keys whose mean the evaluation's task block reports, overall,
+                  greedy and per subject (a game's win, draw, loss, illegal_move_rate)
     """
     factory: Callable[..., Env]
     options: type[BaseModel] | None = None
@@ -172,6 +174,7 @@ class EnvSpec:
     name: str = ""
     runner: Callable[[], type] | None = None
     task_from_options: Callable[[dict], Any] | None = None
+    eval_metrics: tuple[str, ...] = ()
 
     def task_for(self, options: dict) -> Any:
         """The synthetic task for these (validated) options."""

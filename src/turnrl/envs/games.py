@@ -26,7 +26,9 @@ Rows: one per (game seed, trained role), so each group of rollout.n trajectories
 and a role, and group normalisation is within role; the held-out split has a row per (seed,
 role, evaluation opponent), its `subject` "<role> vs <opponent>", so the evaluation's
 `by_subject` reports each role against each opponent. `info` at the end: win, draw, loss,
-illegal_moves and first_mover (logged as env_<key>_mean and in the task block's metrics).
+illegal_moves, illegal_move_rate (of the seat's moves), first_mover, game_moves and the game's
+transcript; numbers are logged as env_<key>_mean in training, and win, draw, loss and
+illegal_move_rate are the task block's `eval_metrics` (overall, greedy and per subject).
 """
 from __future__ import annotations
 
@@ -342,4 +344,5 @@ def _runner():
     return GameRunner
 
 
-ENV = EnvSpec(factory=GameTable, options=GameOptions, name="game", runner=_runner, task_from_options=_task)
+ENV = EnvSpec(factory=GameTable, options=GameOptions, name="game", runner=_runner, task_from_options=_task,
+              eval_metrics=("win", "draw", "loss", "illegal_move_rate"))

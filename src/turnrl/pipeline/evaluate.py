@@ -101,9 +101,21 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - miss
 
 
-def summarize_generations(trajs: Sequence[Trajectory], k: int = 1) -> dict:
+def metric_means(trajs: Sequence[Trajectory], keys: Sequence[str]) -> dict[str, float]:
+    """The mean of each of an environment's `eval_metrics` (numeric `info` keys, e.g. a game's
+    win / draw / loss) over the trajectories that report it."""
+    out = {}
+    for key in keys:
+        values = [float(t.info[key]) for t in trajs if isinstance(t.info.get(key), (int, float))]
+        if values:
+            out[key] = sum(values) / len(values)
+    return out
+
+
+def summarize_generations(trajs: Sequence[Trajectory], k: int = 1, metrics: Sequence[str] = ()) -> dict:
     """Accuracy (mean@k), pass@k and token efficiency of trajectories grouped k per problem
-    (trajectory i belongs to problem i // k, as `run_rollouts` orders them)."""
+    (trajectory i belongs to problem i // k, as `run_rollouts` orders them), and the means of
+    the environment's `metrics` (`EnvSpec.eval_metrics`)."""
     n = len(trajs) // k if k else 0
     correct = [t for t in trajs if t.outcome > 0]
     tokens = sum(t.policy_tokens() for t in trajs)
@@ -119,6 +131,7 @@ def summarize_generations(trajs: Sequence[Trajectory], k: int = 1) -> dict:
         "env_errors": sum(t.finish == ENV_ERROR for t in trajs),
     }
     out.update(tool_rates(trajs))
+    out.update(metric_means(trajs, metrics))
     if any("partial_credit" in t.info for t in trajs):   # reasoning-gym: the mean score beside accuracy
         out["partial_credit_mean"] = sum(float(t.info.get("partial_credit", t.outcome)) for t in trajs) / len(trajs)
     for name in sorted({name for t in trajs for name in t.rewards}):   # reward functions, by name
@@ -126,12 +139,13 @@ def summarize_generations(trajs: Sequence[Trajectory], k: int = 1) -> dict:
     return out
 
 
-def breakdown(trajs: Sequence[Trajectory], key: str, k: int = 1) -> dict:
-    """Accuracy (mean@k) and problem count per value of `example[key]` (subject, level)."""
+def breakdown(trajs: Sequence[Trajectory], key: str, k: int = 1, metrics: Sequence[str] = ()) -> dict:
+    """Accuracy (mean@k), problem count and the environment's `metrics` per value of
+    `example[key]` (subject, level; a game's "<role> vs <opponent>")."""
     groups: dict[str, list[Trajectory]] = defaultdict(list)
     for t in trajs:
         groups[str(t.example.get(key))].append(t)
-    return {g: {"accuracy": sum(t.outcome > 0 for t in v) / len(v), "n": len(v) // k}
+    return {g: {"accuracy": sum(t.outcome > 0 for t in v) / len(v), "n": len(v) // k, **metric_means(v, metrics)}
             for g, v in sorted(groups.items())}
 
 
@@ -192,7 +206,9 @@ class _Run:
         solver = engine["low"] if isinstance(engine, dict) else engine   # {"low", "high"}: two models
         self.context = getattr(solver, "max_model_len", 1 << 30)
         self.train_env = cfg.env.factory(max_turns=cfg.rollout.max_turns, seed=cfg.seed, data_dir=data_dir)
-        self.runner = runner_for(envs.resolve(cfg.env.name))   # its episodes: the step loop, or the agent gateway
+        spec = envs.resolve(cfg.env.name)
+        self.runner = runner_for(spec)   # its episodes: the step loop, the agent gateway, a game's tables
+        self.metrics = tuple(spec.eval_metrics)   # info keys the task block reports (a game's win / draw / loss)
         self.reward_functions = reward_functions(cfg.reward, cfg.rollout, judges=False)
 
     def protocol(self, name: str, grader: str = "math") -> tuple[Callable[[], envs.Env], Budgets, dict]:
@@ -219,7 +235,8 @@ class _Run:
         if name == "task":   # the training reward's parts, on the held-out set
             self.reward_functions.score(trajs, self.plain)
         decoding = "greedy" if e.temperature == 0 else f"temperature={e.temperature},top_p={e.top_p}"
-        block = {**summarize_generations(trajs, k), **fields, "temperature": e.temperature, "top_p": e.top_p,
+        metrics = self.metrics if protocol == "multi" else ()
+        block = {**summarize_generations(trajs, k, metrics), **fields, "temperature": e.temperature, "top_p": e.top_p,
                  "samples_per_problem": k, "seed": self.cfg.seed}
         rows = records(trajs, self.decode, decoding, name, k, fields["env"])
         if name == "task" and e.greedy and e.temperature > 0:
@@ -227,14 +244,15 @@ class _Run:
                           seed=self.cfg.seed, env_workers=self.cfg.env.workers, progress=True,
                           observation_lag=self.cfg.rollout.observation_lag, rejoin=self.cfg.rollout.rejoin,
                           desc=f"eval {name} (greedy)")
-            g = summarize_generations(greedy)
+            g = summarize_generations(greedy, metrics=metrics)
             block.update({"accuracy_greedy": g["accuracy"], "mean_response_tokens_greedy": g["mean_response_tokens"],
-                          "tokens_per_correct_greedy": g["tokens_per_correct"]})
+                          "tokens_per_correct_greedy": g["tokens_per_correct"],
+                          **{f"{key}_greedy": g[key] for key in metrics if key in g}})
             rows += records(greedy, self.decode, "greedy", name, env=fields["env"])
         for key in ("subject", "level"):   # MATH-500's 7 subjects and 5 levels; sets without them skip it
             values = [p.get(key) for p in problems]
             if values and None not in values and len(set(values)) > 1:
-                block[f"by_{key}"] = breakdown(trajs, key, k)
+                block[f"by_{key}"] = breakdown(trajs, key, k, metrics)
         sources.write_parquet(rows, self.out_dir / f"{name}.parquet")
         if self.keep is not None:   # the trajectories themselves, for traces (log_to_mlflow)
             self.keep[name] = trajs

@@ -49,6 +49,7 @@ class _Seat:
     started: bool = False
     ended: bool = False
     illegal: int = 0                 # its illegal moves in this game
+    moves: int = 0                   # its moves, legal or not
     retries: int = 0                 # illegal moves in a row, this turn
     reward_since: float = 0.0        # per-turn rewards since its last move
     answer: Future | None = None     # its last move's answer: set when it is next to move, or the game ends
@@ -161,6 +162,8 @@ class _Tables(TurnEngine):
         """The mover's move; an illegal one ends the game or is retried (env.options.illegal)."""
         move = table.game.play(text)
         seat = table.seats.get(role)
+        if seat is not None:
+            seat.moves += 1
         for end in (self.fmt.end_of_turn, self.fmt.eos_token):   # the token that closed a policy turn
             text = text[:-len(end)] if end and text.endswith(end) else text
         table.transcript.append(f"{role}: {text.strip()[:40]}" + ("" if move.legal else " (illegal)"))
@@ -219,7 +222,8 @@ class _Tables(TurnEngine):
         for role, seat in table.seats.items():
             r = rewards.get(role, 0.0)
             info = {"outcome": r, "reason": reason, "win": float(r > 0), "draw": float(r == 0), "loss": float(r < 0),
-                    "illegal_moves": float(seat.illegal), "first_mover": float(role == table.game.roles[0]),
+                    "illegal_moves": float(seat.illegal), "illegal_move_rate": seat.illegal / max(1, seat.moves),
+                    "first_mover": float(role == table.game.roles[0]),
                     "game_moves": float(len(table.transcript)), "transcript": transcript}
             self._end_seat(seat, StepResult(None, seat.reward_since, True, info))
 
@@ -271,6 +275,7 @@ class _Tables(TurnEngine):
                     self._finish(table, "max_turns")
                 else:            # truncated / token_budget: no move came, as an illegal one
                     seat.illegal += 1
+                    seat.moves += 1
                     self._finish(table, "no_move", offender=seat.role)
         if i < len(self.batch):
             self.bar.update()
