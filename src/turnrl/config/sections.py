@@ -573,6 +573,13 @@ class RolloutCfg(_Section):
         "step without blocking, waited for only when nothing is left to decode (hides slow tools behind the "
         "other trajectories' decoding; the schedule then depends on the tools' timing, so a rerun on vLLM is "
         "not token-identical)"))
+    dispatch: Literal["static", "least_loaded"] = Field("static", description=(
+        "how a synchronous step's groups reach the rollout engines (cluster.rollout_engines > 1). static: each "
+        "engine rolls out a fixed contiguous share in one call, seeded per engine; an engine that fails stops the "
+        "run. least_loaded: chunks of groups (about 4 per engine) go to whichever engine is free first, each "
+        "seeded from its first group's index (the engine that rolled it out changes no token), and a failed "
+        "engine's chunks go to the others (dispatch_moved) while one is left. An episode's turns always stay on "
+        "one engine. Smaller calls batch fewer sequences at once, so static stays the default"))
 
 
 # --------------------------------------------------------------------------- train

@@ -8,8 +8,11 @@
       separate       a bundle per actor: dedicated devices per role
     trainer ranks    one DeepSpeed process group per model (gloo on CPU, NCCL on GPUs),
                      rendezvous at rank 0's node
-    rollout engines  each rolls out a contiguous share of a step's prompts, its generator
-                     seeded from (seed, step, engine)
+    rollout engines  rollout.dispatch: static, each rolls out a contiguous share of a step's
+                     prompts, its generator seeded from (seed, step, engine); least_loaded,
+                     chunks of groups go to whichever engine is free first, each seeded from
+                     (seed, step, its first group), and a failed engine's chunks to the others
+                     (RolloutGroup)
     weights          after every update, from the trainer to every engine (`WeightSync`)
     high model       levels.high_model: separate: the high level's model (math_refine's feedback)
                      is a second DeepSpeed group ("high" ranks, as many as the policy's) and a
@@ -19,7 +22,8 @@
                      ship with the job (Ray's py_modules), so every actor imports the same code
 
 Every call on the actors goes through `wait_all`: an actor that dies or raises stops the run
-with an `ActorFailure` naming its role and the cause.
+with an `ActorFailure` naming its role and the cause (the one exception: a rollout engine under
+rollout.dispatch: least_loaded, whose work the other engines take over while any is left).
 """
 from __future__ import annotations
 
@@ -253,27 +257,203 @@ class TrainerGroup(ActorGroup):
 
 
 class RolloutGroup(ActorGroup):
-    def __init__(self, names: list[str], handles: list, seed: int):
+    """The rollout engines. `dispatch` (rollout.dispatch) says how a synchronous step's groups
+    reach them:
+
+        static        each engine rolls out a contiguous share of the step's examples (whole
+                      groups of n) in one call, seeded from (seed, step, engine); an engine that
+                      fails stops the run (ActorFailure)
+        least_loaded  the groups go in chunks of consecutive groups, CHUNKS_PER_ENGINE per engine
+                      on average, one chunk in flight per engine: the engine that finishes first
+                      gets the next chunk (turnrl.rollout.dispatch), so an engine whose chunk held
+                      the long episodes no longer holds up a share of its own. Each chunk is
+                      seeded from (seed, step, its first group's index), not from the engine, so
+                      which engine rolled it out changes no token. An engine that dies or raises
+                      leaves the dispatch: its chunks go to the others (counted once in
+                      dispatch_moved) and the step completes; with none left, ActorFailure
+                      naming every engine's cause. A later step skips it; `rejoin` brings a
+                      restarted one back. With one engine: a single call, as static.
+
+    A whole episode (every turn) is rolled out inside one worker, so its turns stick to the
+    engine that holds its prefix without any help from the dispatch."""
+
+    CHUNKS_PER_ENGINE = 4   # finer: better balance, smaller batches per engine call
+
+    def __init__(self, names: list[str], handles: list, seed: int, dispatch: str = "static"):
         super().__init__(names, handles)
-        self.seed = seed
+        if dispatch not in ("static", "least_loaded"):
+            raise ValueError(f"rollout dispatch {dispatch!r}: static or least_loaded")
+        self.seed, self.dispatch = seed, dispatch
+        self.dead: dict[int, str] = {}            # engine index -> why it left the dispatch
+        self.in_flight: list[_Dispatched] = []    # least_loaded rollouts not collected yet
+        self._groups = [0] * len(handles)         # groups each engine rolled out, since take_dispatch_metrics
+        self._moved = 0
+        self._shares: dict[Any, int] = {}         # static: groups in each call in flight
 
     def rollout(self, examples: list[dict], n: int, step: int) -> tuple[list, list[float]]:
-        """Each engine rolls out a contiguous share of `examples` (whole groups of n), seeded
-        from (seed, step, engine); the trajectories come back in the examples' order, with
-        the seconds each engine spent on its share."""
+        """`n` trajectories per example (whole groups of n on one engine), in the examples'
+        order (trajectory i of example i // n), and each engine's busy seconds for them."""
         return self.collect(self.submit(examples, n, step))
 
-    def submit(self, examples: list[dict], n: int, step: int) -> list[tuple[str, Any]]:
+    def submit(self, examples: list[dict], n: int, step: int):
         """`rollout` started, not waited for: give the result to `collect`."""
+        live = [e for e in range(len(self.handles)) if e not in self.dead]
+        if self.dispatch == "least_loaded" and len(self.handles) > 1:
+            dispatched = _Dispatched(self, live, examples, n, step)
+            self.in_flight.append(dispatched)
+            return dispatched
         count = len(self.handles)
         shares = [examples[e * len(examples) // count:(e + 1) * len(examples) // count] for e in range(count)]
-        return [(name, h.timed_rollout.remote(share, n, generator_seed=step_seed(self.seed, step, e)))
-                for e, (name, h, share) in enumerate(zip(self.names, self.handles, shares)) if share]
+        calls = [(name, h.timed_rollout.remote(share, n, generator_seed=step_seed(self.seed, step, e)))
+                 for e, (name, h, share) in enumerate(zip(self.names, self.handles, shares)) if share]
+        self._shares.update({ref: len(share) for (_, ref), share in zip(calls, [s for s in shares if s])})
+        return calls
 
-    @staticmethod
-    def collect(calls: list[tuple[str, Any]]) -> tuple[list, list[float]]:
+    def collect(self, calls) -> tuple[list, list[float]]:
+        """(the trajectories in the examples' order, each engine's busy seconds: one entry per
+        engine, 0 for one that rolled out nothing)."""
+        busy = [0.0] * len(self.handles)
+        if isinstance(calls, _Dispatched):
+            trajs, busy, groups, moved = calls.wait()
+            self.in_flight = [d for d in self.in_flight if d is not calls]
+            self._groups = [a + b for a, b in zip(self._groups, groups)]
+            self._moved += moved
+            return trajs, busy
         results = wait_all(calls)[0]
-        return [t for trajs, _ in results for t in trajs], [seconds for _, seconds in results]
+        for (name, ref), (_, seconds) in zip(calls, results):
+            e = self.names.index(name)
+            busy[e] += seconds
+            self._groups[e] += self._shares.pop(ref, 0)
+        return [t for trajs, _ in results for t in trajs], busy
+
+    def flush(self) -> None:
+        """Before anything else is queued on the engines (a weight push): every chunk of the
+        rollouts in flight is sent now (to the least-loaded engines, by queued groups), so it
+        runs before that call and under the weights it was started with."""
+        for dispatched in self.in_flight:
+            dispatched.flush()
+
+    def live(self) -> tuple[list[str], list]:
+        """The names and handles of the engines still in the dispatch."""
+        keep = [e for e in range(len(self.handles)) if e not in self.dead]
+        return [self.names[e] for e in keep], [self.handles[e] for e in keep]
+
+    def rejoin(self, index: int, handle=None) -> None:
+        """Engine `index` (restarted: its new `handle`) takes part in the dispatch again. It
+        must hold the current weights first (a weight push to it)."""
+        if handle is not None:
+            self.handles[index] = handle
+        self.dead.pop(index, None)
+
+    def take_dispatch_metrics(self) -> dict[str, float]:
+        """Groups per engine (`engine/<i>/groups`) and `dispatch_moved` (groups re-sent off an
+        engine that failed) since the last call; counters restart."""
+        metrics = {f"engine/{e}/groups": float(g) for e, g in enumerate(self._groups)}
+        metrics["dispatch_moved"] = float(self._moved)
+        self._groups, self._moved = [0] * len(self.handles), 0
+        return metrics
+
+
+class _Dispatched:
+    """One least-loaded rollout in flight (RolloutGroup.submit): a thread of the driver sends
+    each chunk to the engine the Dispatcher picks (one chunk in flight per engine until
+    `flush`) and takes the results as they come (ray.wait), so it goes on while the driver
+    waits on something else (the update, with train.overlap_rollout)."""
+
+    def __init__(self, group: RolloutGroup, live: list[int], examples: list[dict], n: int, step: int):
+        import threading
+        from collections import deque
+
+        from turnrl.rollout.dispatch import Dispatcher
+        self.group, self.n = group, n
+        engines = len(live) or 1
+        size = max(1, -(-len(examples) // (engines * group.CHUNKS_PER_ENGINE)))
+        self.chunks = [(start, examples[start:start + size]) for start in range(0, len(examples), size)]
+        self.results: list = [None] * len(self.chunks)
+        self.busy = [0.0] * len(group.handles)
+        self.groups = [0] * len(group.handles)
+        self.todo = deque(range(len(self.chunks)))
+        self.running: dict[Any, tuple[int, int]] = {}     # ref -> (chunk, engine)
+        self.dispatcher = Dispatcher(live, capacity=1)
+        self.step = step
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+        self.finished = threading.Event()
+        if not live:
+            self.error = self._none_left()
+            self.finished.set()
+            return
+        self.thread = threading.Thread(target=self._run, name=f"turnrl-dispatch-{step}", daemon=True)
+        self.thread.start()
+
+    def _none_left(self) -> ActorFailure:
+        why = "; ".join(f"{self.group.names[e]}: {cause}" for e, cause in sorted(self.group.dead.items()))
+        return ActorFailure(f"every rollout engine failed ({why})")
+
+    def _send(self) -> None:
+        """Each queued chunk to the engine the dispatcher picks, while one has room (lock held)."""
+        while self.todo:
+            chunk = self.todo[0]
+            start, examples = self.chunks[chunk]
+            engine = self.dispatcher.assign(chunk, work=len(examples))
+            if engine is None:
+                return
+            self.todo.popleft()
+            seed = step_seed(self.group.seed, self.step, f"group {start}")
+            ref = self.group.handles[engine].timed_rollout.remote(examples, self.n, generator_seed=seed)
+            self.running[ref] = (chunk, engine)
+
+    def _take(self, ref) -> None:
+        """A chunk's result, or its engine's failure: that engine leaves, its chunks go back."""
+        import ray
+        chunk, engine = self.running.pop(ref)
+        try:
+            trajs, seconds = ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            self.group.dead[engine] = _cause(exc)
+            log.warning("%s failed, its rollouts go to the other engines: %s", self.group.names[engine], _cause(exc))
+            back = self.dispatcher.remove(engine)
+            self.running = {r: ce for r, ce in self.running.items() if ce[1] != engine}
+            self.todo.extendleft(sorted(back, reverse=True))
+            if not self.dispatcher.live:
+                raise self._none_left() from exc
+            return
+        self.dispatcher.done(chunk)
+        self.results[chunk] = trajs
+        self.busy[engine] += seconds
+        self.groups[engine] += len(self.chunks[chunk][1])
+
+    def _run(self) -> None:
+        import ray
+        try:
+            while True:
+                with self.lock:
+                    self._send()
+                    if not self.running and not self.todo:
+                        return
+                    refs = list(self.running)
+                ready, _ = ray.wait(refs, num_returns=1, timeout=1.0)
+                with self.lock:
+                    for ref in ready:
+                        if ref in self.running:   # (not dropped with an engine that failed meanwhile)
+                            self._take(ref)
+        except BaseException as exc:   # handed to the caller of wait()
+            self.error = exc
+        finally:
+            self.finished.set()
+
+    def flush(self) -> None:
+        with self.lock:
+            self.dispatcher.capacity = None
+            if self.dispatcher.live:
+                self._send()
+
+    def wait(self) -> tuple[list, list[float], list[int], int]:
+        """(trajectories in the examples' order, busy seconds and groups per engine, groups moved)."""
+        self.finished.wait()
+        if self.error is not None:
+            raise self.error
+        return [t for part in self.results for t in part], self.busy, self.groups, int(self.dispatcher.moved_work)
 
 
 # --------------------------------------------------------------------------- weights
@@ -287,7 +467,8 @@ class WeightSync(Protocol):
 @dataclass
 class ObjectStoreSync:
     """Rank 0's weights as buckets of named CPU tensors in Ray's object store (shared memory
-    on its node, transferred once to each other node), streamed into every engine."""
+    on its node, transferred once to each other node), streamed into every engine still in the
+    dispatch (one that failed under rollout.dispatch: least_loaded is skipped)."""
     policy: TrainerGroup
     engines: RolloutGroup
     bucket_mb: int
@@ -295,8 +476,8 @@ class ObjectStoreSync:
 
     def push(self, wait: bool = True) -> list[tuple[str, Any]]:
         buckets = self.policy.results("weight_buckets", self.bucket_mb)[0]
-        calls = [(name, h.load_weight_buckets.remote(buckets, self.level))
-                 for name, h in zip(self.engines.names, self.engines.handles)]
+        self.engines.flush()   # the rollouts in flight (overlap_rollout) run before the load, on the older weights
+        calls = [(name, h.load_weight_buckets.remote(buckets, self.level)) for name, h in zip(*self.engines.live())]
         if wait:
             wait_all(calls)
             return []
@@ -317,6 +498,7 @@ class NcclSync:
         self.policy.call("init_weight_transfer", host, port, 1 + len(self.engines.handles), self.engines.handles)
 
     def push(self, wait: bool = True) -> list[tuple[str, Any]]:
+        self.engines.flush()
         self.policy.call("send_weights")   # the engines take part in the broadcast: done on return
         return []
 
@@ -468,7 +650,7 @@ def _start(cfg: Config, model_dir: str, data_dir: str, pg, slots: list[Slot], hi
         # async: feed, take_groups and weight loads reach the actor while its stream generates
         ray.remote(RolloutWorker).options(**options(s, engine_env), max_concurrency=4 if asynchronous else 1).remote(
             model_dir, RolloutParams.of(cfg), data_dir, engine_options, high_model_dir if "high" in groups else None)
-        for s in engine_slots], seed=cfg.seed)
+        for s in engine_slots], seed=cfg.seed, dispatch=cfg.rollout.dispatch)
 
     everyone = [*groups.values(), engines]
     names = [name for g in everyone for name in g.names]

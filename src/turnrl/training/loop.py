@@ -381,9 +381,13 @@ def _steps(cfg: Config, workers: Workers, rollouts: Rollouts, algorithm: Algorit
                    **step_timings(t_start, t_rollout, t_adv, t_train, t_sync, engine_busy, trainer_busy,
                                   engines=len(workers.rollout.handles),
                                   generated=sum(policy_tokens(t) for t in trajs)),
-                   "step": step}
+                   **dispatch_metrics(cfg, workers.rollout), "step": step}
         if _eval_due(cfg.train, step, heldout_rows):   # after the push: the engines hold this update's weights
             metrics.update(heldout_metrics(workers.rollout, heldout_rows[:cfg.train.eval_examples], step))
+            # its groups are not the step's batch; a group re-sent off a failed engine is counted
+            after = dispatch_metrics(cfg, workers.rollout)
+            if after:
+                metrics["dispatch_moved"] += after["dispatch_moved"]
         metrics["wall_s"] = wall_before + time.perf_counter() - t0   # training's own time, across resumes
         failing = _record(monitor, metrics, history, bar, on_step, trajs)
         stop = bool(failing) and cfg.train.on_unhealthy == "stop"
@@ -513,7 +517,17 @@ def step_timings(t_start: float, t_rollout: float, t_adv: float, t_train: float,
             "engine_idle_frac": max(0.0, 1 - sum(engine_busy) / engines / step_s),
             "trainer_idle_frac": max(0.0, 1 - sum(trainer_busy) / len(trainer_busy) / step_s),
             # over the engines' own busy time: with overlap_rollout the wait for them (rollout_s) is not it
-            "gen_tokens_per_s": generated / max(1e-9, max(engine_busy))}
+            "gen_tokens_per_s": generated / max(1e-9, max(engine_busy)),
+            # each engine's: seconds rolling out this step's batch, and the rest of the step
+            **{f"engine/{e}/{what}": value for e, busy in enumerate(engine_busy)
+               for what, value in (("busy_s", busy), ("idle_s", max(0.0, step_s - busy)))}}
+
+
+def dispatch_metrics(cfg: Config, rollout: RolloutGroup) -> dict[str, float]:
+    """Synchronous steps: the groups each engine rolled out (`engine/<i>/groups`) and the groups
+    re-sent off an engine that failed (`dispatch_moved`, rollout.dispatch: least_loaded)."""
+    taken = rollout.take_dispatch_metrics()
+    return taken if cfg.train.mode == "sync" else {}
 
 
 def _record(monitor: HealthMonitor, metrics: dict, history: list[dict], bar, on_step, trajs) -> list:
