@@ -279,3 +279,26 @@ def test_params_with_a_game_are_checked_before_any_work():
     problems = game_problems(bad)
     assert len(problems) == 2 and all("\n" not in p for p in problems)
     assert "train.mode = async" in problems[0] and "env.options.eval_opponents = 'grandmaster'" in problems[1]
+
+
+def test_a_frozen_checkpoint_plays_a_role(fmt, tiny_model_dir):
+    """checkpoint:<folder> samples its moves with transformers (the untrained tiny model writes
+    no legal move: the game ends on its illegal move, counted, with the policy's seat winning)."""
+    _, make, task = game_env(game="nim", opponent=f"checkpoint:{tiny_model_dir}")
+    row = task.rows(2, seed=0, split="train", exclude=set())[1]          # the policy moves second
+    [t] = GameRunner().run(MoveEngine(fmt, lambda text: "1"), [row], make, fmt, BUDGETS)
+    assert t.finish == "illegal_move" and t.outcome == 1.0 and t.num_turns == 0
+    assert t.info["transcript"].startswith("first: ") and t.info["transcript"].endswith("(illegal)")
+    _, make, _ = game_env(game="nim", opponent="checkpoint:/no/such/folder")
+    [t] = GameRunner().run(MoveEngine(fmt, lambda text: "1"), [row], make, fmt, BUDGETS)
+    assert t.finish == ENV_ERROR and "no model folder there" in t.info["env_error"]
+
+
+def test_an_evaluation_checkpoint_that_is_not_there_is_a_params_problem():
+    from turnrl.config import Config
+    from turnrl.config.checks import game_problems
+    cfg = Config.model_validate({"env": {"name": "game", "options": {
+        "eval_opponents": ["random", "checkpoint:models/initial", "checkpoint:/no/such/folder"]}}})
+    assert game_problems(cfg) == ["env.options.eval_opponents: 'checkpoint:/no/such/folder': no model folder there "
+                                  "(config.json missing); name a saved checkpoint, or checkpoint:models/initial "
+                                  "(the warm start)"]

@@ -254,6 +254,10 @@ def _table_problems(cfg: Config) -> list[str]:
         make_player(table.opponent, "env.options.opponent")
         for name in table.eval_opponents:
             make_player(name, "env.options.eval_opponents")
+            folder = name.split(":", 1)[1] if name.startswith("checkpoint:") else None
+            if folder and Path(folder).resolve() != INITIAL.resolve() and not (Path(folder) / "config.json").is_file():
+                problems.append(f"env.options.eval_opponents: {name!r}: no model folder there (config.json missing); "
+                                "name a saved checkpoint, or checkpoint:models/initial (the warm start)")
     except PluginError as exc:
         problems.append(str(exc))
     except Exception as exc:   # noqa: BLE001 - a game or player of one's own that raises

@@ -18,8 +18,9 @@ returns an illegal move and leaves no one to move ended the game by its own rule
 
 Who plays a role is a `Player` (the policy's roles excepted): anything with
 `act(observation, legal_moves, rng) -> str`. The built-ins: `random` (a random legal move),
-`first` (the first legal move); a user's player by import path `module:factory` (the factory
-called with no arguments). `self` names the policy: both roles sample from the same engines and
+`first` (the first legal move), `checkpoint:<folder>` (a frozen model, e.g. the warm start
+models/initial, sampling its move with transformers); a user's player by import path
+`module:factory` (the factory called with no arguments). `self` names the policy: both roles sample from the same engines and
 each role's turns are a trajectory of its own (`turnrl.rollout.tables` rolls the tables out).
 
 Rows: one per (game seed, trained role), so each group of rollout.n trajectories shares a game
@@ -45,6 +46,7 @@ from turnrl.plugins import PluginError, is_import_path, load_object
 
 #: The player that is the policy being trained (self-play where it plays every role).
 SELF = "self"
+SYSTEM_PROMPT_DEFAULT = "You are playing a game. Reply with your move only."
 
 
 @dataclass
@@ -89,6 +91,42 @@ class FirstLegalPlayer:
         return legal_moves[0]
 
 
+class CheckpointPlayer:
+    """A frozen model folder (`checkpoint:<folder>`, e.g. checkpoint:models/initial, the warm
+    start): it samples its move (temperature 1, seeded by the table's generator) from the system
+    prompt and what the game shows it now, one turn, with transformers on the CPU. The built-in
+    games show the whole state each turn, so nothing is lost; a game whose observations are only
+    what changed is better played by the policy (`self`). The model is loaded once per folder."""
+    _loaded: dict[str, tuple] = {}
+
+    def __init__(self, folder: str, system_prompt: str = SYSTEM_PROMPT_DEFAULT, max_tokens: int = 16):
+        self.folder, self.system_prompt, self.max_tokens = folder, system_prompt, max_tokens
+
+    def _model(self):
+        if self.folder not in self._loaded:
+            from pathlib import Path
+            if not (Path(self.folder) / "config.json").is_file():
+                raise FileNotFoundError(f"checkpoint:{self.folder}: no model folder there (config.json missing); "
+                                        "name a saved checkpoint such as models/initial (the warm start)")
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(self.folder)
+            self._loaded[self.folder] = (tokenizer, AutoModelForCausalLM.from_pretrained(self.folder).eval())
+        return self._loaded[self.folder]
+
+    def act(self, observation: str, legal_moves: list[str], rng: random.Random) -> str:
+        import torch
+        tokenizer, model = self._model()
+        messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": observation}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"]
+        torch.manual_seed(rng.randrange(1 << 31))
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.max_tokens,
+                                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                 pad_token_id=tokenizer.pad_token_id or 0)
+        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
 BUILTIN_PLAYERS: dict[str, Callable[[], Player]] = {"random": RandomPlayer, "first": FirstLegalPlayer}
 
 
@@ -98,9 +136,11 @@ def make_player(name: str, key: str = "env.options.opponent") -> Player | None:
         return None
     if name in BUILTIN_PLAYERS:
         return BUILTIN_PLAYERS[name]()
+    if name.startswith("checkpoint:"):
+        return CheckpointPlayer(name.split(":", 1)[1])
     if not is_import_path(name):
-        raise PluginError(f"{key} = {name!r}: use {SELF} (the policy), "
-                          f"{', '.join(BUILTIN_PLAYERS)} or an import path module:factory of a player")
+        raise PluginError(f"{key} = {name!r}: use {SELF} (the policy), {', '.join(BUILTIN_PLAYERS)}, "
+                          "checkpoint:<model folder> or an import path module:factory of a player")
     player = load_object(name, key)()
     if not callable(getattr(player, "act", None)):
         raise PluginError(f"{key} = {name!r}: {type(player).__name__} has no act(observation, legal_moves, rng) method")
@@ -215,7 +255,10 @@ def make_game(name: str, kwargs: dict[str, Any] | None = None, key: str = "env.o
 
 
 # --------------------------------------------------------------------------- env.name: game
-SYSTEM_PROMPT = "You are playing a game. Reply with your move only."
+SYSTEM_PROMPT = SYSTEM_PROMPT_DEFAULT
+#: What the evaluation plays each role against by default: a random legal player, and the
+#: starting checkpoint (the pipeline's models/initial, which prepare_model writes)
+EVAL_OPPONENTS = ("random", "checkpoint:models/initial")
 IllegalRule = Literal["end", "retry"]
 
 
@@ -229,9 +272,10 @@ class GameOptions(BaseModel):
     opponent: str = Field(SELF, min_length=1, description=(
         "who plays the roles of a training game the row does not train: self (the policy: self-play), random, "
         "first, or module:factory of a player"))
-    eval_opponents: list[str] = Field(default_factory=lambda: ["random", "first"], min_length=1, description=(
+    eval_opponents: list[str] = Field(default_factory=lambda: list(EVAL_OPPONENTS), min_length=1, description=(
         "the opponents the evaluation plays each trained role against (a held-out row per seed, role and "
-        "opponent); self plays the policy against itself"))
+        "opponent): random, first, checkpoint:<model folder> (checkpoint:models/initial: the warm start, "
+        "the starting checkpoint), module:factory, or self (the policy against itself)"))
     illegal: IllegalRule = Field("end", description=(
         "an illegal move: end (the game ends; the mover gets illegal_reward, every other role +1 in a zero-sum "
         "game, else 0) or retry (the mover is told why and moves again, up to max_retries, then as end)"))
@@ -257,7 +301,7 @@ class GameTable:
         self.opponent, self.illegal, self.illegal_reward = opponent, illegal, illegal_reward
         self.max_retries, self.system_prompt = max_retries, system_prompt
         self.demonstration_opponent = demonstration_opponent
-        self.eval_opponents = list(eval_opponents or ["random", "first"])
+        self.eval_opponents = list(eval_opponents or EVAL_OPPONENTS)
         probe = self.new_game()
         self.roles = tuple(probe.roles)
         if not getattr(probe, "lists_legal_moves", True):   # a game a scripted player cannot play
