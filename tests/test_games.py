@@ -302,3 +302,19 @@ def test_an_evaluation_checkpoint_that_is_not_there_is_a_params_problem():
     assert game_problems(cfg) == ["env.options.eval_opponents: 'checkpoint:/no/such/folder': no model folder there "
                                   "(config.json missing); name a saved checkpoint, or checkpoint:models/initial "
                                   "(the warm start)"]
+
+
+def test_a_seats_trace_has_a_span_per_move_of_the_other_players(fmt):
+    from turnrl.tracking.traces import plan
+    _, make, task = game_env(game="nim", opponent="random")
+    row = task.rows(2, seed=0, split="train", exclude=set())[1]          # the policy moves second
+    [t] = GameRunner().run(MoveEngine(fmt, lambda text: "1"), [row], make, fmt, BUDGETS)
+    theirs = t.info["opponent_moves"]
+    assert theirs[0]["turn"] == -1 and [m["turn"] for m in theirs[1:]] == list(range(len(theirs) - 1))
+    assert all(m["role"] == "first" and m["player"] == "random" and m["legal"] for m in theirs)
+    trace = plan(t, name="rollout", tags={})
+    turns = [c for c in trace.root.children if c.name.startswith("turn ")]
+    assert trace.root.children[0].name == "move · first (random)"            # the opening move, before turn 1
+    assert len(turns) == t.num_turns
+    after = [[s.outputs["move"] for s in c.children if s.name.startswith("move · ")] for c in turns]
+    assert [m for ms in after for m in ms] == [m["move"] for m in theirs[1:]]

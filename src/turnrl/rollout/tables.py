@@ -63,7 +63,20 @@ class _Table:
     seats: dict[str, _Seat] = field(default_factory=dict)   # the policy's roles
     rng: random.Random = field(default_factory=random.Random)
     over: bool = False
-    transcript: list[str] = field(default_factory=list)     # "role: move" (a "!" marks an illegal one)
+    moves: list[tuple[str, str, str, bool]] = field(default_factory=list)   # (role, player, move, legal)
+    names: dict[str, str] = field(default_factory=dict)     # the scripted roles' player names
+
+
+def others_moves(moves: Sequence[tuple[str, str, str, bool]], role: str) -> list[dict]:
+    """The other roles' moves as `role`'s seat met them: each with `turn`, the seat's own turn it
+    came after (-1: before its first), for traces (a span per move, the player named)."""
+    turn, out = -1, []
+    for mover, player, text, legal in moves:
+        if mover == role:
+            turn += 1
+        else:
+            out.append({"turn": turn, "role": mover, "player": player, "move": text, "legal": legal})
+    return out
 
 
 def opponent_of(example: dict, table_env: GameTable) -> str:
@@ -132,6 +145,7 @@ class _Tables(TurnEngine):
             else:
                 table.players[role] = make_player(name, "the row's opponent" if first.get("opponent")
                                                   else "env.options.opponent")
+                table.names[role] = name
                 continue
             table.seats[role] = self.seat_of[index] = _Seat(table, role, index)
             if index < len(self.batch):
@@ -166,7 +180,7 @@ class _Tables(TurnEngine):
             seat.moves += 1
         for end in (self.fmt.end_of_turn, self.fmt.eos_token):   # the token that closed a policy turn
             text = text[:-len(end)] if end and text.endswith(end) else text
-        table.transcript.append(f"{role}: {text.strip()[:40]}" + ("" if move.legal else " (illegal)"))
+        table.moves.append((role, table.names.get(role, "policy"), text.strip()[:200], move.legal))
         for other, reward in (move.rewards or {}).items():
             if other in table.seats:
                 table.seats[other].reward_since += float(reward)
@@ -218,13 +232,14 @@ class _Tables(TurnEngine):
         except Exception as exc:   # noqa: BLE001
             return self._fail(table, exc)
         table.over = True
-        transcript = " | ".join(table.transcript)
+        transcript = " | ".join(f"{role}: {text[:40]}" + ("" if legal else " (illegal)")
+                                for role, _, text, legal in table.moves)
         for role, seat in table.seats.items():
             r = rewards.get(role, 0.0)
             info = {"outcome": r, "reason": reason, "win": float(r > 0), "draw": float(r == 0), "loss": float(r < 0),
                     "illegal_moves": float(seat.illegal), "illegal_move_rate": seat.illegal / max(1, seat.moves),
-                    "first_mover": float(role == table.game.roles[0]),
-                    "game_moves": float(len(table.transcript)), "transcript": transcript}
+                    "first_mover": float(role == table.game.roles[0]), "game_moves": float(len(table.moves)),
+                    "transcript": transcript, "opponent_moves": others_moves(table.moves, role)}
             self._end_seat(seat, StepResult(None, seat.reward_since, True, info))
 
     def _fail(self, table: _Table, exc: BaseException) -> None:

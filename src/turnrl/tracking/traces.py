@@ -172,6 +172,15 @@ def _tool_span(t, k: int, text: str, last_env: int, last_tool: int, turn_reward,
                                 "observation_tokens": observed, **({"error": error} if error else {})})
 
 
+def _move_spans(t, turn: int, at: float) -> list[SpanPlan]:
+    """A game's other players' moves after the seat's turn `turn` (-1: before its first), a span
+    each, the player named (`info["opponent_moves"]`, turnrl.rollout.tables)."""
+    return [SpanPlan(name=f"move · {m['role']} ({m['player']})", span_type="AGENT", start_ns=_ns(at), end_ns=_ns(at),
+                     outputs={"move": _clip(m["move"]), "legal": m["legal"]},
+                     attributes={"role": m["role"], "player": m["player"], "legal": m["legal"]})
+            for m in (t.info or {}).get("opponent_moves") or () if m.get("turn") == turn]
+
+
 def _turn_spans(t, now: float) -> list[SpanPlan]:
     """A span per turn: the policy's generation and the environment's step after it."""
     turns = t.num_turns
@@ -184,6 +193,8 @@ def _turn_spans(t, now: float) -> list[SpanPlan]:
     last_tool = last_env - 1 if ended_by_env else last_env
     children: list[SpanPlan] = []
     context = len(t.prompt_ids)
+    first = turn_times[0][0] if turn_times else now
+    children += _move_spans(t, -1, first)   # a game's moves before the seat's first (the first mover's)
     calls = (t.info or {}).get("gateway_calls") or []   # an agent program's episode: what each call read
     for k in range(turns):
         g_start, g_end = turn_times[k] if k < len(turn_times) else (now, now)
@@ -219,6 +230,7 @@ def _turn_spans(t, now: float) -> list[SpanPlan]:
         if k < len(env_times):
             spans.append(_tool_span(t, k, text, last_env, last_tool, turn_reward, observed_tokens.get(k, 0)))
             turn_end = max(turn_end, env_times[k][1])
+        spans += _move_spans(t, k, turn_end)
         children.append(SpanPlan(
             name=f"turn {k + 1}" + (" (high level)" if level == "high" else ""), span_type="CHAIN",
             start_ns=_ns(g_start), end_ns=_ns(turn_end), children=spans, under=under,
