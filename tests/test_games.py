@@ -12,11 +12,12 @@ from turnrl import envs
 from turnrl.algos import advantages as adv
 from turnrl.algos.registry import AdvantageInputs
 from turnrl.algos.registry import resolve as resolve_algorithm
-from turnrl.envs.games import Move, Nim, RandomPlayer, TicTacToe, demonstration_turns, make_player, GameTable
+from turnrl.games import GameTable, make_player
+from turnrl.games.builtin import Nim, TicTacToe
+from turnrl.games.tables import GameRunner, pair_rows
 from turnrl.plugins import PluginError
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.multi_turn import ENV_ERROR, Budgets, Sample
-from turnrl.rollout.tables import GameRunner, pair_rows
 
 BUDGETS = Budgets(max_turns=10, max_tokens_per_turn=16, max_tokens_total=400)
 

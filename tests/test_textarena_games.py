@@ -1,4 +1,4 @@
-"""textarena_games: TextArena's two-player games, played through the `Game` protocol, give the
+"""turnrl.games.textarena: TextArena's two-player games, played through the `Game` protocol, give the
 library's own turn order, observations, invalid-move rule and rewards."""
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import pytest
 
 ta = pytest.importorskip("textarena", reason="the textarena library is not importable: pip install -e '.[ecosystem]'")
 
-from turnrl.envs.games import GameTable, RandomPlayer, demonstration_turns, make_game   # noqa: E402
-from turnrl.envs.textarena_games import ROLES, textarena_game   # noqa: E402
+from turnrl.games.base import RandomPlayer   # noqa: E402
+from turnrl.games.table import GameTable, demonstration_turns, make_game   # noqa: E402
+from turnrl.games.textarena import ROLES, textarena_game   # noqa: E402
 from turnrl.plugins import PluginError   # noqa: E402
 
 GAMES = ["TicTacToe-v0", "KuhnPoker-v0", "ConnectFour-v0", "SimpleNegotiation-v0"]

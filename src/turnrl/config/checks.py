@@ -242,7 +242,7 @@ def _table_problems(cfg: Config) -> list[str]:
         options = cfg.env.checked_options()
     except Exception:   # noqa: BLE001 - load_config has reported the options already
         return []
-    from turnrl.envs.games import GameTable, make_player
+    from turnrl.games import GameTable, make_player
     from turnrl.errors import one_line
     from turnrl.plugins import PluginError
     problems = []

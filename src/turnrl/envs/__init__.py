@@ -41,7 +41,7 @@ _REGISTRY = Registry("environment", "my_tasks.guess:make_env", _as_spec, {
     "skyrl_gym": "turnrl.envs.skyrl_gym:ENV",   # skyrl-gym (SkyRL) environments
     "verifiers": "turnrl.envs.verifiers:ENV",   # verifiers 0.4.0, in its own venv behind a bridge
     "agent": "turnrl.gateway:ENV",   # your agent program, through the OpenAI-compatible gateway
-    "game": "turnrl.envs.games:ENV",   # games of several players: self-play, fixed opponents
+    "game": "turnrl.games:ENV",   # games of several players: self-play, fixed opponents
 })
 
 

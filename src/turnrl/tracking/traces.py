@@ -174,7 +174,7 @@ def _tool_span(t, k: int, text: str, last_env: int, last_tool: int, turn_reward,
 
 def _move_spans(t, turn: int, at: float) -> list[SpanPlan]:
     """A game's other players' moves after the seat's turn `turn` (-1: before its first), a span
-    each, the player named (`info["opponent_moves"]`, turnrl.rollout.tables)."""
+    each, the player named (`info["opponent_moves"]`, turnrl.games.tables)."""
     return [SpanPlan(name=f"move · {m['role']} ({m['player']})", span_type="AGENT", start_ns=_ns(at), end_ns=_ns(at),
                      outputs={"move": _clip(m["move"]), "legal": m["legal"]},
                      attributes={"role": m["role"], "player": m["player"], "legal": m["legal"]})

@@ -108,8 +108,9 @@ def collate(trajs: Sequence[Trajectory], pad_id: int) -> dict[str, torch.Tensor]
 
 
 def advantage_inputs(trajs: Sequence[Trajectory], batch: dict[str, torch.Tensor], group_size: int,
-                     extras: dict | None = None) -> AdvantageInputs:
-    """What an algorithm's advantage function reads, from the trajectories and their batch."""
+                     extras: dict | None = None, state: dict | None = None) -> AdvantageInputs:
+    """What an algorithm's advantage function reads, from the trajectories and their batch
+    (`state`: the run's memory across steps, kept by the caller)."""
     turns = max((len(t.turn_rewards) for t in trajs), default=0)
     turn_rewards = torch.zeros(len(trajs), turns)
     for row, t in enumerate(trajs):
@@ -120,12 +121,18 @@ def advantage_inputs(trajs: Sequence[Trajectory], batch: dict[str, torch.Tensor]
         rewards=torch.tensor([t.reward for t in trajs]), turn_rewards=turn_rewards, mask=mask,
         turn_ids=batch["turn_ids"], high=batch["high"], group_ids=contiguous_group_ids(len(trajs), group_size),
         first_obs_pos=first_obs_position(in_response & (mask == 0)), values=batch.get("values"),
-        extras=extras or {}, logprobs=batch["engine_logprobs"] * mask, teacher_logprobs=batch.get("teacher_logprobs"))
+        extras=extras or {}, logprobs=batch["engine_logprobs"] * mask, teacher_logprobs=batch.get("teacher_logprobs"),
+        roles=tuple(role_key(t.example) for t in trajs), state=state if state is not None else {})
+
+
+def role_key(example: dict) -> str:
+    """"<game>/<role>" of a game seat's row (turnrl.games), "" for every other row."""
+    return f"{example.get('game', '')}/{example['role']}" if example.get("role") else ""
 
 
 def episode_advantages(algorithm_cfg: AlgorithmCfg, group_size: int, trajs: Sequence[Trajectory],
                        rows: Sequence[Trajectory], batch: dict[str, torch.Tensor], extras: dict | None = None,
-                       algorithm: Algorithm | None = None):
+                       algorithm: Algorithm | None = None, state: dict | None = None):
     """`advantages_for` the episodes, on the rows the trainer trains ([B, L] like `batch`).
     Where no episode has several samples (every built-in environment) rows are the episodes and
     this is `advantages_for` itself. Otherwise (an agent program that edited its context) each
@@ -134,7 +141,7 @@ def episode_advantages(algorithm_cfg: AlgorithmCfg, group_size: int, trajs: Sequ
     episode's calls in order, and each row gets the advantages of its own tokens. A critic's
     values go into that layout and its returns come back from it."""
     if not any(t.samples for t in trajs):
-        return advantages_for(algorithm_cfg, group_size, trajs, batch, extras, algorithm)
+        return advantages_for(algorithm_cfg, group_size, trajs, batch, extras, algorithm, state)
     views, placement = episode_view(trajs)
     view_batch = collate(views, pad_id=0)
     spans = [(r, e, len(row.prompt_ids), len(views[e].prompt_ids) + offset, len(row.response_ids))
@@ -143,7 +150,7 @@ def episode_advantages(algorithm_cfg: AlgorithmCfg, group_size: int, trajs: Sequ
         view_batch["values"] = torch.zeros_like(view_batch["loss_mask"])
         for r, e, start, view_start, length in spans:
             view_batch["values"][e, view_start:view_start + length] = batch["values"][r, start:start + length]
-    out = advantages_for(algorithm_cfg, group_size, views, view_batch, extras, algorithm)
+    out = advantages_for(algorithm_cfg, group_size, views, view_batch, extras, algorithm, state)
 
     def to_rows(view_tensor: torch.Tensor) -> torch.Tensor:
         row_tensor = torch.zeros_like(batch["loss_mask"], dtype=view_tensor.dtype)
@@ -154,12 +161,13 @@ def episode_advantages(algorithm_cfg: AlgorithmCfg, group_size: int, trajs: Sequ
 
 
 def advantages_for(algorithm_cfg: AlgorithmCfg, group_size: int, trajs: Sequence[Trajectory],
-                   batch: dict[str, torch.Tensor], extras: dict | None = None, algorithm: Algorithm | None = None):
+                   batch: dict[str, torch.Tensor], extras: dict | None = None, algorithm: Algorithm | None = None,
+                   state: dict | None = None):
     """The advantages [B, L] of `algorithm_cfg.name` (with a critic: (advantages, returns)) for
     the trajectories and their batch (groups of `group_size`, rollout.n); `extras` from the
     algorithm's prepare hook."""
     algorithm = algorithm or resolve_algorithm(algorithm_cfg.name)
-    return algorithm.advantages(advantage_inputs(trajs, batch, group_size, extras), algorithm_cfg)
+    return algorithm.advantages(advantage_inputs(trajs, batch, group_size, extras, state), algorithm_cfg)
 
 
 # --------------------------------------------------------------------------- levels
@@ -356,6 +364,7 @@ def _steps(cfg: Config, workers: Workers, rollouts: Rollouts, algorithm: Algorit
            model_dir: str, out_dir: str, high_dir: str | None) -> list[dict]:
     """The loop itself: from step `first` to train.steps."""
     t0 = time.perf_counter()
+    algorithm_state: dict = {}   # the advantage function's memory across this run's steps (AdvantageInputs.state)
     wall_before = history[-1].get("wall_s", 0.0) if history else 0.0
     bar = tqdm(range(first, cfg.train.steps + 1), desc="train", unit="step")
     for step in bar:
@@ -367,7 +376,8 @@ def _steps(cfg: Config, workers: Workers, rollouts: Rollouts, algorithm: Algorit
         _check_environment(cfg, trajs, step, history, bar)   # before the update: never train on broken rollouts
 
         version = int(source_metrics.get("policy_version", 0))
-        batch, stats, trainer_busy, pushes, t_adv = update_on(cfg, workers, algorithm, trajs, step, eos_id, version)
+        batch, stats, trainer_busy, pushes, t_adv = update_on(cfg, workers, algorithm, trajs, step, eos_id, version,
+                                                              algorithm_state)
         t_train = time.perf_counter()
         if workers.offload_engines:
             workers.rollout.call("wake_up")
@@ -457,7 +467,7 @@ def _check_environment(cfg: Config, trajs: Sequence[Trajectory], step: int, hist
 
 
 def update_on(cfg: Config, workers: Workers, algorithm: Algorithm, trajs: Sequence[Trajectory], step: int,
-              eos_id: int | None, version: int = 0
+              eos_id: int | None, version: int = 0, algorithm_state: dict | None = None
               ) -> tuple[dict[str, torch.Tensor], dict[str, float], list[float], list, float]:
     """Learn from one rollout batch: collate it, let the algorithm score it (its prepare hook),
     compute the advantages (and a critic's values and returns), update the policy (each level's
@@ -488,7 +498,8 @@ def update_on(cfg: Config, workers: Workers, algorithm: Algorithm, trajs: Sequen
         algo_stats["truncated_masked"] = float(sum(cut_by_budget([t.finish for t in trajs])))
     if algorithm.critic:   # PPO: the critic's values first; it is fitted on the returns below
         batch["values"] = workers.critic.values(batch)
-    advantages = episode_advantages(cfg.algorithm, cfg.rollout.n, trajs, rows, batch, extras, algorithm)
+    advantages = episode_advantages(cfg.algorithm, cfg.rollout.n, trajs, rows, batch, extras, algorithm,
+                                    algorithm_state)
     if algorithm.critic:   # (advantages, the critic's targets)
         batch["advantages"], batch["returns"] = advantages
     else:

@@ -1,4 +1,4 @@
-"""Rolling out games of several players (`env.name: game`, turnrl.envs.games): the
+"""Rolling out games of several players (`env.name: game`, turnrl.games): the
 `EpisodeRunner` that seats the policy and its opponents at tables.
 
     for each row (a game seed and the role it trains) and each of its n games: a table
@@ -33,7 +33,8 @@ from typing import Any, Callable, Sequence
 from tqdm.auto import tqdm
 
 from turnrl.envs.base import StepResult
-from turnrl.envs.games import SELF, Game, GameTable, Player, make_player, opponent_rng
+from turnrl.games.base import SELF, Game, Player, make_player
+from turnrl.games.table import GameTable, opponent_rng
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.multi_turn import ENV_ERROR, Budgets, Sample, Trajectory, TurnEngine, error_result
 
@@ -311,7 +312,7 @@ class _Tables(TurnEngine):
                     break
                 elif not any(entry[3].done() for entry in self.waiting):
                     raise RuntimeError(f"{len(self.waiting)} game seats wait for a move no seat can make "
-                                       "(a bug in turnrl.rollout.tables)")
+                                       "(a bug in turnrl.games.tables)")
         finally:
             self.close()
             self.bar.close()
@@ -353,7 +354,7 @@ class GameRunner:
     def replay(self, make_env: Callable[[], GameTable], fmt: ChatFormat, example: dict,
                turns: Sequence[str]) -> Trajectory:
         """A demonstration's moves for the row's role, replayed through the real game against
-        env.options.demonstration_opponent (seeded as `turnrl.envs.games.demonstration_turns`)."""
+        env.options.demonstration_opponent (seeded as `turnrl.games.table.demonstration_turns`)."""
         table_env = make_env()
         budgets = Budgets(max_turns=max(1, len(turns)), max_tokens_per_turn=1 << 20, max_tokens_total=1 << 30)
         return _Tables(_ScriptEngine(fmt, turns), [example], table_env, fmt, budgets, n=1, temperature=0.0,

@@ -4,7 +4,7 @@
       name: game
       options: {game: "textarena:TicTacToe-v0", kwargs: {}}
 
-`textarena_game(env_id, kwargs, key)` (what `turnrl.envs.games.make_game` calls for
+`textarena_game(env_id, kwargs, key)` (what `turnrl.games.make_game` calls for
 `textarena:<env id>`) wraps `textarena.make(env_id, **kwargs)` with the library's own wrappers for
 that id (the plain id: the full message log; `-train`: prompt, game messages and current board):
 
@@ -64,7 +64,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Callable
 
-from turnrl.envs.games import Move
+from turnrl.games.base import Move
 from turnrl.envs.gym_text import _download_hint, _textarena
 from turnrl.errors import one_line
 from turnrl.plugins import PluginError

@@ -1,0 +1,127 @@
+"""The pieces of a game of several players: the `Game` protocol, a `Move`, and the players.
+
+See `turnrl.games` for the protocol in full. A `Player` is anything with
+`act(observation, legal_moves, rng) -> str`: the built-ins `random` and `first`, a frozen model
+`checkpoint:<folder>`, or a player of one's own by import path `module:factory`. `self` names
+the policy.
+"""
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from turnrl.plugins import PluginError, is_import_path, load_object
+
+#: The player that is the policy being trained (self-play where it plays every role).
+SELF = "self"
+SYSTEM_PROMPT_DEFAULT = "You are playing a game. Reply with your move only."
+
+
+@dataclass
+class Move:
+    """What a game says of a turn: legal (applied) or not (`why`; the state unchanged)."""
+    legal: bool = True
+    why: str = ""
+    rewards: dict[str, float] = field(default_factory=dict)   # per-turn rewards, by role
+
+
+class Game(Protocol):
+    roles: tuple[str, ...]
+
+    def reset(self, seed: int) -> None: ...
+
+    def to_move(self) -> str | None: ...
+
+    def observe(self, role: str) -> str: ...
+
+    def legal_moves(self) -> list[str]: ...
+
+    def play(self, text: str) -> Move: ...
+
+    def rewards(self) -> dict[str, float]: ...
+
+
+class Player(Protocol):
+    def act(self, observation: str, legal_moves: list[str], rng: random.Random) -> str: ...
+
+
+class RandomPlayer:
+    """A random legal move: the evaluation's baseline opponent and the warm start's demonstrator."""
+
+    def act(self, observation: str, legal_moves: list[str], rng: random.Random) -> str:
+        return rng.choice(legal_moves)
+
+
+class FirstLegalPlayer:
+    """The first legal move: a deterministic scripted opponent."""
+
+    def act(self, observation: str, legal_moves: list[str], rng: random.Random) -> str:
+        return legal_moves[0]
+
+
+class CheckpointPlayer:
+    """A frozen model folder (`checkpoint:<folder>`, e.g. checkpoint:models/initial, the warm
+    start): it samples its move (temperature 1, seeded by the table's generator) from the system
+    prompt and what the game shows it now, one turn, with transformers on the CPU. The built-in
+    games show the whole state each turn, so nothing is lost; a game whose observations are only
+    what changed is better played by the policy (`self`). The model is loaded once per folder."""
+    _loaded: dict[str, tuple] = {}
+
+    def __init__(self, folder: str, system_prompt: str = SYSTEM_PROMPT_DEFAULT, max_tokens: int = 16):
+        self.folder, self.system_prompt, self.max_tokens = folder, system_prompt, max_tokens
+
+    def _model(self):
+        if self.folder not in self._loaded:
+            from pathlib import Path
+            if not (Path(self.folder) / "config.json").is_file():
+                raise FileNotFoundError(f"checkpoint:{self.folder}: no model folder there (config.json missing); "
+                                        "name a saved checkpoint such as models/initial (the warm start)")
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(self.folder)
+            self._loaded[self.folder] = (tokenizer, AutoModelForCausalLM.from_pretrained(self.folder).eval())
+        return self._loaded[self.folder]
+
+    def act(self, observation: str, legal_moves: list[str], rng: random.Random) -> str:
+        import torch
+        tokenizer, model = self._model()
+        messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": observation}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"]
+        torch.manual_seed(rng.randrange(1 << 31))
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.max_tokens,
+                                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                 pad_token_id=tokenizer.pad_token_id or 0)
+        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+BUILTIN_PLAYERS: dict[str, Callable[[], Player]] = {"random": RandomPlayer, "first": FirstLegalPlayer}
+
+
+def make_player(name: str, key: str = "env.options.opponent") -> Player | None:
+    """The player `name` stands for; None for `self` (the policy)."""
+    if name == SELF:
+        return None
+    if name in BUILTIN_PLAYERS:
+        return BUILTIN_PLAYERS[name]()
+    if name.startswith("checkpoint:"):
+        return CheckpointPlayer(name.split(":", 1)[1])
+    if not is_import_path(name):
+        raise PluginError(f"{key} = {name!r}: use {SELF} (the policy), {', '.join(BUILTIN_PLAYERS)}, "
+                          "checkpoint:<model folder> or an import path module:factory of a player")
+    player = load_object(name, key)()
+    if not callable(getattr(player, "act", None)):
+        raise PluginError(f"{key} = {name!r}: {type(player).__name__} has no act(observation, legal_moves, rng) method")
+    return player
+
+
+# --------------------------------------------------------------------------- the built-in games
+_DIGITS = re.compile(r"\d+")
+
+
+def last_number(text: str) -> str | None:
+    """The last whole number written in `text` (how the built-in games read a move), or None."""
+    found = _DIGITS.findall(text)
+    return found[-1] if found else None

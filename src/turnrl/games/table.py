@@ -1,0 +1,158 @@
+"""`env.name: game`: its options, the `GameTable` a rollout's `make_env()` gives, the rows
+(one per game seed and trained role; held out: per seed, role and evaluation opponent) and the
+warm start's demonstrations. `turnrl.games.tables` rolls the tables out."""
+from __future__ import annotations
+
+import random
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from turnrl.data.synthetic import Demonstration, SyntheticTask, split_numbers
+from turnrl.envs.base import EnvContext
+from turnrl.games.base import BUILTIN_PLAYERS, SELF, SYSTEM_PROMPT_DEFAULT, Game, Player, make_player
+from turnrl.games.builtin import BUILTIN_GAMES
+from turnrl.plugins import PluginError, is_import_path, load_object
+
+
+def make_game(name: str, kwargs: dict[str, Any] | None = None, key: str = "env.options.game") -> Game:
+    """A fresh game: a built-in name, `textarena:<env id>` (its two-player games) or `module:factory`."""
+    kwargs = dict(kwargs or {})
+    if name in BUILTIN_GAMES:
+        return BUILTIN_GAMES[name](**kwargs)
+    if name.startswith("textarena:"):
+        from turnrl.games.textarena import textarena_game
+        return textarena_game(name.split(":", 1)[1], kwargs, key)
+    if not is_import_path(name):
+        raise PluginError(f"{key} = {name!r}: use {', '.join(BUILTIN_GAMES)}, textarena:<env id> or an import "
+                          "path module:factory of a game")
+    return load_object(name, key)(**kwargs)
+
+
+# --------------------------------------------------------------------------- env.name: game
+SYSTEM_PROMPT = SYSTEM_PROMPT_DEFAULT
+#: What the evaluation plays each role against by default: a random legal player, and the
+#: starting checkpoint (the pipeline's models/initial, which prepare_model writes)
+EVAL_OPPONENTS = ("random", "checkpoint:models/initial")
+IllegalRule = Literal["end", "retry"]
+
+
+class GameOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    game: str = Field("nim", min_length=1, description=(
+        "the game: nim, tictactoe, textarena:<env id> (a two-player TextArena game) or module:factory"))
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the game's factory")
+    trained_roles: list[str] | None = Field(None, description=(
+        "the roles the policy plays and is trained on (training rows are made for each); None: every role"))
+    opponent: str = Field(SELF, min_length=1, description=(
+        "who plays the roles of a training game the row does not train: self (the policy: self-play), random, "
+        "first, or module:factory of a player"))
+    eval_opponents: list[str] = Field(default_factory=lambda: list(EVAL_OPPONENTS), min_length=1, description=(
+        "the opponents the evaluation plays each trained role against (a held-out row per seed, role and "
+        "opponent): random, first, checkpoint:<model folder> (checkpoint:models/initial: the warm start, "
+        "the starting checkpoint), module:factory, or self (the policy against itself)"))
+    illegal: IllegalRule = Field("end", description=(
+        "an illegal move: end (the game ends; the mover gets illegal_reward, every other role +1 in a zero-sum "
+        "game, else 0) or retry (the mover is told why and moves again, up to max_retries, then as end)"))
+    illegal_reward: float = Field(-1.0, description="the reward of a role whose illegal move ended the game")
+    max_retries: int = Field(1, ge=0, description="illegal: retry: moves again at most this many times per turn")
+    system_prompt: str = SYSTEM_PROMPT
+    demonstration_opponent: str = Field("random", description=(
+        "the scripted opponent of the warm start's demonstrations (model.path: tiny): random or first"))
+
+
+class GameTable:
+    """What `make_env()` gives for `env.name: game`: the options, and fresh games and players.
+    Its `stop`, `system_prompt` and `observation_role` are the policy seats' (as an `Env`'s)."""
+    observation_role = "user"
+    stop: tuple[str, ...] = ()
+
+    def __init__(self, game: str = "nim", kwargs: dict[str, Any] | None = None,
+                 trained_roles: list[str] | None = None, opponent: str = SELF,
+                 eval_opponents: list[str] | None = None, illegal: IllegalRule = "end",
+                 illegal_reward: float = -1.0, max_retries: int = 1, system_prompt: str = SYSTEM_PROMPT,
+                 demonstration_opponent: str = "random", context: EnvContext | None = None):
+        self.game_name, self.kwargs = game, dict(kwargs or {})
+        self.opponent, self.illegal, self.illegal_reward = opponent, illegal, illegal_reward
+        self.max_retries, self.system_prompt = max_retries, system_prompt
+        self.demonstration_opponent = demonstration_opponent
+        self.eval_opponents = list(eval_opponents or EVAL_OPPONENTS)
+        probe = self.new_game()
+        self.roles = tuple(probe.roles)
+        if not getattr(probe, "lists_legal_moves", True):   # a game a scripted player cannot play
+            scripted = [f"{key} {name}" for key, names in (("opponent", [opponent]), ("eval_opponents", self.eval_opponents))
+                        for name in names if name in BUILTIN_PLAYERS]
+            if scripted:
+                raise PluginError(f"env.options.game = {game}: the game lists no legal moves, so "
+                                  f"{', '.join(scripted)} cannot play it; use self or a player of your own "
+                                  "(module:factory)")
+        self.trained_roles = list(trained_roles or self.roles)
+        unknown = [r for r in self.trained_roles if r not in self.roles]
+        if unknown:
+            raise PluginError(f"env.options.trained_roles = {self.trained_roles}: the game {game} has no role "
+                              f"{', '.join(map(repr, unknown))}; its roles are {', '.join(self.roles)}")
+
+    def new_game(self) -> Game:
+        return make_game(self.game_name, self.kwargs)
+
+    def player(self, name: str) -> Player | None:
+        return make_player(name)
+
+    def system_for(self, game: Game, role: str) -> str:
+        own = getattr(game, "system_prompt", None)
+        return own(role) if callable(own) else self.system_prompt
+
+    # a plain Env's methods: env.name: game is rolled out by turnrl.games.tables, never step by step
+    def reset(self, example: dict) -> str:
+        raise TypeError("env.name: game is rolled out by its own runner (turnrl.games.tables.GameRunner)")
+
+    def step(self, text: str):
+        raise TypeError("env.name: game is rolled out by its own runner (turnrl.games.tables.GameRunner)")
+
+
+def _rows(options: dict):
+    table = GameTable(**options)
+
+    def rows(count: int, *, seed: int, split: str, exclude: set) -> list[dict]:
+        """Train: one row per (seed, trained role), the roles in turn. Held-out: one per (seed,
+        role, evaluation opponent)."""
+        opponents = [None] if split == "train" else table.eval_opponents
+        per_seed = len(table.trained_roles) * len(opponents)
+        seeds = split_numbers(-(-count // per_seed), split=split, exclude=exclude, start=seed * 10 ** 6)
+        out = [{"id": f"{table.game_name}-{split}-{s}-{role}" + (f"-vs-{opp}" if opp else ""),
+                "prompt": f"{table.game_name} seed {s} as {role}", "answer": "", "answers": [],
+                "subject": f"{role} vs {opp}" if opp else role, "level": None, "source": "game", "game": table.game_name,
+                "game_seed": s, "role": role, **({"opponent": opp} if opp else {})}
+               for s in seeds for role in table.trained_roles for opp in opponents]
+        return out[:count]
+    return rows, table
+
+
+def demonstration_turns(table: GameTable, row: dict, rng: random.Random) -> list[str]:
+    """The row's role's moves in a game of random legal moves against the demonstration opponent,
+    seeded as `turnrl.games.tables` seeds a replay's opponent, so the replay meets the same game."""
+    game = table.new_game()
+    game.reset(int(row["game_seed"]))
+    opponent = make_player(table.demonstration_opponent, "env.options.demonstration_opponent")
+    opp_rng = opponent_rng(int(row["game_seed"]), 0)
+    turns = []
+    while (mover := game.to_move()) is not None:
+        legal = game.legal_moves()
+        if mover == row["role"]:
+            move = rng.choice(legal)
+            turns.append(move)
+        else:
+            move = opponent.act(game.observe(mover), legal, opp_rng)
+        game.play(move)
+    return turns
+
+
+def opponent_rng(game_seed: int, index: int) -> random.Random:
+    """The scripted opponents' generator of table `index` of a row (its k-th game)."""
+    return random.Random(f"opponent-{game_seed}-{index}")
+
+
+def task(options: dict) -> SyntheticTask:
+    rows, table = _rows(options)
+    return SyntheticTask(name="game", rows=rows, key=lambda r: r["game_seed"],
+                         demonstration=lambda row, rng, good: Demonstration(demonstration_turns(table, row, rng)))
