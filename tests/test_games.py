@@ -319,3 +319,34 @@ def test_a_seats_trace_has_a_span_per_move_of_the_other_players(fmt):
     assert len(turns) == t.num_turns
     after = [[s.outputs["move"] for s in c.children if s.name.startswith("move · ")] for c in turns]
     assert [m for ms in after for m in ms] == [m["move"] for m in theirs[1:]]
+
+
+def test_an_openai_compatible_endpoint_plays_a_role(fmt):
+    """endpoint:<base_url>: each of its moves is a chat completion on a real loopback server; one
+    that keeps failing ends its table as an environment error, the server's answer named."""
+    from judge_server import answer, serve
+    from starlette.responses import PlainTextResponse
+    asked = []
+
+    async def chat(request):
+        body = await request.json()
+        asked.append(body["messages"][-1]["content"])
+        return answer("I take 1")
+
+    async def down(request):
+        return PlainTextResponse("overloaded", status_code=500)
+    server, thread, url = serve(chat)
+    broken, broken_thread, broken_url = serve(down)
+    try:
+        _, make, task = game_env(game="nim", opponent=f"endpoint:{url}#frozen")
+        row = task.rows(2, seed=0, split="train", exclude=set())[1]          # the policy moves second
+        [t] = GameRunner().run(MoveEngine(fmt, lambda text: "1"), [row], make, fmt, BUDGETS)
+        assert t.finish == "game_over" and all(m["player"] == f"endpoint:{url}#frozen" for m in t.info["opponent_moves"])
+        assert len(asked) == len(t.info["opponent_moves"]) and asked[0].startswith("Heap ")
+        _, make, _ = game_env(game="nim", opponent=f"endpoint:{broken_url}")
+        [t] = GameRunner().run(MoveEngine(fmt, lambda text: "1"), [row], make, fmt, BUDGETS)
+        assert t.finish == ENV_ERROR and "HTTP 500: overloaded" in t.info["env_error"]
+    finally:
+        server.should_exit = broken.should_exit = True
+        thread.join(5)
+        broken_thread.join(5)

@@ -2,7 +2,8 @@
 
 See `turnrl.games` for the protocol in full. A `Player` is anything with
 `act(observation, legal_moves, rng) -> str`: the built-ins `random` and `first`, a frozen model
-`checkpoint:<folder>`, or a player of one's own by import path `module:factory`. `self` names
+`checkpoint:<folder>`, any OpenAI-compatible endpoint `endpoint:<base_url>[#model]`, or a
+player of one's own by import path `module:factory`. `self` names
 the policy.
 """
 from __future__ import annotations
@@ -97,6 +98,42 @@ class CheckpointPlayer:
         return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
+class EndpointPlayer:
+    """Any OpenAI-compatible chat endpoint (`endpoint:<base_url>`, e.g.
+    endpoint:http://host:8000/v1, or `endpoint:<base_url>#<model>`): each move is one
+    /chat/completions request (the system prompt and what the game shows it now; temperature 1,
+    seeded by the table's generator), with the judges' retry rules (turnrl.rewards.endpoint): a
+    server that stays down ends its table as an environment error."""
+
+    def __init__(self, spec: str, system_prompt: str = SYSTEM_PROMPT_DEFAULT, max_tokens: int = 16,
+                 timeout_s: float = 60.0, retries: int = 2):
+        self.base_url, _, self.model = spec.partition("#")
+        self.base_url = self.base_url.rstrip("/")
+        self.system_prompt, self.max_tokens, self.timeout_s, self.retries = system_prompt, max_tokens, timeout_s, retries
+
+    def act(self, observation: str, legal_moves: list[str], rng: random.Random) -> str:
+        import asyncio
+
+        import httpx
+
+        from turnrl.rewards.endpoint import post, run
+        body = {"model": self.model or "default", "max_tokens": self.max_tokens, "temperature": 1.0,
+                "seed": rng.randrange(1 << 31), "messages": [{"role": "system", "content": self.system_prompt},
+                                                             {"role": "user", "content": observation}]}
+
+        async def ask():
+            async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+                return await post(client, asyncio.Semaphore(1), f"{self.base_url}/chat/completions", body,
+                                  retries=self.retries, timeout_s=self.timeout_s)
+        reply = run(ask())
+        if reply.body is None:
+            raise RuntimeError(f"endpoint:{self.base_url}: {reply.error} (after {reply.tries} tries)")
+        try:
+            return str(reply.body["choices"][0]["message"]["content"] or "")
+        except (KeyError, IndexError, TypeError):
+            raise RuntimeError(f"endpoint:{self.base_url}: not a chat completion: {reply.text[:200]}") from None
+
+
 BUILTIN_PLAYERS: dict[str, Callable[[], Player]] = {"random": RandomPlayer, "first": FirstLegalPlayer}
 
 
@@ -108,9 +145,12 @@ def make_player(name: str, key: str = "env.options.opponent") -> Player | None:
         return BUILTIN_PLAYERS[name]()
     if name.startswith("checkpoint:"):
         return CheckpointPlayer(name.split(":", 1)[1])
+    if name.startswith("endpoint:"):
+        return EndpointPlayer(name.split(":", 1)[1])
     if not is_import_path(name):
         raise PluginError(f"{key} = {name!r}: use {SELF} (the policy), {', '.join(BUILTIN_PLAYERS)}, "
-                          "checkpoint:<model folder> or an import path module:factory of a player")
+                          "checkpoint:<model folder>, endpoint:<OpenAI-compatible base URL>[#model] or an import "
+                          "path module:factory of a player")
     player = load_object(name, key)()
     if not callable(getattr(player, "act", None)):
         raise PluginError(f"{key} = {name!r}: {type(player).__name__} has no act(observation, legal_moves, rng) method")
