@@ -367,3 +367,17 @@ def test_two_self_play_steps_on_the_real_stack(tiny_model_dir, tmp_path):
         assert h["finish_env_error_frac"] == 0.0 and math.isfinite(h["loss"])
         assert h["env_win_mean"] + h["env_draw_mean"] + h["env_loss_mean"] == pytest.approx(1.0)
         assert 0.0 <= h["env_game_moves_mean"] <= 15.0 and h["env_illegal_moves_mean"] > 0
+
+
+class Hangs:
+    def act(self, observation, legal_moves, rng):
+        import time
+        time.sleep(5)
+        return legal_moves[0]
+
+
+def test_a_player_that_hangs_ends_its_game_not_the_batch(fmt):
+    _, make, task = game_env(game="nim", opponent="tests.test_games:Hangs", player_timeout_s=0.2)
+    row = task.rows(2, seed=0, split="train", exclude=set())[1]          # the player moves first
+    [t] = GameRunner().run(MoveEngine(fmt, lambda text: "1"), [row], make, fmt, BUDGETS)
+    assert t.finish == ENV_ERROR and "gave no move within env.options.player_timeout_s = 0.2 s" in t.info["env_error"]

@@ -56,6 +56,9 @@ class GameOptions(BaseModel):
         "game, else 0) or retry (the mover is told why and moves again, up to max_retries, then as end)"))
     illegal_reward: float = Field(-1.0, description="the reward of a role whose illegal move ended the game")
     max_retries: int = Field(1, ge=0, description="illegal: retry: moves again at most this many times per turn")
+    player_timeout_s: float = Field(60.0, gt=0, description=(
+        "a scripted, checkpoint or endpoint player that gives no move within this ends its game as an "
+        "environment error (the other games go on)"))
     system_prompt: str = SYSTEM_PROMPT
     demonstration_opponent: str = Field("random", description=(
         "the scripted opponent of the warm start's demonstrations (model.path: tiny): random or first"))
@@ -71,11 +74,12 @@ class GameTable:
                  trained_roles: list[str] | None = None, opponent: str = SELF,
                  eval_opponents: list[str] | None = None, illegal: IllegalRule = "end",
                  illegal_reward: float = -1.0, max_retries: int = 1, system_prompt: str = SYSTEM_PROMPT,
-                 demonstration_opponent: str = "random", context: EnvContext | None = None):
+                 demonstration_opponent: str = "random", player_timeout_s: float = 60.0,
+                 context: EnvContext | None = None):
         self.game_name, self.kwargs = game, dict(kwargs or {})
         self.opponent, self.illegal, self.illegal_reward = opponent, illegal, illegal_reward
         self.max_retries, self.system_prompt = max_retries, system_prompt
-        self.demonstration_opponent = demonstration_opponent
+        self.demonstration_opponent, self.player_timeout_s = demonstration_opponent, player_timeout_s
         self.eval_opponents = list(eval_opponents or EVAL_OPPONENTS)
         probe = self.new_game()
         self.roles = tuple(probe.roles)

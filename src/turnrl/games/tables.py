@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import random
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -118,6 +119,7 @@ class _Tables(TurnEngine):
         self.seat_of: dict[int, _Seat] = {}
         self.extra = len(self.batch)        # the next index of an untrained seat
         self.bar = tqdm(total=len(self.batch), desc=desc, unit="traj", disable=not progress, leave=False)
+        self.players = ThreadPoolExecutor(max_workers=4, thread_name_prefix="turnrl-player")
         for e, example in enumerate(examples):
             if example.get("role") not in table_env.roles:
                 raise ValueError(f"row {example.get('id', e)!r}: role {example.get('role')!r} is not a role of the "
@@ -168,10 +170,20 @@ class _Tables(TurnEngine):
                 observation = table.game.observe(role)
                 if role in table.seats:
                     return self._give_turn(table.seats[role], observation)
-                move = table.players[role].act(observation, table.game.legal_moves(), table.rng)
+                move = self._act(table, role, observation)
                 self._apply(table, role, str(move))
         except Exception as exc:   # noqa: BLE001 - a broken game or player ends its own table only
             self._fail(table, exc)
+
+    def _act(self, table: _Table, role: str, observation: str) -> str:
+        """A scripted role's move, on a thread of its own, waited for env.options.player_timeout_s
+        (a player that hangs ends its table; its thread is left to finish)."""
+        work = self.players.submit(table.players[role].act, observation, table.game.legal_moves(), table.rng)
+        try:
+            return work.result(timeout=self.env.player_timeout_s)
+        except FutureTimeout:
+            raise TimeoutError(f"the {role} player {table.names[role]!r} gave no move within "
+                               f"env.options.player_timeout_s = {self.env.player_timeout_s:g} s") from None
 
     def _apply(self, table: _Table, role: str, text: str) -> None:
         """The mover's move; an illegal one ends the game or is retried (env.options.illegal)."""
@@ -315,6 +327,7 @@ class _Tables(TurnEngine):
                                        "(a bug in turnrl.games.tables)")
         finally:
             self.close()
+            self.players.shutdown(wait=False, cancel_futures=True)
             self.bar.close()
         return self.batch
 
