@@ -64,8 +64,9 @@ class FirstLegalPlayer:
 
 class CheckpointPlayer:
     """A frozen model folder (`checkpoint:<folder>`, e.g. checkpoint:models/initial, the warm
-    start): it samples its move (temperature 1, seeded by the table's generator) from the system
-    prompt and what the game shows it now, one turn, with transformers on the CPU. The built-in
+    start): it samples its move (temperature 1, seeded by the table's generator, up to the chat
+    template's end of turn) from the system prompt and what the game shows it now, one turn,
+    with transformers on the CPU. The built-in
     games show the whole state each turn, so nothing is lost; a game whose observations are only
     what changed is better played by the policy (`self`). The model is loaded once per folder."""
     _loaded: dict[str, tuple] = {}
@@ -76,26 +77,34 @@ class CheckpointPlayer:
     def _model(self):
         if self.folder not in self._loaded:
             from pathlib import Path
+
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            from turnrl.rollout.chat import ChatFormat
             if not (Path(self.folder) / "config.json").is_file():
                 raise FileNotFoundError(f"checkpoint:{self.folder}: no model folder there (config.json missing); "
                                         "name a saved checkpoint such as models/initial (the warm start)")
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-            tokenizer = AutoTokenizer.from_pretrained(self.folder)
-            self._loaded[self.folder] = (tokenizer, AutoModelForCausalLM.from_pretrained(self.folder).eval())
+            fmt = ChatFormat(AutoTokenizer.from_pretrained(self.folder))
+            self._loaded[self.folder] = (fmt, AutoModelForCausalLM.from_pretrained(self.folder).eval())
         return self._loaded[self.folder]
 
     def act(self, observation: str, legal_moves: list[str], rng: random.Random) -> str:
+        """Its turn rendered as the policy's first turn is (turnrl's chat format), sampled until
+        the template's end of turn: what follows it is not part of the move."""
         import torch
-        tokenizer, model = self._model()
-        messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": observation}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                            return_dict=True)["input_ids"]
+        fmt, model = self._model()
+        ids = torch.tensor([fmt.prompt_ids(self.system_prompt, observation)])
+        end = fmt.end_of_turn_id
         torch.manual_seed(rng.randrange(1 << 31))
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.max_tokens,
                                  do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                 pad_token_id=tokenizer.pad_token_id or 0)
-        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+                                 eos_token_id=end if end is not None else model.generation_config.eos_token_id,
+                                 pad_token_id=fmt.tokenizer.pad_token_id or 0)
+        new = out[0, ids.shape[1]:].tolist()
+        if end is not None and end in new:
+            new = new[:new.index(end)]
+        return fmt.tokenizer.decode(new, skip_special_tokens=True)
 
 
 class EndpointPlayer:
