@@ -381,3 +381,27 @@ def test_a_player_that_hangs_ends_its_game_not_the_batch(fmt):
     row = task.rows(2, seed=0, split="train", exclude=set())[1]          # the player moves first
     [t] = GameRunner().run(MoveEngine(fmt, lambda text: "1"), [row], make, fmt, BUDGETS)
     assert t.finish == ENV_ERROR and "gave no move within env.options.player_timeout_s = 0.2 s" in t.info["env_error"]
+
+
+class WontStart(Nim):
+    def reset(self, seed):
+        if seed % 4 == 1:
+            raise RuntimeError("no board for this seed")
+        super().reset(seed)
+
+
+def test_a_game_that_cannot_start_or_a_rows_unknown_opponent_fails_its_own_table(fmt):
+    _, make, task = game_env(game="tests.test_games:WontStart", opponent="random")
+    rows = task.rows(6, seed=0, split="train", exclude=set())
+    bad = next(i for i, r in enumerate(rows) if r["game_seed"] % 4 == 3)
+    rows[bad] = {**rows[bad], "opponent": "grandmaster"}
+    trajs = GameRunner().run(MoveEngine(fmt, lambda text: "1"), rows, make, fmt, BUDGETS)
+    assert any(r["game_seed"] % 4 == 3 for i, r in enumerate(rows) if i != bad)
+    for row, t in zip(rows, trajs):
+        if row is rows[bad]:
+            assert t.finish == ENV_ERROR and "the row's opponent = 'grandmaster'" in t.info["env_error"]
+        elif row["game_seed"] % 4 == 1:
+            assert t.finish == ENV_ERROR and "no board for this seed" in t.info["env_error"]
+        else:
+            assert t.finish == "game_over"
+    assert {t.finish for t in trajs} == {ENV_ERROR, "game_over"}

@@ -59,7 +59,7 @@ class _Seat:
 
 @dataclass
 class _Table:
-    game: Game
+    game: Game | None             # None: it could not start (`failed` says why)
     seed: int
     players: dict[str, Player]                      # the scripted roles
     seats: dict[str, _Seat] = field(default_factory=dict)   # the policy's roles
@@ -67,6 +67,7 @@ class _Table:
     over: bool = False
     moves: list[tuple[str, str, str, bool]] = field(default_factory=list)   # (role, player, move, legal)
     names: dict[str, str] = field(default_factory=dict)     # the scripted roles' player names
+    failed: BaseException | None = None                     # why the table could not open
 
 
 def others_moves(moves: Sequence[tuple[str, str, str, bool]], role: str) -> list[dict]:
@@ -132,22 +133,28 @@ class _Tables(TurnEngine):
     def _open(self, examples: Sequence[dict], a: int, b: int | None, k: int, opponent: str | None) -> _Table:
         first = examples[a]
         seed = int(first["game_seed"])
-        game = self.env.new_game()
-        game.reset(seed)
-        table = _Table(game=game, seed=seed, players={}, rng=opponent_rng(seed, k))
+        table = _Table(game=None, seed=seed, players={}, rng=opponent_rng(seed, k))
+        try:   # a game that cannot start, or a row's opponent that cannot be made, fails its own table
+            table.game = self.env.new_game()
+            table.game.reset(seed)
+        except Exception as exc:   # noqa: BLE001
+            table.failed = exc
         by_role = {first["role"]: a * self.n + k}
         if b is not None:
             by_role[examples[b]["role"]] = b * self.n + k
         name = opponent or opponent_of(first, self.env)
-        for role in game.roles:
+        for role in table.game.roles if table.failed is None else self.env.roles:
             if role in by_role:
                 index = by_role[role]
             elif name == SELF:      # an untrained policy seat
                 index, self.extra = self.extra, self.extra + 1
                 self.trajs[index] = Trajectory(example={**first, "role": role, "trained": False}, prompt_ids=[])
             else:
-                table.players[role] = make_player(name, "the row's opponent" if first.get("opponent")
-                                                  else "env.options.opponent")
+                try:
+                    table.players[role] = make_player(name, "the row's opponent" if first.get("opponent")
+                                                      else "env.options.opponent")
+                except Exception as exc:   # noqa: BLE001
+                    table.failed = table.failed or exc
                 table.names[role] = name
                 continue
             table.seats[role] = self.seat_of[index] = _Seat(table, role, index)
@@ -157,7 +164,10 @@ class _Tables(TurnEngine):
 
     def start(self) -> None:
         for table in self.tables:
-            self._advance(table)
+            if table.failed is not None:
+                self._fail(table, table.failed)
+            else:
+                self._advance(table)
 
     # ------------------------------------------------------------------ the game's side
     def _advance(self, table: _Table) -> None:
