@@ -84,7 +84,8 @@ def test_a_removed_engine_hands_back_its_items_counted_once_and_can_rejoin():
     assert d.assign("k2", key="ep") == "c" and d.moved == 6          # its engine gone: the key moves
     d.add("a")                                                       # restarted: rejoins, empty
     assert d.assign("next") == "a" and d.loads()["a"] == 1
-    d.remove("a"), d.remove("c")
+    d.remove("a")
+    d.remove("c")
     with pytest.raises(NoEngineLeft):
         d.assign("last")
 
