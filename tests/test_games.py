@@ -283,13 +283,15 @@ def test_params_with_a_game_are_checked_before_any_work():
 
 
 def test_a_frozen_checkpoint_plays_a_role(fmt, tiny_model_dir):
-    """checkpoint:<folder> samples its moves with transformers (the untrained tiny model writes
-    no legal move: the game ends on its illegal move, counted, with the policy's seat winning)."""
+    """checkpoint:<folder> plays a seat of its own on a transformers engine (the untrained tiny
+    model writes no legal move: the game ends on its illegal or cut-off move, the policy's seat
+    winning); a folder that is not there ends the table as an environment error."""
     _, make, task = game_env(game="nim", opponent=f"checkpoint:{tiny_model_dir}")
     row = task.rows(2, seed=0, split="train", exclude=set())[1]          # the policy moves second
     [t] = GameRunner().run(MoveEngine(fmt, lambda text: "1"), [row], make, fmt, BUDGETS)
-    assert t.finish == "illegal_move" and t.outcome == 1.0 and t.num_turns == 0
-    assert t.info["transcript"].startswith("first: ") and t.info["transcript"].endswith("(illegal)")
+    assert t.finish in ("illegal_move", "no_move") and t.outcome == 1.0 and t.num_turns == 0
+    if t.finish == "illegal_move":   # it wrote a move the game refused; else its turn was cut off
+        assert t.info["transcript"].startswith("first: ") and t.info["transcript"].endswith("(illegal)")
     _, make, _ = game_env(game="nim", opponent="checkpoint:/no/such/folder")
     [t] = GameRunner().run(MoveEngine(fmt, lambda text: "1"), [row], make, fmt, BUDGETS)
     assert t.finish == ENV_ERROR and "no model folder there" in t.info["env_error"]

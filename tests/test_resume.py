@@ -108,7 +108,7 @@ PARAMS = {
     "rollout": {"n": 2, "max_tokens_per_turn": 16, "max_tokens_total": 48},
 }
 TIMING = ("rollout_s", "advantage_s", "train_s", "sync_s", "step_s", "gen_tokens_per_s", "engine_idle_frac",
-          "trainer_idle_frac", "wall_s")
+          "trainer_idle_frac", "wall_s", "engine/0/busy_s", "engine/0/idle_s")
 
 
 def _project(root: Path, model_dir: Path) -> Path:

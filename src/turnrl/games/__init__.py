@@ -18,9 +18,10 @@ returns an illegal move and leaves no one to move ended the game by its own rule
 
 Who plays a role is a `Player` (the policy's roles excepted): anything with
 `act(observation, legal_moves, rng) -> str`. The built-ins: `random` (a random legal move),
-`first` (the first legal move), `checkpoint:<folder>` (a frozen model, e.g. the warm start
-models/initial, sampling its move with transformers); a user's player by import path
-`module:factory` (the factory called with no arguments). `self` names the policy: both roles sample from the same engines and
+`first` (the first legal move), `endpoint:<base_url>[#model]` (any OpenAI-compatible server); a
+user's player by import path `module:factory` (the factory called with no arguments). A frozen
+model, `checkpoint:<folder>` (e.g. the warm start models/initial), plays a seat of its own on its
+own engine, as the policy's seats do, never trained. `self` names the policy: both roles sample from the same engines and
 each role's turns are a trajectory of its own (`turnrl.games.tables` rolls the tables out).
 
 Rows: one per (game seed, trained role), so each group of rollout.n trajectories shares a game

@@ -62,49 +62,13 @@ class FirstLegalPlayer:
         return legal_moves[0]
 
 
-class CheckpointPlayer:
-    """A frozen model folder (`checkpoint:<folder>`, e.g. checkpoint:models/initial, the warm
-    start): it samples its move (temperature 1, seeded by the table's generator, up to the chat
-    template's end of turn) from the system prompt and what the game shows it now, one turn,
-    with transformers on the CPU. The built-in
-    games show the whole state each turn, so nothing is lost; a game whose observations are only
-    what changed is better played by the policy (`self`). The model is loaded once per folder."""
-    _loaded: dict[str, tuple] = {}
-
-    def __init__(self, folder: str, system_prompt: str = SYSTEM_PROMPT_DEFAULT, max_tokens: int = 16):
-        self.folder, self.system_prompt, self.max_tokens = folder, system_prompt, max_tokens
-
-    def _model(self):
-        if self.folder not in self._loaded:
-            from pathlib import Path
-
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            from turnrl.rollout.chat import ChatFormat
-            if not (Path(self.folder) / "config.json").is_file():
-                raise FileNotFoundError(f"checkpoint:{self.folder}: no model folder there (config.json missing); "
-                                        "name a saved checkpoint such as models/initial (the warm start)")
-            fmt = ChatFormat(AutoTokenizer.from_pretrained(self.folder))
-            self._loaded[self.folder] = (fmt, AutoModelForCausalLM.from_pretrained(self.folder).eval())
-        return self._loaded[self.folder]
-
-    def act(self, observation: str, legal_moves: list[str], rng: random.Random) -> str:
-        """Its turn rendered as the policy's first turn is (turnrl's chat format), sampled until
-        the template's end of turn: what follows it is not part of the move."""
-        import torch
-        fmt, model = self._model()
-        ids = torch.tensor([fmt.prompt_ids(self.system_prompt, observation)])
-        end = fmt.end_of_turn_id
-        torch.manual_seed(rng.randrange(1 << 31))
-        with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.max_tokens,
-                                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                 eos_token_id=end if end is not None else model.generation_config.eos_token_id,
-                                 pad_token_id=fmt.tokenizer.pad_token_id or 0)
-        new = out[0, ids.shape[1]:].tolist()
-        if end is not None and end in new:
-            new = new[:new.index(end)]
-        return fmt.tokenizer.decode(new, skip_special_tokens=True)
+@dataclass(frozen=True)
+class Checkpoint:
+    """`checkpoint:<folder>` (e.g. checkpoint:models/initial, the warm start): a frozen model
+    plays the role as a seat of its own, with its own conversation as the policy's seats have,
+    on an engine of its own (transformers on the CPU), sampled as the policy's turns are and never
+    trained. Not a `Player`: `turnrl.games.tables` seats it."""
+    folder: str
 
 
 class EndpointPlayer:
@@ -146,14 +110,14 @@ class EndpointPlayer:
 BUILTIN_PLAYERS: dict[str, Callable[[], Player]] = {"random": RandomPlayer, "first": FirstLegalPlayer}
 
 
-def make_player(name: str, key: str = "env.options.opponent") -> Player | None:
-    """The player `name` stands for; None for `self` (the policy)."""
+def make_player(name: str, key: str = "env.options.opponent") -> Player | Checkpoint | None:
+    """The player `name` stands for; a `Checkpoint` for a frozen model; None for `self` (the policy)."""
     if name == SELF:
         return None
     if name in BUILTIN_PLAYERS:
         return BUILTIN_PLAYERS[name]()
     if name.startswith("checkpoint:"):
-        return CheckpointPlayer(name.split(":", 1)[1])
+        return Checkpoint(name.split(":", 1)[1])
     if name.startswith("endpoint:"):
         return EndpointPlayer(name.split(":", 1)[1])
     if not is_import_path(name):

@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 from tqdm.auto import tqdm
 
 from turnrl.envs.base import StepResult
-from turnrl.games.base import SELF, Game, Player, make_player
+from turnrl.games.base import SELF, Checkpoint, Game, Player, make_player
 from turnrl.games.table import GameTable, opponent_rng
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.multi_turn import ENV_ERROR, Budgets, Sample, Trajectory, TurnEngine, error_result
@@ -55,6 +55,7 @@ class _Seat:
     retries: int = 0                 # illegal moves in a row, this turn
     reward_since: float = 0.0        # per-turn rewards since its last move
     answer: Future | None = None     # its last move's answer: set when it is next to move, or the game ends
+    engine: Any = None               # a frozen checkpoint's engine; None: the policy's
 
 
 @dataclass
@@ -68,6 +69,23 @@ class _Table:
     moves: list[tuple[str, str, str, bool]] = field(default_factory=list)   # (role, player, move, legal)
     names: dict[str, str] = field(default_factory=dict)     # the scripted roles' player names
     failed: BaseException | None = None                     # why the table could not open
+
+
+_FROZEN: dict[str, Any] = {}   # folder -> its engine, loaded once per process
+
+
+def frozen_engine(folder: str) -> Any:
+    """The engine of a frozen checkpoint opponent (transformers, CPU), loaded on first use."""
+    from pathlib import Path
+
+    from turnrl.rollout.engines import HFEngine
+    key = str(Path(folder).resolve())
+    if key not in _FROZEN:
+        if not (Path(folder) / "config.json").is_file():
+            raise FileNotFoundError(f"checkpoint:{folder}: no model folder there (config.json missing); name a "
+                                    "saved checkpoint such as models/initial (the warm start)")
+        _FROZEN[key] = HFEngine(folder)
+    return _FROZEN[key]
 
 
 def others_moves(moves: Sequence[tuple[str, str, str, bool]], role: str) -> list[dict]:
@@ -144,20 +162,29 @@ class _Tables(TurnEngine):
             by_role[examples[b]["role"]] = b * self.n + k
         name = opponent or opponent_of(first, self.env)
         for role in table.game.roles if table.failed is None else self.env.roles:
+            engine = None
             if role in by_role:
                 index = by_role[role]
             elif name == SELF:      # an untrained policy seat
                 index, self.extra = self.extra, self.extra + 1
                 self.trajs[index] = Trajectory(example={**first, "role": role, "trained": False}, prompt_ids=[])
             else:
+                table.names[role] = name
                 try:
-                    table.players[role] = make_player(name, "the row's opponent" if first.get("opponent")
-                                                      else "env.options.opponent")
+                    player = make_player(name, "the row's opponent" if first.get("opponent") else "env.options.opponent")
                 except Exception as exc:   # noqa: BLE001
                     table.failed = table.failed or exc
-                table.names[role] = name
-                continue
-            table.seats[role] = self.seat_of[index] = _Seat(table, role, index)
+                    continue
+                if not isinstance(player, Checkpoint):
+                    table.players[role] = player
+                    continue
+                index, self.extra = self.extra, self.extra + 1     # a frozen model's seat: untrained
+                self.trajs[index] = Trajectory(example={**first, "role": role, "trained": False}, prompt_ids=[])
+                try:
+                    engine = frozen_engine(player.folder)
+                except Exception as exc:   # noqa: BLE001
+                    table.failed = table.failed or exc
+            table.seats[role] = self.seat_of[index] = _Seat(table, role, index, engine=engine)
             if index < len(self.batch):
                 self.trajs[index] = self.batch[index]
         return table
@@ -286,6 +313,10 @@ class _Tables(TurnEngine):
             self.end(seat.index)
 
     # ------------------------------------------------------------------ the engine's side
+    def engine_for(self, i: int, level: str) -> Any:
+        seat = self.seat_of.get(i)
+        return seat.engine if seat is not None and seat.engine is not None else super().engine_for(i, level)
+
     def env_step(self, i: int, text: str) -> Future:
         """Seat i's move: its answer is set when it is next to move, or when the game ends."""
         seat = self.seat_of[i]

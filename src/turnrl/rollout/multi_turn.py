@@ -438,12 +438,11 @@ class TurnEngine:
             raise ValueError(f"rejoin = {rejoin!r}: must be one of {', '.join(REJOIN)}")
         self.fmt, self.budgets, self.seed = fmt, budgets, seed
         self.observation_lag, self.rejoin = observation_lag, rejoin
-        options = dict(stop=stop_strings(probe, fmt), temperature=temperature, top_p=top_p)
+        self.sampling = dict(stop=stop_strings(probe, fmt), temperature=temperature, top_p=top_p)
         self.by_level = engine if isinstance(engine, Mapping) else {"low": engine}
         self.steppers: dict[int, Stepper] = {}      # one per distinct engine, whatever levels it plays
         for e in self.by_level.values():
-            if id(e) not in self.steppers:
-                self.steppers[id(e)] = e.stepper(**options) if hasattr(e, "stepper") else BatchStepper(e, **options)
+            self.stepper_of(e)
         self.envs: dict[int, Env | None] = {}
         self.trajs: dict[int, Trajectory] = {}
         self.turn_of: dict[int, int] = {}
@@ -499,10 +498,21 @@ class TurnEngine:
         except Exception as exc:   # noqa: BLE001 - a broken role() ends this trajectory
             t.record(error_result(exc))
             return self.end(i)
-        engine_of = self.by_level.get(level, self.by_level["low"])
         self.asked_at[i] = time.time()
-        self.steppers[id(engine_of)].add(i, t.prompt_ids + t.response_ids, room,
-                                         None if self.seed is None else _seed(self.seed, i, turn))
+        self.stepper_of(self.engine_for(i, level)).add(i, t.prompt_ids + t.response_ids, room,
+                                                        None if self.seed is None else _seed(self.seed, i, turn))
+
+    def engine_for(self, i: int, level: str) -> Engine:
+        """The engine trajectory i's turn at `level` goes to: that level's (a subclass may send
+        some trajectories elsewhere: a game's frozen opponent)."""
+        return self.by_level.get(level, self.by_level["low"])
+
+    def stepper_of(self, engine: Engine) -> Stepper:
+        """The stepper of `engine`, made on first use with the rollout's sampling options."""
+        if id(engine) not in self.steppers:
+            self.steppers[id(engine)] = engine.stepper(**self.sampling) if hasattr(engine, "stepper") else \
+                BatchStepper(engine, **self.sampling)
+        return self.steppers[id(engine)]
 
     def end_turn(self, i: int, sample: Sample, result: StepResult) -> None:
         """The environment's answer to trajectory i's turn: end it, or start its next turn."""
