@@ -101,7 +101,8 @@ def _multi_turn_inputs():
 
 
 # the outcome-reward algorithms; mlmt (turn-structured rewards) and ppo (a critic) have their own tests
-ALL_ESTIMATOR_NAMES = sorted(set(registry.names()) - {"mlmt", "ppo", "opd"})   # reward estimators (opd: below)
+# group-relative reward estimators (opd: below; rae keeps a baseline across steps: tests/test_games.py)
+ALL_ESTIMATOR_NAMES = sorted(set(registry.names()) - {"mlmt", "ppo", "opd", "rae"})
 
 
 def compute_advantages(name, *, rewards, mask, group_ids, turn_rewards=None, first_obs_pos=None,
