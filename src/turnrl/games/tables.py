@@ -9,7 +9,7 @@
     their k-th tables (the first row's game seed), so one game trains both seats (half the
     generation); a row left unpaired plays policy seats that are sampled and not trained.
 
-Every policy seat is a trajectory of the `TurnEngine`: its prompt is the system prompt and
+Every policy seat is a trajectory of a `BatchRollout`: its prompt is the system prompt and
 what the game shows it when it is first to move; each of its turns is a move, and the
 observation after it is what the game shows it when it is next to move (the other seats' moves
 happen while its answer waits: it rejoins then, as a slow tool's answer would). Only policy
@@ -31,13 +31,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from tqdm.auto import tqdm
-
 from turnrl.envs.base import StepResult
 from turnrl.games.base import SELF, Checkpoint, Game, Player, make_player
 from turnrl.games.table import GameTable, opponent_rng
 from turnrl.rollout.chat import ChatFormat
-from turnrl.rollout.multi_turn import ENV_ERROR, Budgets, Sample, Trajectory, TurnEngine, error_result
+from turnrl.rollout.multi_turn import ENV_ERROR, BatchRollout, Budgets, Sample, Trajectory, error_result
 
 GAME_OVER = "game_over"
 
@@ -123,27 +121,26 @@ def pair_rows(examples: Sequence[dict], table_env: GameTable) -> list[tuple[int,
     return out
 
 
-class _Tables(TurnEngine):
-    """One `GameRunner.run`: the batch's tables, rolled out together."""
+class _Tables(BatchRollout):
+    """One `GameRunner.run`: the batch's tables, rolled out together (a `BatchRollout` whose
+    batch opens with the seats that move first, and whose env steps are the games' moves)."""
 
     def __init__(self, engine: Any, examples: Sequence[dict], table_env: GameTable, fmt: ChatFormat,
                  budgets: Budgets, *, n: int, temperature: float, top_p: float, seed: int | None,
                  progress: bool = False, desc: str = "rollout",
                  on_group_done: Callable[[list[Trajectory]], None] | None = None, opponent: str | None = None):
-        super().__init__(engine, fmt, budgets, table_env, temperature=temperature, top_p=top_p, seed=seed,
-                         rejoin="ready")
-        self.env, self.n, self.on_group_done = table_env, n, on_group_done
-        self.batch: list[Trajectory] = [Trajectory(example=ex, prompt_ids=[]) for ex in examples for _ in range(n)]
-        self.left_in_group = [n] * len(examples)
-        self.seat_of: dict[int, _Seat] = {}
-        self.extra = len(self.batch)        # the next index of an untrained seat
-        self.bar = tqdm(total=len(self.batch), desc=desc, unit="traj", disable=not progress, leave=False)
-        self.players = ThreadPoolExecutor(max_workers=4, thread_name_prefix="turnrl-player")
         for e, example in enumerate(examples):
             if example.get("role") not in table_env.roles:
                 raise ValueError(f"row {example.get('id', e)!r}: role {example.get('role')!r} is not a role of the "
                                  f"game {table_env.game_name} ({', '.join(table_env.roles)}); remake the data "
                                  "(dvc repro preprocess) after changing env.options.game")
+        batch = [Trajectory(example=ex, prompt_ids=[]) for ex in examples for _ in range(n)]
+        super().__init__(engine, [table_env] * len(batch), batch, fmt, budgets, temperature=temperature, top_p=top_p,
+                         seed=seed, observation_lag=0, rejoin="ready", progress=progress, desc=desc, group_size=n,
+                         on_group_done=on_group_done)
+        self.env, self.n = table_env, n
+        self.seat_of: dict[int, _Seat] = {}
+        self.extra = len(self.batch)        # the next index of a seat of its own (untrained)
         self.tables = [self._open(examples, a, b, k, opponent) for a, b in pair_rows(examples, table_env)
                        for k in range(n)]
 
@@ -189,7 +186,8 @@ class _Tables(TurnEngine):
                 self.trajs[index] = self.batch[index]
         return table
 
-    def start(self) -> None:
+    def open(self) -> None:
+        """Each table plays its scripted roles until a policy seat is to move."""
         for table in self.tables:
             if table.failed is not None:
                 self._fail(table, table.failed)
@@ -215,7 +213,7 @@ class _Tables(TurnEngine):
     def _act(self, table: _Table, role: str, observation: str) -> str:
         """A scripted role's move, on a thread of its own, waited for env.options.player_timeout_s
         (a player that hangs ends its table; its thread is left to finish)."""
-        work = self.players.submit(table.players[role].act, observation, table.game.legal_moves(), table.rng)
+        work = self.pool.submit(table.players[role].act, observation, table.game.legal_moves(), table.rng)
         try:
             return work.result(timeout=self.env.player_timeout_s)
         except FutureTimeout:
@@ -331,46 +329,23 @@ class _Tables(TurnEngine):
         return seat.answer
 
     def end(self, i: int, finish: str | None = None) -> None:
-        super().end(i, finish)
+        """Seat i ended. Where the loop ended it mid-game, its game ends first (so the group
+        handed out below has every seat's outcome): max_turns draws, an environment error fails
+        the table, a cut-off turn or a spent budget loses as an illegal move would."""
         seat = self.seat_of.get(i)
         if seat is not None and not seat.ended:
             seat.ended = True
-            table = seat.table
-            if not table.over:   # the loop ended a seat mid-game
-                t = self.trajs[i]
-                if t.finish == ENV_ERROR:
-                    self._fail(table, RuntimeError(t.info.get("env_error", "environment error")))
-                elif t.finish == "max_turns":
-                    self._finish(table, "max_turns")
+            reason = finish or self.trajs[i].finish
+            if not seat.table.over:
+                if reason == ENV_ERROR:
+                    self._fail(seat.table, RuntimeError(self.trajs[i].info.get("env_error", "environment error")))
+                elif reason == "max_turns":
+                    self._finish(seat.table, "max_turns")
                 else:            # truncated / token_budget: no move came, as an illegal one
                     seat.illegal += 1
                     seat.moves += 1
-                    self._finish(table, "no_move", offender=seat.role)
-        if i < len(self.batch):
-            self.bar.update()
-            group = i // self.n
-            self.left_in_group[group] -= 1
-            if not self.left_in_group[group] and self.on_group_done is not None:
-                self.on_group_done(self.batch[group * self.n:(group + 1) * self.n])
-
-    def run(self) -> list[Trajectory]:
-        try:
-            self.start()
-            while True:
-                self.take_answers()
-                busy = [s for s in self.steppers.values() if s.busy()]
-                if busy:
-                    self.decode(busy)
-                elif not self.waiting:
-                    break
-                elif not any(entry[3].done() for entry in self.waiting):
-                    raise RuntimeError(f"{len(self.waiting)} game seats wait for a move no seat can make "
-                                       "(a bug in turnrl.games.tables)")
-        finally:
-            self.close()
-            self.players.shutdown(wait=False, cancel_futures=True)
-            self.bar.close()
-        return self.batch
+                    self._finish(seat.table, "no_move", offender=seat.role)
+        super().end(i, finish)
 
 
 class _ScriptEngine:
@@ -389,6 +364,17 @@ class _ScriptEngine:
         return out
 
 
+def _roll(tables: _Tables) -> list[Trajectory]:
+    """Roll the tables out; the scripted players move on threads of a pool of their own (left
+    behind, not waited for, where one hangs past env.options.player_timeout_s)."""
+    pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="turnrl-player")
+    try:
+        tables.run(pool)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    return tables.batch
+
+
 class GameRunner:
     """The `EpisodeRunner` of `env.name: game`."""
 
@@ -398,8 +384,8 @@ class GameRunner:
         """n trajectories per row (trajectory i of row i // n), each the row's role's seat."""
         if not examples:
             return []
-        return _Tables(engine, examples, make_env(), fmt, budgets, n=n, temperature=temperature, top_p=top_p,
-                       seed=seed, progress=progress, desc=desc, on_group_done=on_group_done).run()
+        return _roll(_Tables(engine, examples, make_env(), fmt, budgets, n=n, temperature=temperature, top_p=top_p,
+                             seed=seed, progress=progress, desc=desc, on_group_done=on_group_done))
 
     def stream(self, engine, make_env, fmt, budgets, **options):
         raise NotImplementedError("env.name: game is rolled out in train.mode: sync only for now; set "
@@ -411,8 +397,8 @@ class GameRunner:
         env.options.demonstration_opponent (seeded as `turnrl.games.table.demonstration_turns`)."""
         table_env = make_env()
         budgets = Budgets(max_turns=max(1, len(turns)), max_tokens_per_turn=1 << 20, max_tokens_total=1 << 30)
-        return _Tables(_ScriptEngine(fmt, turns), [example], table_env, fmt, budgets, n=1, temperature=0.0,
-                       top_p=1.0, seed=None, opponent=table_env.demonstration_opponent).run()[0]
+        return _roll(_Tables(_ScriptEngine(fmt, turns), [example], table_env, fmt, budgets, n=1, temperature=0.0,
+                             top_p=1.0, seed=None, opponent=table_env.demonstration_opponent))[0]
 
     def load_weights(self, version: int, apply: Callable[[], None]) -> None:
         apply()

@@ -401,7 +401,7 @@ def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict]
         for g in range(len(examples)) if on_group_done is not None else ():
             on_group_done(trajs[g * n:(g + 1) * n])
         return trajs
-    rollout = _Rollout(engine, envs, trajs, fmt, budgets, temperature=temperature, top_p=top_p, seed=seed,
+    rollout = BatchRollout(engine, envs, trajs, fmt, budgets, temperature=temperature, top_p=top_p, seed=seed,
                        observation_lag=observation_lag, rejoin=rejoin, progress=progress, desc=desc,
                        group_size=n, on_group_done=on_group_done)
     with ThreadPoolExecutor(max_workers=env_workers) as pool:
@@ -573,8 +573,11 @@ class TurnEngine:
                     self.waiting.append(entry)
 
 
-class _Rollout(TurnEngine):
-    """One `run_rollouts` call: a fixed batch, groups of `group_size` in order, a progress bar."""
+class BatchRollout(TurnEngine):
+    """One `run_rollouts` call: a fixed batch, groups of `group_size` in order, a progress bar.
+    A subclass may say how the batch opens (`open`: every trajectory admitted at once here; a
+    game's tables seat only who moves first) and keep trajectories of its own beyond the batch
+    (indices from len(batch) on: neither counted nor handed out)."""
 
     def __init__(self, engine: Engine | Mapping[str, Engine], envs: list[Env | None], trajs: list[Trajectory],
                  fmt: ChatFormat, budgets: Budgets, *, temperature: float, top_p: float, seed: int | None,
@@ -588,11 +591,15 @@ class _Rollout(TurnEngine):
         self.left_in_group = [group_size] * (len(trajs) // group_size)   # trajectories not yet ended
         self.bar = tqdm(total=len(trajs), desc=desc, unit="traj", disable=not progress, leave=False)
 
+    def open(self) -> None:
+        """Start the batch: every trajectory's first turn."""
+        for i, (env, t) in enumerate(zip(self.batch_envs, self.batch)):
+            self.admit(i, env, t)
+
     def run(self, pool: ThreadPoolExecutor) -> None:
         self.pool = pool
         try:
-            for i, (env, t) in enumerate(zip(self.batch_envs, self.batch)):
-                self.admit(i, env, t)
+            self.open()
             while True:
                 self.take_answers()
                 busy = [s for s in self.steppers.values() if s.busy()]
@@ -610,6 +617,8 @@ class _Rollout(TurnEngine):
 
     def end(self, i: int, finish: str | None = None) -> None:
         super().end(i, finish)
+        if i >= len(self.batch):   # a subclass's own trajectory, not the batch's
+            return
         self.bar.update()
         group = i // self.group_size
         self.left_in_group[group] -= 1
