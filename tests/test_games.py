@@ -407,3 +407,16 @@ def test_a_game_that_cannot_start_or_a_rows_unknown_opponent_fails_its_own_table
         else:
             assert t.finish == "game_over"
     assert {t.finish for t in trajs} == {ENV_ERROR, "game_over"}
+
+
+def test_turnrl_env_plays_a_game_by_hand(capsys, tmp_path, monkeypatch):
+    """`turnrl env game --step ...`: the row's role is typed, the scripted opponent moves itself."""
+    from turnrl.pipeline.env_cli import explore
+    monkeypatch.chdir(tmp_path)
+    explore("game", {"game": "nim", "eval_opponents": ["first"]}, row=0, steps=["3", "3", "3", "3", "3"])
+    out = capsys.readouterr().out
+    heap = Nim()
+    heap.reset(0)
+    assert f"first observation: (first) Heap {heap.heap}. Take 1, 2 or 3." in out
+    assert f"[second plays 1] (first) Heap {heap.heap - 4}." in out
+    assert '"reason": "game_over"' in out or '"reason": "illegal_move"' in out

@@ -106,12 +106,43 @@ class GameTable:
         own = getattr(game, "system_prompt", None)
         return own(role) if callable(own) else self.system_prompt
 
-    # a plain Env's methods: env.name: game is rolled out by turnrl.games.tables, never step by step
+    # By hand (`turnrl env game --step 3 ...`): the row's role is whoever types; the scripted
+    # opponents move by themselves, and with opponent `self` every role is typed. Training and
+    # evaluation never step a GameTable: turnrl.games.tables seats the policy at real tables.
     def reset(self, example: dict) -> str:
-        raise TypeError("env.name: game is rolled out by its own runner (turnrl.games.tables.GameRunner)")
+        self._game = self.new_game()
+        self._game.reset(int(example["game_seed"]))
+        name = str(example.get("opponent") or self.opponent)
+        self._players = {r: make_player(name) for r in self.roles if r != example.get("role") and name != SELF}
+        self._rng = opponent_rng(int(example["game_seed"]), 0)
+        return self._scripted_moves("")
+
+    def _scripted_moves(self, said: str) -> str:
+        while (mover := self._game.to_move()) in self._players:
+            move = self._players[mover].act(self._game.observe(mover), self._game.legal_moves(), self._rng)
+            legal = self._game.play(move).legal
+            said += f"[{mover} plays {move}{'' if legal else ' (illegal)'}] "
+            if not legal:
+                break
+        mover = self._game.to_move()
+        return said + (f"({mover}) {self._game.observe(mover)}" if mover is not None else "")
 
     def step(self, text: str):
-        raise TypeError("env.name: game is rolled out by its own runner (turnrl.games.tables.GameRunner)")
+        from turnrl.envs.base import StepResult
+        mover = self._game.to_move()
+        move = self._game.play(text)
+        if not move.legal and self.illegal == "end" or self._game.to_move() is None:
+            rewards = ({r: self.illegal_reward if r == mover else 0.0 for r in self.roles} if not move.legal
+                       else self._game.rewards())
+            return StepResult(None, 0.0, True, {"outcome": rewards.get(mover, 0.0), "rewards": rewards,
+                                                "reason": "game_over" if move.legal else "illegal_move"})
+        said = "" if move.legal else f"Illegal move: {move.why}. "
+        observation = self._scripted_moves(said)
+        if self._game.to_move() is None:
+            rewards = self._game.rewards()
+            return StepResult(observation, 0.0, True, {"outcome": rewards.get(mover, 0.0), "rewards": rewards,
+                                                       "reason": "game_over"})
+        return StepResult(observation, 0.0, False, {})
 
 
 def _rows(options: dict):

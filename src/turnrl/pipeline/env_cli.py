@@ -104,8 +104,8 @@ def _row(spec: envs.EnvSpec, index: int, data: str | None, name: str = "",
         path = Path(data) if data else PROCESSED
         rows = sources.read_parquet(path) if path.suffix == ".parquet" else sources.load_rows(path)
         where = str(path)
-    elif spec.task is not None and spec.task.rows is not None:
-        rows, where = spec.task.rows(index + 1, seed=0, split="heldout", exclude=set()), "synthetic held-out rows"
+    elif (task := spec.task_for(options or {})) is not None and task.rows is not None:
+        rows, where = task.rows(index + 1, seed=0, split="heldout", exclude=set()), "synthetic held-out rows"
         if other:
             where += f"; {other}, not shown"
     elif other:
