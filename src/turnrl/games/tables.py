@@ -42,7 +42,8 @@ GAME_OVER = "game_over"
 
 @dataclass
 class _Seat:
-    """A policy seat: the trajectory at `index` plays `role`."""
+    """A seat a model plays (the policy, or a frozen checkpoint on `engine`): the trajectory at
+    `index` plays `role`."""
     table: "_Table"
     role: str
     index: int
