@@ -14,15 +14,17 @@ Optional: `reward_sum` (what the roles' final rewards sum to, e.g. 0.0 for a zer
 checked at every game's end, a game that breaks it ends as an environment error),
 `system_prompt(role)`, and `lists_legal_moves = False` for a game whose `legal_moves` cannot
 list them (scripted players cannot play it: refused when the options are read). A `play` that
-returns an illegal move and leaves no one to move ended the game by its own rule. A `Move`'s `rewards` are per-turn rewards where the game gives them.
+returns an illegal move and leaves no one to move ended the game by its own rule. A `Move`'s
+`rewards` are per-turn rewards where the game gives them.
 
 Who plays a role is a `Player` (the policy's roles excepted): anything with
 `act(observation, legal_moves, rng) -> str`. The built-ins: `random` (a random legal move),
 `first` (the first legal move), `endpoint:<base_url>[#model]` (any OpenAI-compatible server); a
 user's player by import path `module:factory` (the factory called with no arguments). A frozen
 model, `checkpoint:<folder>` (e.g. the warm start models/initial), plays a seat of its own on its
-own engine, as the policy's seats do, never trained. `self` names the policy: both roles sample from the same engines and
-each role's turns are a trajectory of its own (`turnrl.games.tables` rolls the tables out).
+own engine, as the policy's seats do, never trained. `self` names the policy: both roles sample
+from the same engines and each role's turns are a trajectory of its own (`turnrl.games.tables`
+rolls the tables out).
 
 Rows: one per (game seed, trained role), so each group of rollout.n trajectories shares a game
 and a role, and group normalisation is within role; the held-out split has a row per (seed,

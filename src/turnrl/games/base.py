@@ -1,10 +1,10 @@
 """The pieces of a game of several players: the `Game` protocol, a `Move`, and the players.
 
 See `turnrl.games` for the protocol in full. A `Player` is anything with
-`act(observation, legal_moves, rng) -> str`: the built-ins `random` and `first`, a frozen model
-`checkpoint:<folder>`, any OpenAI-compatible endpoint `endpoint:<base_url>[#model]`, or a
-player of one's own by import path `module:factory`. `self` names
-the policy.
+`act(observation, legal_moves, rng) -> str`: the built-ins `random` and `first`, any
+OpenAI-compatible endpoint `endpoint:<base_url>[#model]`, or a player of one's own by import
+path `module:factory`. A frozen model `checkpoint:<folder>` is a `Checkpoint` (a seat the tables
+runner gives an engine of its own); `self` names the policy.
 """
 from __future__ import annotations
 

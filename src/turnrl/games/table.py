@@ -9,8 +9,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from turnrl.data.synthetic import Demonstration, SyntheticTask, split_numbers
-from turnrl.envs.base import EnvContext
-from turnrl.games.base import BUILTIN_PLAYERS, SELF, SYSTEM_PROMPT_DEFAULT, Game, Player, make_player
+from turnrl.envs.base import EnvContext, StepResult
+from turnrl.games.base import BUILTIN_PLAYERS, SELF, SYSTEM_PROMPT_DEFAULT, Game, make_player
 from turnrl.games.builtin import BUILTIN_GAMES
 from turnrl.plugins import PluginError, is_import_path, load_object
 
@@ -46,7 +46,8 @@ class GameOptions(BaseModel):
         "the roles the policy plays and is trained on (training rows are made for each); None: every role"))
     opponent: str = Field(SELF, min_length=1, description=(
         "who plays the roles of a training game the row does not train: self (the policy: self-play), random, "
-        "first, or module:factory of a player"))
+        "first, checkpoint:<model folder> (a frozen model), endpoint:<OpenAI-compatible base URL>[#model], or "
+        "module:factory of a player"))
     eval_opponents: list[str] = Field(default_factory=lambda: list(EVAL_OPPONENTS), min_length=1, description=(
         "the opponents the evaluation plays each trained role against (a held-out row per seed, role and "
         "opponent): random, first, checkpoint:<model folder> (checkpoint:models/initial: the warm start, "
@@ -99,9 +100,6 @@ class GameTable:
     def new_game(self) -> Game:
         return make_game(self.game_name, self.kwargs)
 
-    def player(self, name: str) -> Player | None:
-        return make_player(name)
-
     def system_for(self, game: Game, role: str) -> str:
         own = getattr(game, "system_prompt", None)
         return own(role) if callable(own) else self.system_prompt
@@ -127,8 +125,7 @@ class GameTable:
         mover = self._game.to_move()
         return said + (f"({mover}) {self._game.observe(mover)}" if mover is not None else "")
 
-    def step(self, text: str):
-        from turnrl.envs.base import StepResult
+    def step(self, text: str) -> StepResult:
         mover = self._game.to_move()
         move = self._game.play(text)
         if not move.legal and self.illegal == "end" or self._game.to_move() is None:
