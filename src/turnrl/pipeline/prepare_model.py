@@ -116,26 +116,35 @@ def build_tiny(cfg: Config, out_dir: Path, log_metrics: Callable[[int, dict], No
         return _build_tiny(cfg, out_dir, Path(data_dir), log_metrics)
 
 
-def _build_tiny(cfg: Config, out_dir: Path, data_dir: Path, log_metrics) -> dict:
-    spec = cfg.model.warmstart
+def demonstration_setup(cfg: Config, data_dir: Path | str):
+    """What the warm start and `sft.data: demonstrations` share: (the environment's demonstrable
+    task, its train rows, held-out rows, where they came from, `replays(fmt, demos)`). The
+    environment's data files are written to `data_dir` first; `replays` runs each scripted
+    demonstration through the real environment (the tool really runs, the index really answers,
+    the game really plays), on env.workers threads, so the samples have exactly the layout
+    rollouts produce."""
     env = envs.resolve(cfg.env.name)
     task: synthetic.SyntheticTask = demonstrable(env.task_for(cfg.env.checked_options()), cfg.env.name)
     train_rows, heldout_rows, source = demonstration_rows(cfg, task)
     if env.prepare_data is not None:
-        env.prepare_data(heldout_rows + train_rows, data_dir, **cfg.env.checked_options())
+        env.prepare_data(heldout_rows + train_rows, Path(data_dir), **cfg.env.checked_options())
     make_env = cfg.env.factory(max_turns=cfg.rollout.max_turns, seed=cfg.seed, data_dir=data_dir)
     runner = runner_for(env)
+
+    def replays(fmt: ChatFormat, demos) -> list[Trajectory]:
+        with ThreadPoolExecutor(max_workers=cfg.env.workers) as pool:
+            return list(pool.map(lambda d: replay_demonstration(make_env, fmt, d[0], d[1], cfg.env.name, runner),
+                                 demos))
+    return task, train_rows, heldout_rows, source, replays
+
+
+def _build_tiny(cfg: Config, out_dir: Path, data_dir: Path, log_metrics) -> dict:
+    spec = cfg.model.warmstart
+    task, train_rows, heldout_rows, source, replays = demonstration_setup(cfg, data_dir)
     skill = demonstrations(task, train_rows, spec.demonstrations, task.skill_good_fraction, cfg.seed, "skill",
                            cfg.env.name)
     prior = demonstrations(task, train_rows, spec.demonstrations // 2, spec.good_fraction, cfg.seed, "prior",
                            cfg.env.name)
-
-    def replays(fmt: ChatFormat, demos) -> list[Trajectory]:
-        # Each scripted demonstration runs through the real environment (the tool really runs,
-        # the index really answers), so the warm start sees exactly the layout rollouts produce.
-        with ThreadPoolExecutor(max_workers=cfg.env.workers) as pool:
-            return list(pool.map(lambda d: replay_demonstration(make_env, fmt, d[0], d[1], cfg.env.name, runner),
-                                 demos))
 
     # The tokenizer learns from the conversations as the model will see them.
     bytes_only = ChatFormat(build_tokenizer([""], 300), cfg.model.template_type)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -61,22 +60,11 @@ def conversation_split(cfg: Config, fmt: ChatFormat) -> tuple[list[Trajectory], 
 def demonstration_split(cfg: Config, fmt: ChatFormat) -> tuple[list[Trajectory], list[Trajectory], dict]:
     """(training samples, held-out samples, counts): sft.demonstrations of the environment's
     good demonstrations, replayed through it (an agent program's episode: its samples)."""
-    from turnrl import envs
-    from turnrl.pipeline.prepare_model import demonstrable, demonstration_rows, demonstrations, replay_demonstration
-    from turnrl.rollout.episodes import runner_for
+    from turnrl.pipeline.prepare_model import demonstration_setup, demonstrations
     from turnrl.training.sft import split_heldout
-    env = envs.resolve(cfg.env.name)
-    task = demonstrable(env.task_for(cfg.env.checked_options()), cfg.env.name)
-    rows, heldout_rows, _ = demonstration_rows(cfg, task)
-    demos = demonstrations(task, rows, cfg.sft.demonstrations, 1.0, cfg.seed, "sft", cfg.env.name)
     with tempfile.TemporaryDirectory(prefix="turnrl-sft-") as data_dir:
-        if env.prepare_data is not None:
-            env.prepare_data(heldout_rows + rows, Path(data_dir), **cfg.env.checked_options())
-        make_env = cfg.env.factory(max_turns=cfg.rollout.max_turns, seed=cfg.seed, data_dir=data_dir)
-        runner = runner_for(env)
-        with ThreadPoolExecutor(max_workers=cfg.env.workers) as pool:
-            replayed = list(pool.map(lambda d: replay_demonstration(make_env, fmt, d[0], d[1], cfg.env.name, runner),
-                                     demos))
+        task, rows, _, _, replays = demonstration_setup(cfg, data_dir)
+        replayed = replays(fmt, demonstrations(task, rows, cfg.sft.demonstrations, 1.0, cfg.seed, "sft", cfg.env.name))
     train, heldout = split_heldout(replayed, cfg.sft.heldout_fraction, cfg.seed)
 
     def samples(part):
