@@ -187,3 +187,22 @@ def train_two_steps(model_dir, tmp_path, env: dict, algorithm: dict, resume: boo
         history = run(cfg, store, at)
     assert [h["step"] for h in history] == [1, 2]
     return history
+
+
+def local_ray(num_cpus: int):
+    """A local Ray whose workers import the tests' own modules (fakes defined in tests/) and
+    turnrl from src/: a generator for a fixture to yield from (shut down after)."""
+    import ray
+    before = os.environ.get("PYTHONPATH")
+    here = Path(__file__).resolve().parent
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parent / "src"), *filter(None, [before])])
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    try:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+    yield
+    ray.shutdown()

@@ -128,22 +128,8 @@ class FakeEngine:
 @pytest.fixture(scope="module")
 def ray_local():
     """A local Ray whose workers import this module (FakeEngine) from tests/."""
-    from pathlib import Path
-
-    import ray
-    before = os.environ.get("PYTHONPATH")
-    here = Path(__file__).resolve().parent
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parent / "src"), *filter(None, [before])])
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    try:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    finally:
-        if before is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = before
-    yield
-    ray.shutdown()
+    from conftest import local_ray
+    yield from local_ray(num_cpus=2)
 
 
 def _group(dispatch: str, engines: int = 2, **fail):

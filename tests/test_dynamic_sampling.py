@@ -61,22 +61,8 @@ def test_groups_without_signal_make_up_only_what_the_trainer_ranks_need():
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A local Ray whose workers import this module (the scripted actor's class) from tests/."""
-    import os
-    from pathlib import Path
-
-    import ray
-    before = os.environ.get("PYTHONPATH")
-    here = Path(__file__).resolve().parent
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parent / "src"), *filter(None, [before])])
-    try:
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-    finally:
-        if before is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = before
-    yield
-    ray.shutdown()
+    from conftest import local_ray
+    yield from local_ray(num_cpus=1)
 
 
 class Scripted:
