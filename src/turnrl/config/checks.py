@@ -198,6 +198,15 @@ def initial_model_problem(path: str, initial: Path = INITIAL) -> str | None:
             f"(cp -r {initial} my-start) and set model.path to the copy (dvc exp run -S model.path=my-start).{gone}")
 
 
+def _env_options(cfg: Config) -> dict | None:
+    """env.options checked by the environment's options model; None where they fail (load_config
+    has reported that already, and the checks below have nothing to read)."""
+    try:
+        return cfg.env.checked_options()
+    except Exception:   # noqa: BLE001
+        return None
+
+
 # --------------------------------------------------------------------------- games
 def game_problems(cfg: Config) -> list[str]:
     """env.name: gym_text: the game `env.options.make` names can be made and reset (TextArena's
@@ -207,9 +216,8 @@ def game_problems(cfg: Config) -> list[str]:
         return _table_problems(cfg)
     if cfg.env.name != "gym_text":
         return []
-    try:
-        options = cfg.env.checked_options()
-    except Exception:   # noqa: BLE001 - load_config has reported the options already
+    options = _env_options(cfg)
+    if options is None:
         return []
     from turnrl.envs import gym_text
     from turnrl.errors import one_line
@@ -238,9 +246,8 @@ def game_problems(cfg: Config) -> list[str]:
 
 
 def _table_problems(cfg: Config) -> list[str]:
-    try:
-        options = cfg.env.checked_options()
-    except Exception:   # noqa: BLE001 - load_config has reported the options already
+    options = _env_options(cfg)
+    if options is None:
         return []
     from turnrl.games import GameTable, make_player
     from turnrl.errors import one_line
@@ -268,9 +275,8 @@ def _table_problems(cfg: Config) -> list[str]:
 # --------------------------------------------------------------------------- tools
 def tool_problems(cfg: Config) -> list[str]:
     """env.options.mcp: each stdio server's command exists (on PATH, or the file it names)."""
-    try:
-        options = cfg.env.checked_options()
-    except Exception:   # noqa: BLE001 - load_config has reported the options already
+    options = _env_options(cfg)
+    if options is None:
         return []
     problems = []
     for i, server in enumerate(options.get("mcp") or []):
