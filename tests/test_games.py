@@ -357,8 +357,9 @@ def test_an_openai_compatible_endpoint_plays_a_role(fmt):
 @pytest.mark.slow
 def test_two_self_play_steps_on_the_real_stack(tiny_model_dir, tmp_path):
     """rae on self-play Nim through Ray, DeepSpeed and vLLM's stepper (the seats' answers rejoin
-    as the other seat moves): every game ends in a win, draw or loss, none in an error. The
-    untrained model rarely writes a legal move: most games end at once on an illegal or cut-off one."""
+    as the other seat moves): every game ends in a win, draw or loss, none in an error. (The
+    untrained model rarely writes a legal move, so most games end at once; a step whose sampled rows
+    are all second movers may have no seat that moved at all.)"""
     import math
 
     from conftest import train_two_steps
@@ -368,7 +369,7 @@ def test_two_self_play_steps_on_the_real_stack(tiny_model_dir, tmp_path):
     for h in history:
         assert h["finish_env_error_frac"] == 0.0 and math.isfinite(h["loss"])
         assert h["env_win_mean"] + h["env_draw_mean"] + h["env_loss_mean"] == pytest.approx(1.0)
-        assert 0.0 <= h["env_game_moves_mean"] <= 15.0 and h["env_illegal_moves_mean"] > 0
+        assert 0.0 <= h["env_game_moves_mean"] <= 15.0 and 0.0 <= h["env_illegal_move_rate_mean"] <= 1.0
 
 
 class Hangs:
