@@ -192,7 +192,7 @@ def test_the_long_episodes_no_longer_hold_up_one_engine(ray_local):
         seconds[dispatch] = (time.perf_counter() - start, busy)
     static_busy, ll_busy = seconds["static"][1], seconds["least_loaded"][1]
     assert static_busy[0] > 1.1 and static_busy[1] < 0.2
-    assert min(ll_busy) > 0.4, seconds                   # both engines rolled out long groups
+    assert min(ll_busy) > 0.25, seconds                  # both engines rolled out long groups (0.3 s a chunk)
     # (how much sooner the step ends is measured in docs/models-and-gpus.md, not asserted here)
 
 

@@ -283,15 +283,20 @@ def test_params_with_a_game_are_checked_before_any_work():
 
 
 def test_a_frozen_checkpoint_plays_a_role(fmt, tiny_model_dir):
-    """checkpoint:<folder> plays a seat of its own on a transformers engine (the untrained tiny
-    model writes no legal move: the game ends on its illegal or cut-off move, the policy's seat
-    winning); a folder that is not there ends the table as an environment error."""
+    """checkpoint:<folder> plays a seat of its own on a transformers engine, moving first here (the
+    untrained tiny model rarely writes a legal move: then the game ends on its illegal or cut-off
+    move, the policy's seat winning); a folder that is not there ends the table as an environment
+    error."""
     _, make, task = game_env(game="nim", opponent=f"checkpoint:{tiny_model_dir}")
     row = task.rows(2, seed=0, split="train", exclude=set())[1]          # the policy moves second
-    [t] = GameRunner().run(MoveEngine(fmt, lambda text: "1"), [row], make, fmt, BUDGETS)
-    assert t.finish in ("illegal_move", "no_move") and t.outcome == 1.0 and t.num_turns == 0
-    if t.finish == "illegal_move":   # it wrote a move the game refused; else its turn was cut off
-        assert t.info["transcript"].startswith("first: ") and t.info["transcript"].endswith("(illegal)")
+    [t] = GameRunner().run(MoveEngine(fmt, lambda text: "1"), [row], make, fmt, BUDGETS, seed=0)
+    theirs = t.info["opponent_moves"]
+    assert t.finish != ENV_ERROR and all(m["player"] == f"checkpoint:{tiny_model_dir}" for m in theirs)
+    if t.num_turns == 0:             # its first move ended the game: refused, or its turn cut off
+        assert t.finish in ("illegal_move", "no_move") and t.outcome == 1.0
+        assert t.finish == "no_move" or (len(theirs) == 1 and not theirs[0]["legal"])
+    else:                            # it wrote a legal first move: the policy's seat played on
+        assert theirs[0]["turn"] == -1 and theirs[0]["legal"]
     _, make, _ = game_env(game="nim", opponent="checkpoint:/no/such/folder")
     [t] = GameRunner().run(MoveEngine(fmt, lambda text: "1"), [row], make, fmt, BUDGETS)
     assert t.finish == ENV_ERROR and "no model folder there" in t.info["env_error"]
