@@ -145,6 +145,49 @@ def test_every_guide_page_has_a_title():
             assert path.read_text(encoding="utf-8").startswith("# "), f"docs/{name} does not open with a # title"
 
 
+SITE_PAGES = [*DOCS, *sorted((ROOT / "benchmarks").glob("*.md"))]
+_SHALLOW_NESTED = re.compile(r"^ {1,3}(?:[-*+]|\d+\.) ", re.M)
+
+
+def shallow_nested_items(text: str) -> list[str]:
+    """List items indented 1-3 spaces outside code fences: GitHub nests them, but the site's
+    Python-Markdown needs 4 and renders them as one flat list."""
+    return [m.group(0) + text[m.end():].split("\n", 1)[0] for m in _SHALLOW_NESTED.finditer(_FENCE.sub("", text))]
+
+
+_ITEM = re.compile(r"^ *(?:[-*+]|\d+\.) ")
+
+
+def items_glued_to_a_paragraph(text: str) -> list[str]:
+    """List items right under a paragraph that is not itself a list item (no blank line between):
+    GitHub starts a list there, the site's Python-Markdown reads the item as the paragraph's text."""
+    lines = _FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text).split("\n")
+    found, first = [], None
+    for line in lines:
+        if not line.strip():
+            first = None
+        elif first is None:
+            first = line
+        elif _ITEM.match(line) and not _ITEM.match(first) and not first.lstrip().startswith(("|", "#", ">")):
+            found.append(line)
+            first = line
+    return found
+
+
+def test_the_list_checkers_find_what_the_site_renders_flat():
+    assert shallow_nested_items("1. a\n   - b\n") and not shallow_nested_items("1. a\n    - b\n```\n  - c\n```\n")
+    assert items_glued_to_a_paragraph("Text:\n- a\n") and not items_glued_to_a_paragraph("Text:\n\n- a\n- b\n")
+    assert not items_glued_to_a_paragraph("- a\n  more\n- b\n| x |\n")
+
+
+@pytest.mark.parametrize("path", SITE_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_lists_render_as_lists_on_the_site(path):
+    text = path.read_text(encoding="utf-8")
+    nested, glued = shallow_nested_items(text), items_glued_to_a_paragraph(text)
+    assert not nested, f"{path.relative_to(ROOT)}: indent these 4 spaces (the site renders them flat): {nested[:3]}"
+    assert not glued, f"{path.relative_to(ROOT)}: put a blank line before these (the site reads them as text): {glued[:3]}"
+
+
 def _slug(heading: str) -> str:
     """A heading's anchor as GitHub and MkDocs (toc's slugify) both make it: code marks and
     punctuation dropped, lower case, runs of spaces and hyphens as one hyphen."""
