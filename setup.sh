@@ -17,7 +17,7 @@ verifiers_venv() {
     .venv-verifiers/bin/pip install --quiet "verifiers==0.4.0"
 }
 
-# GEM (gem-llm 0.1.0, served to `env.name: openenv` by src/turnrl/envs/gem_server.py) requires
+# GEM (gem-llm 0.1.0, served to `env.name: openenv` by src/turnrl/envs/ecosystem/gem_server.py) requires
 # math-verify[antlr4_13_2], i.e. antlr4-python3-runtime 4.13.2, while hydra-core/omegaconf (dvc's
 # `exp run -S`) require antlr4-python3-runtime 4.9.*: it gets a virtualenv of its own, beside
 # openenv-core 0.3.0 for the server (docs/ecosystem-text-games.md). No torch; 699 MB, 2-4.5 min

@@ -1,4 +1,4 @@
-"""GEM (gem-llm 0.1.0) as a turnrl environment: its games served by src/turnrl/envs/gem_server.py
+"""GEM (gem-llm 0.1.0) as a turnrl environment: its games served by src/turnrl/envs/ecosystem/gem_server.py
 in their own virtualenv (.venv-gem, made by setup.sh: gem-llm needs antlr4-python3-runtime 4.13.2,
 hydra-core/omegaconf in .venv need 4.9.*), reached through the real `env.name: openenv` adapter
 with `env.options.command`. The reference is GEM itself, run by .venv-gem's python: recorded
@@ -16,7 +16,7 @@ import pytest
 
 from conftest import measured, needs_setup
 from turnrl import envs
-from turnrl.envs import openenv as oe
+from turnrl.envs.ecosystem import openenv as oe
 
 REPO = Path(__file__).resolve().parents[1]
 GEM_PYTHON = REPO / ".venv-gem" / "bin" / "python"
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("openenv.core") is None
                                 reason="openenv-core is not installed in .venv (the ecosystem extra)")
 
 ENV_ID = "game:GuessTheNumber-v0-easy"   # 1..10, 4 turns
-COMMAND = f".venv-gem/bin/python src/turnrl/envs/gem_server.py --env {ENV_ID} --port {{port}}"
+COMMAND = f".venv-gem/bin/python src/turnrl/envs/ecosystem/gem_server.py --env {ENV_ID} --port {{port}}"
 # Recorded policy turns: a win or a truncation at the turn limit (reward by distance), a guess out
 # of range, a repeated guess, text around the boxed number, and a reply GEM cannot parse (-0.1).
 SCRIPTS = [["\\boxed{5}", "I think \\boxed{3}", "\\boxed{3}", "\\boxed{8}"],
@@ -112,7 +112,7 @@ def gem_url():
 def reference():
     """GEM itself, in .venv-gem, playing the recorded episodes (and 2048 through the server's class)."""
     args = [ENV_ID, json.dumps(EPISODES), json.dumps(MOVES_2048), json.dumps(SEEDS_2048),
-            str(REPO / "src" / "turnrl" / "envs" / "gem_server.py")]
+            str(REPO / "src" / "turnrl" / "envs" / "ecosystem" / "gem_server.py")]
     done = subprocess.run([str(GEM_PYTHON), "-c", REFERENCE, *args], cwd=REPO, capture_output=True, text=True,
                           timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -156,7 +156,7 @@ def test_sessions_stepped_in_turn_each_play_their_own_seed(reference):
 def test_an_unknown_gem_id_is_one_line_not_a_hang(monkeypatch):
     monkeypatch.chdir(REPO)
     monkeypatch.delenv("DVC_ROOT", raising=False)
-    command = ".venv-gem/bin/python src/turnrl/envs/gem_server.py --env game:NoSuchGame-v0 --port {port}"
+    command = ".venv-gem/bin/python src/turnrl/envs/ecosystem/gem_server.py --env game:NoSuchGame-v0 --port {port}"
     env = envs.make("openenv", command=command, startup_timeout_s=60)
     started = time.monotonic()
     with pytest.raises(oe.OpenEnvError) as error:
@@ -175,7 +175,7 @@ def test_two_training_steps_on_a_gem_game(tiny_model_dir, tmp_path):
     .venv-gem (an absolute command: Ray's workers need not share the test's directory). On the HF
     engine, as the other adapters' two steps."""
     from conftest import train_two_steps
-    command = f"{GEM_PYTHON} {REPO / 'src' / 'turnrl' / 'envs' / 'gem_server.py'} --env {ENV_ID} --port {{port}}"
+    command = f"{GEM_PYTHON} {REPO / 'src' / 'turnrl' / 'envs' / 'ecosystem' / 'gem_server.py'} --env {ENV_ID} --port {{port}}"
     start = time.monotonic()
     history = train_two_steps(tiny_model_dir, tmp_path, {"name": "openenv", "options": {"command": command}},
                               {"name": "grpo"}, data={"train_examples": 16, "heldout_examples": 4},

@@ -6,7 +6,7 @@ import pytest
 ta = pytest.importorskip("textarena", reason="pip install textarena==0.7.4")
 
 from turnrl import envs   # noqa: E402
-from turnrl.envs.gym_text import TASK   # noqa: E402
+from turnrl.envs.ecosystem.gym_text import TASK   # noqa: E402
 from turnrl.plugins import PluginError   # noqa: E402
 from turnrl.rollout.multi_turn import Trajectory   # noqa: E402
 

@@ -21,7 +21,7 @@ import pytest
 
 from conftest import free_port, measured
 from turnrl import envs
-from turnrl.envs import openenv as oe
+from turnrl.envs.ecosystem import openenv as oe
 from turnrl.plugins import PluginError
 from turnrl.rollout.multi_turn import ENV_ERROR, Budgets, run_rollouts
 
@@ -348,7 +348,7 @@ def test_a_killed_worker_leaves_no_server_behind():
     """A Ray worker ends by SIGKILL, so no atexit stop runs: the server its command started must
     still stop (within seconds), not live on as an orphan."""
     worker = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from turnrl.envs import openenv as oe; "
+        "import sys, time; from turnrl.envs.ecosystem import openenv as oe; "
         f"print(oe.server_url({GUESS_COMMAND!r}, 120), oe._SERVERS.live[{GUESS_COMMAND!r}].log, flush=True); "
         "time.sleep(600)")],
         stdout=subprocess.PIPE, text=True, cwd=REPO)

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import needs_setup
 from turnrl import envs
-from turnrl.envs import verifiers as vfe
+from turnrl.envs.ecosystem import verifiers as vfe
 from turnrl.plugins import PluginError
 
 REPO = Path(__file__).resolve().parents[1]

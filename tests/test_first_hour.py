@@ -309,7 +309,7 @@ def test_turnrl_env_shows_the_stop_strings_and_what_ends_a_turn_without_them(tmp
 def test_generations_prompt_is_the_games_first_observation_not_the_episode_seed(tiny_model_dir, monkeypatch):
     from transformers import AutoTokenizer
 
-    from turnrl.envs.gym_text import episode_rows
+    from turnrl.envs.ecosystem.gym_text import episode_rows
     from turnrl.pipeline.evaluate import records
     from turnrl.rollout.chat import ChatFormat
     from turnrl.rollout.multi_turn import Trajectory, replay

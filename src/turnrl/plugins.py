@@ -6,7 +6,8 @@ package. `load_object` imports it and turns every way that can fail into a `Plug
 naming the params key and what to fix; `check_call` checks that a callable takes the
 arguments turnrl will pass; `options_model` and `validate_options` check a plugin's options
 (its own pydantic model, or one made from its signature) with the same fix-it messages as
-params.yaml.
+params.yaml. `import_library` imports an optional library (an ecosystem adapter's, reasoning-gym's)
+on first use, or says in one line which extra installs it.
 
 Modules of the project folder ship with a Ray job to every node (`local_packages` lists them
 for Ray's `py_modules`), so actors on other machines import the same code.
@@ -20,6 +21,7 @@ import inspect
 import os
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
@@ -28,6 +30,8 @@ from turnrl.errors import one_line
 
 #: A value is an import path when it has this separator: `package.module:attribute`.
 SEPARATOR = ":"
+#: What installs the optional libraries of the ecosystem adapters and reasoning-gym (pyproject's extra).
+INSTALL_HINT = "install the ecosystem extra: pip install -e '.[ecosystem]'"
 
 
 class PluginError(ValueError):
@@ -89,6 +93,19 @@ def _defined(module: Any) -> list[str]:
         return True   # an instance (an EnvSpec, a constant)
     own = [n for n, v in vars(module).items() if not n.startswith("_") and n != "annotations" and defined_here(v)]
     return sorted(own)[:20]
+
+
+def import_library(module: str, *, where: str, what: str | None = None, pin: str | None = None,
+                   error: type[Exception] = PluginError) -> ModuleType:
+    """The optional library `module` (`what`: its distribution's name, for the message), imported on
+    first use; otherwise `error` (PluginError unless the caller's floor has its own) in one line:
+    `<where>: the <what> library is not importable (<why>); install the ecosystem extra: ...`,
+    with ` (or pip install <pin>)` when `pin` names the library alone."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        hint = INSTALL_HINT + (f" (or pip install {pin})" if pin else "")
+        raise error(f"{where}: the {what or module} library is not importable ({exc}); {hint}") from None
 
 
 class Registry:

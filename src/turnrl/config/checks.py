@@ -219,7 +219,7 @@ def game_problems(cfg: Config) -> list[str]:
     options = _env_options(cfg)
     if options is None:
         return []
-    from turnrl.envs import gym_text
+    from turnrl.envs.ecosystem import gym_text
     from turnrl.errors import one_line
     from turnrl.plugins import PluginError
     try:

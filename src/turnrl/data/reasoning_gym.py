@@ -30,10 +30,10 @@ from typing import Any, Callable, TypeVar
 
 from turnrl.data.files import DataSourceError
 from turnrl.rewards import reasoning_gym as library
-from turnrl.rewards.reasoning_gym import (DEFAULT_SEED, DEFAULT_SIZE, INSTALL, PREFIX, GymSet, is_spec,
+from turnrl.rewards.reasoning_gym import (DEFAULT_SEED, DEFAULT_SIZE, PREFIX, GymSet, is_spec,
                                           provenance, score)
 
-__all__ = ["DEFAULT_SEED", "DEFAULT_SIZE", "INSTALL", "PREFIX", "GymSet", "ReasoningGymError", "canonical", "check",
+__all__ = ["DEFAULT_SEED", "DEFAULT_SIZE", "PREFIX", "GymSet", "ReasoningGymError", "canonical", "check",
            "dataset", "is_spec", "parse", "provenance", "rows", "score", "task_names"]
 
 F = TypeVar("F", bound=Callable[..., Any])

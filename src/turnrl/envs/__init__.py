@@ -36,10 +36,10 @@ _REGISTRY = Registry("environment", "my_tasks.guess:make_env", _as_spec, {
     "intervention": "turnrl.envs.intervention:ENV",
     "math_answer": "turnrl.envs.single_answer:ENV",
     "tools": "turnrl.envs.tools:ENV",
-    "gym_text": "turnrl.envs.gym_text:ENV",   # TextArena / gymnasium-style text games
-    "openenv": "turnrl.envs.openenv:ENV",   # OpenEnv (openenv-core) servers or Environment classes
-    "skyrl_gym": "turnrl.envs.skyrl_gym:ENV",   # skyrl-gym (SkyRL) environments
-    "verifiers": "turnrl.envs.verifiers:ENV",   # verifiers 0.4.0, in its own venv behind a bridge
+    "gym_text": "turnrl.envs.ecosystem.gym_text:ENV",   # TextArena / gymnasium-style text games
+    "openenv": "turnrl.envs.ecosystem.openenv:ENV",   # OpenEnv (openenv-core) servers or Environment classes
+    "skyrl_gym": "turnrl.envs.ecosystem.skyrl_gym:ENV",   # skyrl-gym (SkyRL) environments
+    "verifiers": "turnrl.envs.ecosystem.verifiers:ENV",   # verifiers 0.4.0, in its own venv behind a bridge
     "agent": "turnrl.gateway:ENV",   # your agent program, through the OpenAI-compatible gateway
     "game": "turnrl.games:ENV",   # games of several players: self-play, fixed opponents
 })

@@ -65,7 +65,7 @@ from contextlib import contextmanager
 from typing import Any, Callable
 
 from turnrl.games.base import Move
-from turnrl.envs.gym_text import _download_hint, _textarena
+from turnrl.envs.ecosystem.gym_text import _download_hint, _textarena
 from turnrl.errors import one_line
 from turnrl.plugins import PluginError
 

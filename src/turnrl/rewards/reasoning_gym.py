@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from turnrl.errors import one_line
+from turnrl.plugins import import_library
 
 PREFIX = "reasoning_gym:"
 DEFAULT_SIZE = 1000
 DEFAULT_SEED = 0
-INSTALL = "pip install -e '.[ecosystem]' (or pip install reasoning-gym==0.1.25)"
+PIN = "reasoning-gym==0.1.25"   # the library alone, for the install hint
 _KEYS = ("name", "size", "seed", "config")
 
 
@@ -107,12 +108,9 @@ def canonical(value: str | Mapping[str, Any], key: str = "data.train_set") -> st
 
 
 def _library(key: str):
-    try:
-        import reasoning_gym
-    except ImportError as exc:
-        raise ReasoningGymError(f"{key}: reasoning_gym sets need the reasoning-gym library, which is not "
-                                f"importable ({exc}); install the ecosystem extra: {INSTALL}") from None
-    return reasoning_gym
+    # turnrl.plugins' import guard, as the ecosystem adapters' (turnrl.envs.ecosystem.glue): rewards
+    # sit below envs, so the guard lives on a floor both reach
+    return import_library("reasoning_gym", where=key, what="reasoning-gym", pin=PIN, error=ReasoningGymError)
 
 
 def task_names(key: str = "data.train_set") -> list[str]:

@@ -39,7 +39,6 @@ import asyncio
 import contextlib
 import inspect
 import json
-import math
 import os
 import shlex
 import signal
@@ -54,15 +53,16 @@ from typing import Any, Callable
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from turnrl.data.synthetic import SyntheticTask
-from turnrl.envs.base import RESERVED_INFO_KEYS, EnvSpec, StepResult
-from turnrl.envs.gym_text import episode_rows
+from turnrl.envs.base import EnvSpec, StepResult
+from turnrl.envs.ecosystem.glue import import_library, is_number, numeric_info
+from turnrl.envs.ecosystem.gym_text import episode_rows
 from turnrl.envs.helpers import Helpers
 from turnrl.errors import one_line
 from turnrl.plugins import PluginError, is_import_path, load_object, project_root
 
 SYSTEM_PROMPT = "You are acting in an environment. Read its messages and reply with your action."
-_NOT_INFO = set(RESERVED_INFO_KEYS) | {"outcome", "reason", "env_error", "reward", "done", "metadata"}
-INSTALL = "install the ecosystem extra: pip install -e '.[ecosystem]'"
+_WHERE, _WHAT = "env.name = openenv", "openenv-core"   # the import guard's message
+_NOT_INFO = ("env_error", "reward", "done", "metadata")   # an observation's fields that are not info
 
 
 class OpenEnvError(RuntimeError):
@@ -121,15 +121,9 @@ class OpenEnvOptions(BaseModel):
 
 # --------------------------------------------------------------------------- the library
 def _library(what: str):
-    try:
-        if what == "client":
-            from openenv.core.generic_client import GenericEnvClient
-            return GenericEnvClient
-        from openenv.core import env_server
-        return env_server
-    except ImportError as exc:
-        raise PluginError(f"env.name = openenv: the openenv-core library is not importable ({exc}); {INSTALL}") \
-            from None
+    if what == "client":
+        return import_library("openenv.core.generic_client", where=_WHERE, what=_WHAT).GenericEnvClient
+    return import_library("openenv.core.env_server", where=_WHERE, what=_WHAT)
 
 
 class _Loop:
@@ -290,20 +284,6 @@ def default_render(observation: dict[str, Any]) -> str:
     return "\n".join(f"{k}: {v if isinstance(v, str) else json.dumps(v, default=str)}" for k, v in observation.items())
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def numeric_info(*sources: dict[str, Any]) -> dict[str, float]:
-    """Numeric fields (not reserved keys) as `info`, logged per step as env_<key>_mean."""
-    info: dict[str, float] = {}
-    for source in sources:
-        for k, v in source.items():
-            if k not in _NOT_INFO and _number(v):
-                info.setdefault(k, float(v))
-    return info
-
-
 class _Episode:
     """What both ways of reaching an environment share: reset arguments, rendering, the result."""
     observation_role = "user"
@@ -330,7 +310,7 @@ class _Episode:
         """(observation fields, reward with None as 0.0, done); garbage is an OpenEnvError."""
         if not isinstance(observation, dict):
             raise OpenEnvError(f"{self.where} answered an observation that is not an object: {observation!r}"[:300])
-        if not (reward is None or isinstance(reward, bool) or _number(reward)):
+        if not (reward is None or isinstance(reward, bool) or is_number(reward)):
             raise OpenEnvError(f"{self.where} answered a reward that is not a finite number: {reward!r}"[:300])
         if not isinstance(done, bool):
             raise OpenEnvError(f"{self.where} answered done = {done!r}, not a bool"[:300])
@@ -345,7 +325,7 @@ class _Episode:
 
     def result(self, observation: dict, reward: float, done: bool, *extra: dict) -> StepResult:
         self.total += reward
-        info = numeric_info(observation, *extra)
+        info = numeric_info(observation, *extra, skip=_NOT_INFO)   # logged per step as env_<key>_mean
         if done:
             info.update(outcome=self.total, reason="done")
         return StepResult(self.text(observation), reward, done, info)

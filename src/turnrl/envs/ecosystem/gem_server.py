@@ -7,7 +7,7 @@ antlr4-python3-runtime 4.9.*. So it lives in its own virtualenv (`.venv-gem`, ma
 and this script runs under that environment's python, by file path. It imports gem,
 openenv-core (and uvicorn, which openenv-core brings) and the standard library: nothing of turnrl.
 
-    .venv-gem/bin/python src/turnrl/envs/gem_server.py --env game:GuessTheNumber-v0-easy --port 8123
+    .venv-gem/bin/python src/turnrl/envs/ecosystem/gem_server.py --env game:GuessTheNumber-v0-easy --port 8123
     # options: --kwargs '{"max_turns": 6}' (gem.make's keyword arguments), --raw, --host, --max-sessions
 
 The mapping keeps GEM's semantics:
@@ -40,7 +40,7 @@ import sys
 import threading
 from typing import Any, Optional
 
-# Run by file path, Python puts this file's folder first on sys.path: turnrl's envs, whose
+# Run by file path, Python puts this file's folder first on sys.path: turnrl.envs.ecosystem, whose
 # openenv.py would shadow the openenv-core package. Drop it before importing the libraries.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
@@ -52,6 +52,8 @@ def _json_safe(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
+# turnrl.envs.ecosystem.glue.is_number, copied: this script runs in .venv-gem, where turnrl is not
+# installed (and cannot be: gem-llm's antlr4 pin clashes with turnrl's hydra-core), so it imports no turnrl
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 

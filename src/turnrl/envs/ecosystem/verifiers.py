@@ -42,7 +42,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from turnrl.data.synthetic import SyntheticTask, split_numbers
-from turnrl.envs.base import RESERVED_INFO_KEYS, EnvContext, EnvSpec, StepResult
+from turnrl.envs.base import EnvContext, EnvSpec, StepResult
+from turnrl.envs.ecosystem.glue import OWN_INFO_KEYS
 from turnrl.envs.helpers import Helpers
 from turnrl.plugins import PluginError
 
@@ -76,7 +77,7 @@ class VerifiersOptions(BaseModel):
 
 
 def _repo_root() -> Path:
-    return Path(__file__).resolve().parents[3]
+    return Path(__file__).resolve().parents[4]   # src/turnrl/envs/ecosystem/verifiers.py
 
 
 def find_python(python: str | None) -> str:
@@ -218,7 +219,7 @@ def close_bridges() -> None:
 
 
 def _info_key(name: str) -> str:
-    return f"reward_{name}" if name in (*RESERVED_INFO_KEYS, "outcome", "reason") else name
+    return f"reward_{name}" if name in OWN_INFO_KEYS else name
 
 
 class VerifiersEnv:

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from turnrl.data.synthetic import SyntheticTask, split_numbers
 from turnrl.envs.base import EnvContext, EnvSpec, StepResult
+from turnrl.envs.ecosystem.glue import import_library, numeric_info
 from turnrl.errors import one_line
 from turnrl.plugins import PluginError, is_import_path, load_object
 
@@ -46,11 +47,7 @@ class GymTextOptions(BaseModel):
 
 
 def _textarena(env_id: str, kwargs: dict[str, Any]):
-    try:
-        import textarena
-    except ImportError as exc:
-        raise PluginError(f"env.options.make = textarena:{env_id}: the textarena library is not importable "
-                          f"({exc}); install the ecosystem extra: pip install -e '.[ecosystem]'") from None
+    textarena = import_library("textarena", where=f"env.options.make = textarena:{env_id}")
     try:
         return textarena.make(env_id, **kwargs)
     except Exception as exc:   # noqa: BLE001 - the library's own "unknown id" error, on one line
@@ -114,7 +111,7 @@ class GymTextEnv:
         observation, reward, terminated, truncated, info = self.game.step(text)
         self.total += float(reward)
         done = bool(terminated or truncated)
-        extra = {k: v for k, v in (info or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        extra = numeric_info(info)
         if done:
             return StepResult(None, float(reward), True, {"outcome": self.total, **extra,
                                                           "reason": "terminated" if terminated else "truncated"})

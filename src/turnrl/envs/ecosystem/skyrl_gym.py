@@ -34,26 +34,20 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from turnrl.data.files import SCHEMA_FIELDS
-from turnrl.envs.base import RESERVED_INFO_KEYS, EnvContext, EnvSpec, StepResult
+from turnrl.envs.base import EnvContext, EnvSpec, StepResult
+from turnrl.envs.ecosystem.glue import import_library, numeric_info
 from turnrl.plugins import PluginError, is_import_path
 
-INSTALL = "install the ecosystem extra: pip install -e '.[ecosystem]'"
 #: ids whose tools need something outside this process (a retrieval server, database files)
 NEEDS_SERVICE = {"search": "a retrieval server at options.kwargs.search_url",
                  "searchcode": "a retrieval server at http://127.0.0.1:8000/retrieve",
                  "text2sql": "the SQLite databases under options.kwargs.db_path"}
 _ROLES = ("user", "tool")
-_OWN_KEYS = set(RESERVED_INFO_KEYS) | {"outcome", "reason"}
 
 
 def library():
     """The skyrl_gym module; PluginError naming the extra when it is not installed."""
-    try:
-        import skyrl_gym
-    except ImportError as exc:
-        raise PluginError(f"env.name = skyrl_gym: the skyrl-gym library is not importable ({exc}); {INSTALL}") \
-            from None
-    return skyrl_gym
+    return import_library("skyrl_gym", where="env.name = skyrl_gym", what="skyrl-gym")
 
 
 def known_ids() -> list[str]:
@@ -117,12 +111,6 @@ def row_extras(row: dict, defaults: dict[str, Any], max_turns: int) -> dict[str,
     return extras
 
 
-def numbers(values: dict | None) -> dict[str, float]:
-    """The numeric entries of the library's metadata (bools as 0/1), minus keys turnrl owns."""
-    return {k: float(v) for k, v in (values or {}).items()
-            if isinstance(k, str) and isinstance(v, (int, float)) and k not in _OWN_KEYS}
-
-
 class SkyRLGymEnv:
     stop: tuple[str, ...] = ()
 
@@ -154,10 +142,10 @@ class SkyRLGymEnv:
         self.turns += 1
         reward = float(out["reward"])
         self.total += reward
-        info = numbers(out.get("metadata"))
+        info = numeric_info(out.get("metadata"), bools=True)   # the library's flags are metrics too
         done = bool(out["done"])
         if done or self.turns >= self.max_turns:
-            info.update(numbers(self.env.get_metrics()))
+            info.update(numeric_info(self.env.get_metrics(), bools=True))
             self.env.close()
             return StepResult(None, reward, True, {**info, "outcome": self.total,
                                                    "reason": "done" if done else "truncated"})

@@ -39,7 +39,7 @@ import sys
 import traceback
 from typing import Any
 
-# run by file path, Python puts this file's folder first on sys.path: turnrl's envs, whose
+# run by file path, Python puts this file's folder first on sys.path: turnrl.envs.ecosystem, whose
 # verifiers.py would shadow the library
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
