@@ -22,7 +22,9 @@ Who plays a role is a `Player` (the policy's roles excepted): anything with
 `first` (the first legal move), `endpoint:<base_url>[#model]` (any OpenAI-compatible server); a
 user's player by import path `module:factory` (the factory called with no arguments). A frozen
 model, `checkpoint:<folder>` (e.g. the warm start models/initial), plays a seat of its own on its
-own engine, as the policy's seats do, never trained. `self` names the policy: both roles sample
+own engine, as the policy's seats do, never trained; so does a past self, `past:<N>` (the policy
+as of its last weight push at a multiple of N updates) or `past:<N>:<K>` (a league of its last K
+such snapshots, each table drawing one: `turnrl.games.league`). `self` names the policy: both roles sample
 from the same engines and each role's turns are a trajectory of its own (`turnrl.games.tables`
 rolls the tables out).
 

@@ -3,8 +3,9 @@
 See `turnrl.games` for the protocol in full. A `Player` is anything with
 `act(observation, legal_moves, rng) -> str`: the built-ins `random` and `first`, any
 OpenAI-compatible endpoint `endpoint:<base_url>[#model]`, or a player of one's own by import
-path `module:factory`. A frozen model `checkpoint:<folder>` is a `Checkpoint` (a seat the tables
-runner gives an engine of its own); `self` names the policy.
+path `module:factory`. A frozen model `checkpoint:<folder>` is a `Checkpoint` and a past self
+`past:<N>[:<K>]` a `Past` (seats the tables runner gives an engine of their own); `self` names
+the policy.
 """
 from __future__ import annotations
 
@@ -71,6 +72,30 @@ class Checkpoint:
     folder: str
 
 
+@dataclass(frozen=True)
+class Past:
+    """`past:<N>` (a past self): the policy as of its last weight push at a multiple of N
+    (before the first, its starting weights), and `past:<N>:<K>` (a league of past selves): the
+    last K such snapshots, each table drawing one with its own generator. Seated as a
+    `Checkpoint` is, on an engine of its own that is never trained; `turnrl.games.league` keeps
+    the snapshots."""
+    every: int
+    keep: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"past:{self.every}" + (f":{self.keep}" if self.keep > 1 else "")
+
+
+def parse_past(name: str, key: str = "env.options.opponent") -> Past:
+    """`past:<N>` or `past:<N>:<K>`, N and K positive whole numbers, as a `Past`."""
+    parts = name.split(":")[1:]
+    if len(parts) in (1, 2) and all(p.isascii() and p.isdigit() and int(p) > 0 for p in parts):
+        return Past(*(int(p) for p in parts))
+    raise PluginError(f"{key} = {name!r}: use past:<N> (the policy as of its last push at a multiple of N "
+                      "updates) or past:<N>:<K> (its last K such snapshots), N and K positive whole numbers")
+
+
 class EndpointPlayer:
     """Any OpenAI-compatible chat endpoint (`endpoint:<base_url>`, e.g.
     endpoint:http://host:8000/v1, or `endpoint:<base_url>#<model>`): each move is one
@@ -110,19 +135,23 @@ class EndpointPlayer:
 BUILTIN_PLAYERS: dict[str, Callable[[], Player]] = {"random": RandomPlayer, "first": FirstLegalPlayer}
 
 
-def make_player(name: str, key: str = "env.options.opponent") -> Player | Checkpoint | None:
-    """The player `name` stands for; a `Checkpoint` for a frozen model; None for `self` (the policy)."""
+def make_player(name: str, key: str = "env.options.opponent") -> Player | Checkpoint | Past | None:
+    """The player `name` stands for; a `Checkpoint` for a frozen model, a `Past` for a past self;
+    None for `self` (the policy)."""
     if name == SELF:
         return None
     if name in BUILTIN_PLAYERS:
         return BUILTIN_PLAYERS[name]()
     if name.startswith("checkpoint:"):
         return Checkpoint(name.split(":", 1)[1])
+    if name.startswith("past:"):
+        return parse_past(name, key)
     if name.startswith("endpoint:"):
         return EndpointPlayer(name.split(":", 1)[1])
     if not is_import_path(name):
         raise PluginError(f"{key} = {name!r}: use {SELF} (the policy), {', '.join(BUILTIN_PLAYERS)}, "
-                          "checkpoint:<model folder>, endpoint:<OpenAI-compatible base URL>[#model] or an import "
+                          "checkpoint:<model folder>, past:<N>[:<K>], endpoint:<OpenAI-compatible base URL>[#model] "
+                          "or an import "
                           "path module:factory of a player")
     player = load_object(name, key)()
     if not callable(getattr(player, "act", None)):

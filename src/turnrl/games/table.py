@@ -46,12 +46,16 @@ class GameOptions(BaseModel):
         "the roles the policy plays and is trained on (training rows are made for each); None: every role"))
     opponent: str = Field(SELF, min_length=1, description=(
         "who plays the roles of a training game the row does not train: self (the policy: self-play), random, "
-        "first, checkpoint:<model folder> (a frozen model), endpoint:<OpenAI-compatible base URL>[#model], or "
-        "module:factory of a player"))
+        "first, checkpoint:<model folder> (a frozen model), past:<N> (a past self: the policy as of its last "
+        "weight push at a multiple of N updates, the starting weights before the first; its own engine, never "
+        "trained), past:<N>:<K> (a league: its last K such snapshots, each game drawing one; K copies of the "
+        "weights in host memory), endpoint:<OpenAI-compatible base URL>[#model], or module:factory of a player"))
     eval_opponents: list[str] = Field(default_factory=lambda: list(EVAL_OPPONENTS), min_length=1, description=(
         "the opponents the evaluation plays each trained role against (a held-out row per seed, role and "
         "opponent): random, first, checkpoint:<model folder> (checkpoint:models/initial: the warm start, "
-        "the starting checkpoint), module:factory, or self (the policy against itself)"))
+        "the starting checkpoint), past:<N>[:<K>] (in training's evaluations the past selves as they are then; "
+        "in the evaluation stages, which push no weights, models/initial), module:factory, or self (the policy "
+        "against itself)"))
     illegal: IllegalRule = Field("end", description=(
         "an illegal move: end (the game ends; the mover gets illegal_reward, every other role +1 in a zero-sum "
         "game, else 0) or retry (the mover is told why and moves again, up to max_retries, then as end)"))

@@ -4,7 +4,9 @@
     for each row (a game seed and the role it trains) and each of its n games: a table
         the row's role                -> a policy seat: trajectory k of the row's group
         every other role              -> the row's opponent (example["opponent"], else env.options.opponent):
-                                         a scripted player, or `self`: another policy seat
+                                         a scripted player, a frozen model on an engine of its own
+                                         (checkpoint:<folder>, or past:<N>[:<K>], a past self:
+                                         turnrl.games.league), or `self`: another policy seat
     self-play pairs rows: a row training role r and a later row training another role share
     their k-th tables (the first row's game seed), so one game trains both seats (half the
     generation); a row left unpaired plays policy seats that are sampled and not trained.
@@ -32,7 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from turnrl.envs.base import StepResult
-from turnrl.games.base import SELF, Checkpoint, Game, Player, make_player
+from turnrl.games.base import SELF, Checkpoint, Game, Past, Player, make_player
+from turnrl.games.league import Leagues, Tensors, model_engine
 from turnrl.games.table import GameTable, opponent_rng
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.multi_turn import ENV_ERROR, BatchRollout, Budgets, Sample, Trajectory, error_result
@@ -42,8 +45,8 @@ GAME_OVER = "game_over"
 
 @dataclass
 class _Seat:
-    """A seat a model plays (the policy, or a frozen checkpoint on `engine`): the trajectory at
-    `index` plays `role`."""
+    """A seat a model plays (the policy, or a frozen checkpoint or past self on `engine`): the
+    trajectory at `index` plays `role`."""
     table: "_Table"
     role: str
     index: int
@@ -54,7 +57,7 @@ class _Seat:
     retries: int = 0                 # illegal moves in a row, this turn
     reward_since: float = 0.0        # per-turn rewards since its last move
     answer: Future | None = None     # its last move's answer: set when it is next to move, or the game ends
-    engine: Any = None               # a frozen checkpoint's engine; None: the policy's
+    engine: Any = None               # a frozen checkpoint's or past self's engine; None: the policy's
 
 
 @dataclass
@@ -68,6 +71,7 @@ class _Table:
     moves: list[tuple[str, str, str, bool]] = field(default_factory=list)   # (role, player, move, legal)
     names: dict[str, str] = field(default_factory=dict)     # the scripted roles' player names
     failed: BaseException | None = None                     # why the table could not open
+    past_version: int | None = None                         # a past self's snapshot: the weight push it holds
 
 
 _FROZEN: dict[str, Any] = {}   # folder -> its engine, loaded once per process
@@ -76,14 +80,10 @@ _FROZEN: dict[str, Any] = {}   # folder -> its engine, loaded once per process
 def frozen_engine(folder: str) -> Any:
     """The engine of a frozen checkpoint opponent (transformers, CPU), loaded on first use."""
     from pathlib import Path
-
-    from turnrl.rollout.engines import HFEngine
     key = str(Path(folder).resolve())
     if key not in _FROZEN:
-        if not (Path(folder) / "config.json").is_file():
-            raise FileNotFoundError(f"checkpoint:{folder}: no model folder there (config.json missing); name a "
-                                    "saved checkpoint such as models/initial (the warm start)")
-        _FROZEN[key] = HFEngine(folder)
+        _FROZEN[key] = model_engine(folder, f"checkpoint:{folder}",
+                                    "name a saved checkpoint such as models/initial (the warm start)")
     return _FROZEN[key]
 
 
@@ -129,7 +129,8 @@ class _Tables(BatchRollout):
     def __init__(self, engine: Any, examples: Sequence[dict], table_env: GameTable, fmt: ChatFormat,
                  budgets: Budgets, *, n: int, temperature: float, top_p: float, seed: int | None,
                  progress: bool = False, desc: str = "rollout",
-                 on_group_done: Callable[[list[Trajectory]], None] | None = None, opponent: str | None = None):
+                 on_group_done: Callable[[list[Trajectory]], None] | None = None, opponent: str | None = None,
+                 leagues: Leagues | None = None):
         for e, example in enumerate(examples):
             if example.get("role") not in table_env.roles:
                 raise ValueError(f"row {example.get('id', e)!r}: role {example.get('role')!r} is not a role of the "
@@ -140,6 +141,7 @@ class _Tables(BatchRollout):
                          seed=seed, observation_lag=0, rejoin="ready", progress=progress, desc=desc, group_size=n,
                          on_group_done=on_group_done)
         self.env, self.n = table_env, n
+        self.leagues = leagues if leagues is not None else Leagues()   # the past selves' engines
         self.seat_of: dict[int, _Seat] = {}
         self.extra = len(self.batch)        # the next index of a seat of its own (untrained)
         self.tables = [self._open(examples, a, b, k, opponent) for a, b in pair_rows(examples, table_env)
@@ -173,13 +175,16 @@ class _Tables(BatchRollout):
                 except Exception as exc:   # noqa: BLE001
                     table.failed = table.failed or exc
                     continue
-                if not isinstance(player, Checkpoint):
+                if not isinstance(player, (Checkpoint, Past)):
                     table.players[role] = player
                     continue
                 index, self.extra = self.extra, self.extra + 1     # a frozen model's seat: untrained
                 self.trajs[index] = Trajectory(example={**first, "role": role, "trained": False}, prompt_ids=[])
-                try:
-                    engine = frozen_engine(player.folder)
+                try:   # a past self: one of its league's snapshots, drawn by the table's generator
+                    if isinstance(player, Checkpoint):
+                        engine = frozen_engine(player.folder)
+                    else:
+                        table.past_version, engine = self.leagues.draw(player, table.rng)
                 except Exception as exc:   # noqa: BLE001
                     table.failed = table.failed or exc
             table.seats[role] = self.seat_of[index] = _Seat(table, role, index, engine=engine)
@@ -289,6 +294,8 @@ class _Tables(BatchRollout):
                     "illegal_moves": float(seat.illegal), "illegal_move_rate": seat.illegal / max(1, seat.moves),
                     "first_mover": float(role == table.game.roles[0]), "game_moves": float(len(table.moves)),
                     "transcript": transcript, "opponent_moves": others_moves(table.moves, role)}
+            if table.past_version is not None:   # logged as env_opponent_version_mean: how old the past self is
+                info["opponent_version"] = float(table.past_version)
             self._end_seat(seat, StepResult(None, seat.reward_since, True, info))
 
     def _fail(self, table: _Table, exc: BaseException) -> None:
@@ -377,7 +384,15 @@ def _roll(tables: _Tables) -> list[Trajectory]:
 
 
 class GameRunner:
-    """The `EpisodeRunner` of `env.name: game`."""
+    """The `EpisodeRunner` of `env.name: game`. Its past selves (`past:` opponents) are the
+    policy's weights as pushed (`turnrl.games.league`): `bind` names the folder they start from."""
+
+    def __init__(self):
+        self.leagues = Leagues()
+
+    def bind(self, model_dir: str) -> None:
+        """The policy's starting folder (the rollout actor's model): where past selves start."""
+        self.leagues.folder = str(model_dir)
 
     def run(self, engine, examples, make_env, fmt, budgets, *, n: int = 1, temperature: float = 1.0,
             top_p: float = 1.0, seed: int | None = None, progress: bool = False, desc: str = "rollout",
@@ -385,8 +400,12 @@ class GameRunner:
         """n trajectories per row (trajectory i of row i // n), each the row's role's seat."""
         if not examples:
             return []
-        return _roll(_Tables(engine, examples, make_env(), fmt, budgets, n=n, temperature=temperature, top_p=top_p,
-                             seed=seed, progress=progress, desc=desc, on_group_done=on_group_done))
+        table_env = make_env()
+        self.leagues.open([table_env.opponent, *table_env.eval_opponents,
+                           *(opponent_of(e, table_env) for e in examples)])
+        return _roll(_Tables(engine, examples, table_env, fmt, budgets, n=n, temperature=temperature, top_p=top_p,
+                             seed=seed, progress=progress, desc=desc, on_group_done=on_group_done,
+                             leagues=self.leagues))
 
     def stream(self, engine, make_env, fmt, budgets, **options):
         raise NotImplementedError("env.name: game is rolled out in train.mode: sync only for now; set "
@@ -401,8 +420,12 @@ class GameRunner:
         return _roll(_Tables(_ScriptEngine(fmt, turns), [example], table_env, fmt, budgets, n=1, temperature=0.0,
                              top_p=1.0, seed=None, opponent=table_env.demonstration_opponent))[0]
 
-    def load_weights(self, version: int, apply: Callable[[], None]) -> None:
+    def load_weights(self, version: int, apply: Callable[[], None], weights: Tensors | None = None) -> None:
+        """The policy's new weights (`apply`), and a snapshot of them (`weights`) for each past
+        self whose N divides the pushes so far (between two rollouts: no table is running)."""
         apply()
+        if weights is not None:
+            self.leagues.push(weights)
 
     def close(self) -> None:
         pass

@@ -264,8 +264,9 @@ class AgentRunner:
             raise ProgramError(t.info.get("env_error", "the program failed"))
         return t
 
-    def load_weights(self, version: int, apply: Callable[[], None]) -> None:
-        """New weights for the engine, loaded by its loop between two engine steps."""
+    def load_weights(self, version: int, apply: Callable[[], None], weights=None) -> None:
+        """New weights for the engine, loaded by its loop between two engine steps (`weights`,
+        the same weights again, is not kept)."""
         self.version = version
         loops = [loop for key, (loop, _) in self.gateways.items() if not isinstance(key, tuple)]
         if not loops:
@@ -350,7 +351,7 @@ class AgentStream:
                 out.append(self._finished.popleft())
             return out
 
-    def load_weights(self, version: int, apply: Callable[[], None]) -> None:
+    def load_weights(self, version: int, apply: Callable[[], None], weights=None) -> None:
         self.loop.load_weights(version, apply)
 
     def counts(self) -> dict[str, int]:

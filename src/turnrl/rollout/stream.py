@@ -128,8 +128,9 @@ class Stream(TurnEngine):
                 out.append(self._finished.popleft())
             return out
 
-    def load_weights(self, version: int, apply: Callable[[], None]) -> None:
-        """New weights: `apply()` runs on the generating thread before its next engine step."""
+    def load_weights(self, version: int, apply: Callable[[], None], weights=None) -> None:
+        """New weights: `apply()` runs on the generating thread before its next engine step
+        (`weights`, the same weights again, is not kept: the step loop has no use for them)."""
         with self._lock:
             self._pending_weights = (version, apply)
             self._lock.notify_all()

@@ -41,7 +41,8 @@ class RolloutWorker:
         from turnrl.rewards.functions import from_config as reward_functions
         from turnrl.rollout.episodes import runner_for
         self.make_env = params.env.factory(max_turns=params.rollout.max_turns, seed=params.seed, data_dir=data_dir)
-        self.runner = runner_for(envs.resolve(params.env.name))   # the step loop, or the agent gateway
+        # the step loop, the agent gateway or a game's tables, told the policy's folder (a game's past selves)
+        self.runner = runner_for(envs.resolve(params.env.name), model_dir)
         self.reward_functions = reward_functions(self.params.reward, self.params.rollout)
         from turnrl.rewards.teacher import Teacher
         self.teacher = Teacher(params.reward.teacher) if params.reward.teacher.enabled else None
@@ -102,18 +103,20 @@ class RolloutWorker:
 
     def load_weight_buckets(self, buckets: list, level: str = "low") -> None:
         """New weights as object-store refs, one per bucket of named tensors: streamed into
-        `level`'s engine bucket by bucket (one fetched at a time)."""
+        `level`'s engine bucket by bucket (one fetched at a time). The runner is handed them
+        again as `tensors` (the policy's, not the high level's): a game's past selves copy them."""
         import ray
+
+        from turnrl.rollout.episodes import hand_weights
 
         def tensors():
             for ref in buckets:
                 yield from unpack_tensors(ray.get(ref))
         self.pushes += 1
-        if self.stream is not None:   # loaded by the generating thread before its next engine step
-            self.stream.load_weights(self.pushes, lambda: self.engines[level].load_weights(tensors()))
-            return
-        # (the agent gateway's engine thread loads them between two engine steps; the step loop at once)
-        self.runner.load_weights(self.pushes, lambda: self.engines[level].load_weights(tensors()))
+        # (a stream's generating thread loads them before its next engine step; the agent gateway's
+        # engine thread between two engine steps; the step loop and a game's tables at once)
+        hand_weights(self.stream if self.stream is not None else self.runner, self.pushes,
+                     lambda: self.engines[level].load_weights(tensors()), tensors if level == "low" else None)
 
     # ----------------------------------------------------------------------- asynchronous training
     def start_stream(self, n: int, max_groups: int, generator_seed: int, version: int) -> None:
