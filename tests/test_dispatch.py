@@ -101,7 +101,8 @@ def test_an_item_is_outstanding_once():
 class FakeEngine:
     """A rollout actor that sleeps `cost` seconds per group (the examples' "cost") and returns
     trajectories naming their example, their index in the group, the generator seed and itself.
-    `fail`: after that many calls, `die` (the process exits) or `raise` (the call raises)."""
+    `fail`: after that many calls, `die` (the process exits), `raise` (the call raises) or `hang`
+    (the call never returns: a hung engine)."""
 
     def __init__(self, name: str, fail_after: int | None = None, how: str = "die"):
         self.name, self.fail_after, self.how, self.calls, self.log = name, fail_after, how, 0, []
@@ -111,6 +112,8 @@ class FakeEngine:
         if self.fail_after is not None and self.calls > self.fail_after:
             if self.how == "die":
                 os._exit(1)
+            if self.how == "hang":
+                time.sleep(3600)
             raise RuntimeError(f"{self.name}: the engine broke")
         start = time.perf_counter()
         time.sleep(sum(e.get("cost", 0.0) for e in examples))
@@ -132,14 +135,14 @@ def ray_local():
     yield from local_ray(num_cpus=2)
 
 
-def _group(dispatch: str, engines: int = 2, **fail):
+def _group(dispatch: str, engines: int = 2, engine_timeout_s: float | None = None, **fail):
     import ray
 
     from turnrl.training.cluster import RolloutGroup
     actor = ray.remote(FakeEngine).options(num_cpus=0)
     names = [f"rollout engine {e}" for e in range(engines)]
     handles = [actor.remote(name, **(fail if e == engines - 1 else {})) for e, name in enumerate(names)]
-    return RolloutGroup(names, handles, seed=3, dispatch=dispatch)
+    return RolloutGroup(names, handles, seed=3, dispatch=dispatch, engine_timeout_s=engine_timeout_s)
 
 
 def _examples(costs):
@@ -224,6 +227,28 @@ def test_an_engine_that_fails_mid_step_hands_its_groups_to_the_others(ray_local,
         ray.kill(h, no_restart=True)
     with pytest.raises(ActorFailure, match="every rollout engine failed .*rollout engine 0: .*rollout engine 2: "):
         group.rollout(_examples([0.0] * 4), 1, step=3)
+
+
+def test_a_hung_engine_is_left_behind_and_its_groups_go_to_the_others(ray_local):
+    # engine 1 never answers its first call: after engine_timeout_s without finishing anything it
+    # is killed and its chunk re-sent; the step completes with every group, none twice
+    group = _group("least_loaded", engine_timeout_s=2.0, fail_after=0, how="hang")
+    start = time.perf_counter()
+    trajs, _ = group.rollout(_examples([0.05] * 16), 2, step=1)
+    assert [(t["id"], t["i"]) for t in trajs] == [(k, i) for k in range(16) for i in range(2)]
+    assert {t["engine"] for t in trajs} == {"rollout engine 0"}
+    assert group.dead == {1: "no answer in 2 s (rollout.engine_timeout_s)"}
+    assert group.take_dispatch_metrics()["dispatch_moved"] == 2    # its one chunk of 2 groups, once
+    assert time.perf_counter() - start < 30                         # not the hour it would sleep
+
+
+def test_a_static_rollout_with_a_hung_engine_stops_naming_it(ray_local):
+    from turnrl.training.cluster import ActorFailure
+    group = _group("static", engine_timeout_s=1.5, fail_after=0, how="hang")
+    with pytest.raises(ActorFailure, match=r"rollout engine 1: no answer in \d+ s \(rollout.engine_timeout_s = 1.5\)"):
+        group.rollout(_examples([0.0] * 4), 1, step=1)
+    import ray
+    ray.kill(group.handles[1], no_restart=True)
 
 
 def test_a_restarted_engine_rejoins(ray_local):

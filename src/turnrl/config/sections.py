@@ -580,6 +580,10 @@ class RolloutCfg(_Section):
         "seeded from its first group's index (the engine that rolled it out changes no token), and a failed "
         "engine's chunks go to the others (dispatch_moved) while one is left. An episode's turns always stay on "
         "one engine. Smaller calls batch fewer sequences at once, so static stays the default"))
+    engine_timeout_s: float = Field(3600.0, gt=0, description=(
+        "a rollout engine with work out that finishes none of it for this long is hung, not slow: least_loaded "
+        "kills it and hands its chunks to the others (dispatch_moved); static stops the run naming it. Raise it "
+        "when one engine's share of a step can take longer (very long agent episodes)"))
 
 
 # --------------------------------------------------------------------------- train

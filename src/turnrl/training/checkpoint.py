@@ -50,7 +50,7 @@ SHAPING_CLUSTER = frozenset({"cluster.trainer_ranks", "cluster.rollout_engines"}
 NOT_SHAPING = frozenset({"train.steps", "train.checkpoint_every", "train.keep_checkpoints",
                          "train.checkpoint_dir", "train.samples_logged_every", "env.workers",
                          "env.max_error_fraction", "train.on_unhealthy", "train.eval_every",
-                         "train.eval_examples"})
+                         "train.eval_examples", "rollout.engine_timeout_s"})
 #: Key prefixes that do not change it either: the health checks only watch.
 NOT_SHAPING_PREFIXES = ("train.health.",)
 STATE_FILE = "state.json"

@@ -187,17 +187,23 @@ def start_ray(cfg: Config) -> None:
                  runtime_env={"py_modules": modules} if modules else None)
 
 
-def wait_all(calls: Sequence[tuple[str, Any]]) -> tuple[list, list[float]]:
+def wait_all(calls: Sequence[tuple[str, Any]], silent_s: float | None = None) -> tuple[list, list[float]]:
     """Results of `calls` ((role, object ref) pairs) in order, and the seconds until each was
     done. The first failure raises ActorFailure at once, without waiting for the others
-    (they may be stuck in a collective with the actor that died)."""
+    (they may be stuck in a collective with the actor that died). `silent_s`: when no call has
+    answered for that long, ActorFailure naming the ones still out (a hung actor), not a hang."""
     import ray
-    start = time.perf_counter()
+    start = last = time.perf_counter()
     pending = {ref: i for i, (_, ref) in enumerate(calls)}
     results: list = [None] * len(calls)
     seconds = [0.0] * len(calls)
     while pending:
-        ready, _ = ray.wait(list(pending), num_returns=1)
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=silent_s)
+        if not ready:
+            out = ", ".join(calls[i][0] for i in sorted(pending.values()))
+            raise ActorFailure(f"{out}: no answer in {time.perf_counter() - last:.0f} s (rollout.engine_timeout_s "
+                               f"= {silent_s:g}); a hung engine, or raise the limit if its work is that long")
+        last = time.perf_counter()
         for ref in ready:
             i = pending.pop(ref)
             seconds[i] = time.perf_counter() - start
@@ -274,16 +280,21 @@ class RolloutGroup(ActorGroup):
                       naming every engine's cause. A later step skips it; `rejoin` brings a
                       restarted one back. With one engine: a single call, as static.
 
+    `engine_timeout_s` (rollout.engine_timeout_s): an engine with work outstanding that finishes
+    nothing for that long is hung. least_loaded treats it as failed (it is killed, its chunks go
+    to the others); static stops the run with ActorFailure naming it. Never a silent hang.
+
     A whole episode (every turn) is rolled out inside one worker, so its turns stick to the
     engine that holds its prefix without any help from the dispatch."""
 
     CHUNKS_PER_ENGINE = 4   # finer: better balance, smaller batches per engine call
 
-    def __init__(self, names: list[str], handles: list, seed: int, dispatch: str = "static"):
+    def __init__(self, names: list[str], handles: list, seed: int, dispatch: str = "static",
+                 engine_timeout_s: float | None = None):
         super().__init__(names, handles)
         if dispatch not in ("static", "least_loaded"):
             raise ValueError(f"rollout dispatch {dispatch!r}: static or least_loaded")
-        self.seed, self.dispatch = seed, dispatch
+        self.seed, self.dispatch, self.engine_timeout_s = seed, dispatch, engine_timeout_s
         self.dead: dict[int, str] = {}            # engine index -> why it left the dispatch
         self.in_flight: list[_Dispatched] = []    # least_loaded rollouts not collected yet
         self._groups = [0] * len(handles)         # groups each engine rolled out, since take_dispatch_metrics
@@ -319,7 +330,7 @@ class RolloutGroup(ActorGroup):
             self._groups = [a + b for a, b in zip(self._groups, groups)]
             self._moved += moved
             return trajs, busy
-        results = wait_all(calls)[0]
+        results = wait_all(calls, self.engine_timeout_s)[0]
         for (name, ref), (_, seconds) in zip(calls, results):
             e = self.names.index(name)
             busy[e] += seconds
@@ -374,6 +385,7 @@ class _Dispatched:
         self.groups = [0] * len(group.handles)
         self.todo = deque(range(len(self.chunks)))
         self.running: dict[Any, tuple[int, int]] = {}     # ref -> (chunk, engine)
+        self.progress: dict[int, float] = {}               # engine -> when it last finished a chunk or got one idle
         self.dispatcher = Dispatcher(live, capacity=1)
         self.step = step
         self.error: BaseException | None = None
@@ -399,6 +411,8 @@ class _Dispatched:
             if engine is None:
                 return
             self.todo.popleft()
+            if not any(e == engine for _, e in self.running.values()):
+                self.progress[engine] = time.perf_counter()
             seed = step_seed(self.group.seed, self.step, f"group {start}")
             ref = self.group.handles[engine].timed_rollout.remote(examples, self.n, generator_seed=seed)
             self.running[ref] = (chunk, engine)
@@ -410,18 +424,29 @@ class _Dispatched:
         try:
             trajs, seconds = ray.get(ref)
         except ray.exceptions.RayError as exc:
-            self.group.dead[engine] = _cause(exc)
-            log.warning("%s failed, its rollouts go to the other engines: %s", self.group.names[engine], _cause(exc))
-            back = self.dispatcher.remove(engine)
-            self.running = {r: ce for r, ce in self.running.items() if ce[1] != engine}
-            self.todo.extendleft(sorted(back, reverse=True))
-            if not self.dispatcher.live:
-                raise self._none_left() from exc
+            self._leave(engine, _cause(exc))
             return
+        self.progress[engine] = time.perf_counter()
         self.dispatcher.done(chunk)
         self.results[chunk] = trajs
         self.busy[engine] += seconds
         self.groups[engine] += len(self.chunks[chunk][1])
+
+    def _leave(self, engine: int, cause: str) -> None:
+        """`engine` failed or hung: it leaves the dispatch and its chunks go back to the queue."""
+        self.group.dead[engine] = cause
+        log.warning("%s failed, its rollouts go to the other engines: %s", self.group.names[engine], cause)
+        back = self.dispatcher.remove(engine)
+        self.running = {r: ce for r, ce in self.running.items() if ce[1] != engine}
+        self.todo.extendleft(sorted(back, reverse=True))
+        if not self.dispatcher.live:
+            raise self._none_left()
+
+    def _hung(self) -> list[int]:
+        """Engines with chunks out that finished nothing for engine_timeout_s."""
+        limit, now = self.group.engine_timeout_s, time.perf_counter()
+        busy = {e for _, e in self.running.values()}
+        return [] if limit is None else [e for e in sorted(busy) if now - self.progress[e] > limit]
 
     def _run(self) -> None:
         import ray
@@ -437,6 +462,9 @@ class _Dispatched:
                     for ref in ready:
                         if ref in self.running:   # (not dropped with an engine that failed meanwhile)
                             self._take(ref)
+                    for engine in self._hung():
+                        ray.kill(self.group.handles[engine], no_restart=True)   # its stuck work holds CPU/GPU
+                        self._leave(engine, f"no answer in {self.group.engine_timeout_s:g} s (rollout.engine_timeout_s)")
         except BaseException as exc:   # handed to the caller of wait()
             self.error = exc
         finally:
@@ -650,7 +678,8 @@ def _start(cfg: Config, model_dir: str, data_dir: str, pg, slots: list[Slot], hi
         # async: feed, take_groups and weight loads reach the actor while its stream generates
         ray.remote(RolloutWorker).options(**options(s, engine_env), max_concurrency=4 if asynchronous else 1).remote(
             model_dir, RolloutParams.of(cfg), data_dir, engine_options, high_model_dir if "high" in groups else None)
-        for s in engine_slots], seed=cfg.seed, dispatch=cfg.rollout.dispatch)
+        for s in engine_slots], seed=cfg.seed, dispatch=cfg.rollout.dispatch,
+        engine_timeout_s=cfg.rollout.engine_timeout_s)
 
     everyone = [*groups.values(), engines]
     names = [name for g in everyone for name in g.names]
