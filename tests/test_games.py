@@ -197,6 +197,15 @@ def test_bad_names_are_one_line_errors():
         make_player("grandmaster")
     with pytest.raises(PluginError, match=r"env.options.game = 'chess'"):
         GameTable(game="chess")
+    # a model seat opens only at the pipeline's tables: not as the demonstrations' opponent, not by hand
+    with pytest.raises(PluginError, match=r"env.options.demonstration_opponent = 'checkpoint:models/initial': a model "
+                                          r"plays a seat only at the pipeline's tables"):
+        GameTable(game="nim", demonstration_opponent="checkpoint:models/initial")
+    for model in ("checkpoint:models/initial", "past:2"):
+        table = GameTable(game="nim", opponent=model)
+        with pytest.raises(PluginError, match=r"the opponent = '.*': .*playing by hand \(turnrl env game\) needs a "
+                                              r"scripted player"):
+            table.reset({"game_seed": 0, "role": "first"})
 
 
 def test_held_out_rows_play_each_role_against_each_evaluation_opponent(fmt):

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from turnrl.data.synthetic import Demonstration, SyntheticTask, split_numbers
 from turnrl.envs.base import EnvContext, StepResult
-from turnrl.games.base import BUILTIN_PLAYERS, SELF, SYSTEM_PROMPT_DEFAULT, Game, make_player
+from turnrl.games.base import BUILTIN_PLAYERS, SELF, SYSTEM_PROMPT_DEFAULT, Checkpoint, Game, Past, Player, make_player
 from turnrl.games.builtin import BUILTIN_GAMES
 from turnrl.plugins import PluginError, is_import_path, load_object
 
@@ -85,6 +85,7 @@ class GameTable:
         self.opponent, self.illegal, self.illegal_reward = opponent, illegal, illegal_reward
         self.max_retries, self.system_prompt = max_retries, system_prompt
         self.demonstration_opponent, self.player_timeout_s = demonstration_opponent, player_timeout_s
+        scripted_player(demonstration_opponent, "env.options.demonstration_opponent", "a demonstration")
         self.eval_opponents = list(eval_opponents or EVAL_OPPONENTS)
         probe = self.new_game()
         self.roles = tuple(probe.roles)
@@ -115,7 +116,8 @@ class GameTable:
         self._game = self.new_game()
         self._game.reset(int(example["game_seed"]))
         name = str(example.get("opponent") or self.opponent)
-        self._players = {r: make_player(name) for r in self.roles if r != example.get("role") and name != SELF}
+        self._players = {r: scripted_player(name, "the opponent", "playing by hand (turnrl env game)")
+                         for r in self.roles if r != example.get("role") and name != SELF}
         self._rng = opponent_rng(int(example["game_seed"]), 0)
         return self._scripted_moves("")
 
@@ -169,7 +171,7 @@ def demonstration_turns(table: GameTable, row: dict, rng: random.Random) -> list
     seeded as `turnrl.games.tables` seeds a replay's opponent, so the replay meets the same game."""
     game = table.new_game()
     game.reset(int(row["game_seed"]))
-    opponent = make_player(table.demonstration_opponent, "env.options.demonstration_opponent")
+    opponent = scripted_player(table.demonstration_opponent, "env.options.demonstration_opponent", "a demonstration")
     opp_rng = opponent_rng(int(row["game_seed"]), 0)
     turns = []
     while (mover := game.to_move()) is not None:
@@ -181,6 +183,17 @@ def demonstration_turns(table: GameTable, row: dict, rng: random.Random) -> list
             move = opponent.act(game.observe(mover), legal, opp_rng)
         game.play(move)
     return turns
+
+
+def scripted_player(name: str, key: str, what: str) -> Player:
+    """The player `name` stands for, where only a program can play (no model seat is open):
+    a frozen or past model is a PluginError naming `key` and what to use instead."""
+    player = make_player(name, key)
+    if isinstance(player, (Checkpoint, Past)) or player is None:
+        raise PluginError(f"{key} = {name!r}: a model plays a seat only at the pipeline's tables (training and "
+                          f"evaluation); {what} needs a scripted player: random, first, endpoint:<base URL> or "
+                          "module:factory")
+    return player
 
 
 def opponent_rng(game_seed: int, index: int) -> random.Random:
