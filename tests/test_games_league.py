@@ -59,6 +59,11 @@ def test_past_names_parse_and_bad_ones_are_one_line_errors_before_any_work():
     [evaluation] = problems(eval_opponents=["random", "past:2:x"])
     assert opponent.startswith("env.options.opponent = 'past:0': ") and "\n" not in opponent
     assert evaluation.startswith("env.options.eval_opponents = 'past:2:x': ") and "\n" not in evaluation
+    # NCCL's broadcast goes straight into vLLM: no copy reaches the tables, so a past self would never change
+    nccl = Config.model_validate({"env": {"name": "game", "options": {"game": "nim", "opponent": "past:2"}},
+                                  "cluster": {"weight_sync": "nccl"}})
+    [stale] = game_problems(nccl)
+    assert "'past:2'" in stale and "cluster.weight_sync=object_store" in stale
 
 
 def test_a_past_self_is_refreshed_every_nth_push_and_a_league_keeps_k(fmt, tiny_model_dir, start):

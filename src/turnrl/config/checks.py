@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from itertools import islice
 from pathlib import Path
 
-from turnrl.config.sections import Config
+from turnrl.config.sections import Config, weight_sync_mode
 from turnrl.data import reasoning_gym
 from turnrl.data.sources import DataSourceError
 
@@ -259,6 +259,11 @@ def _table_problems(cfg: Config) -> list[str]:
     try:
         table = GameTable(**options)
         make_player(table.opponent, "env.options.opponent")
+        past = [n for n in (table.opponent, *table.eval_opponents) if n.startswith("past:")]
+        if past and weight_sync_mode(cfg) == "nccl":
+            problems.append(f"env.options: {past[0]!r} copies the weights each push hands the rollout actor, and "
+                            "cluster.weight_sync nccl broadcasts them into vLLM without it; set "
+                            "-S cluster.weight_sync=object_store")
         for name in table.eval_opponents:
             make_player(name, "env.options.eval_opponents")
             folder = name.split(":", 1)[1] if name.startswith("checkpoint:") else None

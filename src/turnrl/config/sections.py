@@ -891,3 +891,13 @@ class Config(_Section):
                 out[prefix] = value
         walk("", self.model_dump())
         return out
+
+
+def weight_sync_mode(cfg: Config) -> str:
+    """How the trainer's weights reach the engines: cluster.weight_sync, with `auto` resolved
+    (nccl for vLLM engines on GPUs of their own, else object_store)."""
+    c = cfg.cluster
+    if c.weight_sync != "auto":
+        return c.weight_sync
+    separate_gpu_engines = c.placement == "separate" and c.engine_gpus > 0 and cfg.rollout.engine == "vllm"
+    return "nccl" if separate_gpu_engines else "object_store"

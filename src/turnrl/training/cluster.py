@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 from turnrl.config import Config, ConfigError
+from turnrl.config.sections import weight_sync_mode
 from turnrl.training.batching import combine_rank_stats
 from turnrl.training.checkpoint import step_seed
 from turnrl.training.workers import TrainerParams
@@ -48,14 +49,6 @@ class ActorFailure(RuntimeError):
 
 
 # --------------------------------------------------------------------------- checks and plan
-def weight_sync_mode(cfg: Config) -> str:
-    c = cfg.cluster
-    if c.weight_sync != "auto":
-        return c.weight_sync
-    separate_gpu_engines = c.placement == "separate" and c.engine_gpus > 0 and cfg.rollout.engine == "vllm"
-    return "nccl" if separate_gpu_engines else "object_store"
-
-
 def two_models(cfg: Config) -> bool:
     """A second trained model plays the high-level turns (`levels.high_model: separate`)."""
     return cfg.levels.high_model == "separate"
