@@ -7,6 +7,7 @@ committed project per row; results after every run, an interrupted benchmark res
 
     python benchmarks/games.py                        # nim and tictactoe x 3 seeds -> benchmarks/GAMES.md
     python benchmarks/games.py --rows nim --seeds 0
+    python benchmarks/games.py --report-only          # GAMES.md and img/games_curves.png from games.json
 
 Target (issue 52): on every seed, a score of 60% or more against the starting checkpoint (wins
 plus half the draws, both movers) and illegal moves under 2% of the policy's moves.
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import sqlite3
 import statistics
 import sys
 from pathlib import Path
@@ -32,6 +35,10 @@ ROWS = [Row("nim", "game", "rae", sets=[*COMMON, "++env.options.game=nim"]),
         # 40 steps left seed 2 at 3.1% illegal moves, still falling: the same run, longer
         Row("tictactoe_60_steps", "game", "rae", sets=[*COMMON, "++env.options.game=tictactoe", "train.steps=60"])]
 TARGET_SCORE, TARGET_ILLEGAL = 0.60, 0.02
+# The games' own training curves, per step, from the run's plots/train.csv (MLflow keys: rollout/<name>)
+GAME_CURVES = ("env_illegal_move_rate_mean", "env_game_moves_mean", "env_win_mean", "env_draw_mean")
+CURVE_STEPS = (1, 10, 20, 40, 60)            # the illegal-move rate during training at these steps, in the page
+IMAGE = "img/games_curves.png"               # next to the page
 
 
 def score(entry: dict) -> float:
@@ -62,7 +69,134 @@ def run(project: Path, row: Row, seed: int, extra: list[str]) -> dict:
                   illegal_after=round(after.get("illegal_move_rate", float("nan")), 4),
                   illegal_after_greedy=round(after.get("illegal_move_rate_greedy", float("nan")), 4))
     result["transcripts"] = {stage: transcript(project / f"eval/{stage}/task.parquet") for stage in ("baseline", "final")}
+    result["game_curves"] = game_curves_csv(project / "plots/train.csv")
     return result
+
+
+def game_curves_csv(path: Path) -> dict:
+    """The self-play games' curves per training step, from a run's plots/train.csv."""
+    import pandas as pd
+    curve = pd.read_csv(path)
+    return {"source": "train.csv", "step": [int(s) for s in curve["step"]],
+            **{k: [round(float(v), 4) for v in curve[k]] for k in GAME_CURVES if k in curve}}
+
+
+def game_curves_mlflow(db: Path, seed: int, steps: int, check: dict | None = None) -> dict | str:
+    """The same curves read after the fact from a scratch project's MLflow store: the most recent
+    finished run named 'train' with param seed=`seed`. A str says why not: no such run, a run
+    with other than `steps` steps, or one whose response_tokens_mean curve is not `check`'s (the
+    run the result was measured on kept its own in `curves`)."""
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        found = con.execute(
+            "SELECT r.run_uuid FROM runs r JOIN params p ON p.run_uuid = r.run_uuid AND p.key = 'seed' "
+            "WHERE r.name = 'train' AND r.status = 'FINISHED' AND r.lifecycle_stage = 'active' AND p.value = ? "
+            "ORDER BY r.start_time DESC LIMIT 1", (str(seed),)).fetchone()
+        if found is None:
+            return f"no finished 'train' run with seed={seed} in {db}"
+        series: dict[str, dict[int, float]] = {}
+        for key, step, value in con.execute(
+                "SELECT key, step, value FROM metrics WHERE run_uuid = ? AND key LIKE 'rollout/%' "
+                "ORDER BY timestamp", (found[0],)):
+            series.setdefault(key.removeprefix("rollout/"), {})[int(step)] = value   # the last logged value wins
+    finally:
+        con.close()
+    wanted = series.get(GAME_CURVES[0], {})
+    step_list = sorted(wanted)
+    if step_list != list(range(1, steps + 1)):
+        return f"run {found[0]} has steps {step_list[:1]}..{step_list[-1:]} ({len(step_list)}), not 1..{steps}"
+    theirs = (check or {}).get("response_tokens_mean")
+    ours = [series.get("response_tokens_mean", {}).get(s) for s in step_list]
+    if theirs and (len(theirs) != len(ours) or any(o is None or abs(o - t) > 1e-3 for o, t in zip(ours, theirs))):
+        return f"run {found[0]}'s response_tokens_mean is not the result's: another run"
+    return {"source": "mlflow", "run_id": found[0], "step": step_list,
+            **{k: [round(float(series[k][s]), 4) for s in step_list] for k in GAME_CURVES if k in series}}
+
+
+def backfill(results: list[dict], work_dir: Path) -> list[str]:
+    """`game_curves` for every finished result without them, from its row's scratch MLflow store
+    (`work_dir/<row>/mlflow.db`); the results are changed in place. Returns what was done."""
+    said = []
+    for r in results:
+        if "after" not in r or "game_curves" in r:
+            continue
+        db = work_dir / r["row"] / "mlflow.db"
+        got = game_curves_mlflow(db, r["seed"], r["steps"], r.get("curves")) if db.exists() else f"no {db}"
+        if isinstance(got, str):
+            said.append(f"{r['row']} seed {r['seed']}: not backfilled: {got}")
+        else:
+            r["game_curves"] = got
+            said.append(f"{r['row']} seed {r['seed']}: {len(got['step'])} steps from run {got['run_id']}")
+    return said
+
+
+def at_step(curves: dict, key: str, step: int) -> float | None:
+    steps = curves.get("step", [])
+    return curves[key][steps.index(step)] if step in steps and key in curves else None
+
+
+def plot_curves(results: list[dict], path: Path) -> bool:
+    """One panel per game row: the illegal-move rate of the policy's sampled self-play moves per
+    training step, a line per seed, and the 2% target. False (nothing written) when no result has
+    the curves."""
+    rows = [row for row in ROWS if any(r["row"] == row.name and "game_curves" in r for r in results)]
+    if not rows:
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(rows), figsize=(4.2 * len(rows), 3.4), sharey=True, squeeze=False)
+    for ax, row in zip(axes[0], rows):
+        for r in sorted((r for r in results if r["row"] == row.name and "game_curves" in r), key=lambda r: r["seed"]):
+            c = r["game_curves"]
+            ax.plot(c["step"], c[GAME_CURVES[0]], lw=1.2, color=f"C{r['seed'] % 10}", label=f"seed {r['seed']}")
+        ax.axhline(TARGET_ILLEGAL, color="black", ls="--", lw=1, label="2% target")
+        steps = max(len(r["game_curves"]["step"]) for r in results if r["row"] == row.name and "game_curves" in r)
+        ax.set_title(f"{row.name} ({steps} steps)", fontsize=10)
+        ax.legend(fontsize=7)
+        ax.set_xlabel("training step")
+        ax.set_xlim(left=0)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("illegal-move rate (self-play, sampled)")
+    axes[0][0].set_ylim(bottom=0)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+    return True
+
+
+def curve_lines(results: list[dict]) -> list[str]:
+    """The image's paragraph and a table of the illegal-move rate during training at CURVE_STEPS."""
+    have = [r for r in results if "game_curves" in r]
+    if not have:
+        return []
+    backfilled = [f"{r['row']} seed {r['seed']}" for r in have if r["game_curves"].get("source") == "mlflow"]
+    mlflow = ("read after the fact from the metrics (`rollout/env_illegal_move_rate_mean` per step) of the run's "
+              "MLflow run named `train` in the benchmark's scratch project (`--backfill-curves`: the most recent "
+              "finished one with the run's seed, checked to be the measured run by its step count and its "
+              "response_tokens_mean curve in games.json)")
+    source = ("They were read from each run's plots/train.csv when it finished." if not backfilled else
+              f"They were {mlflow}." if len(backfilled) == len(have) else
+              f"They were read from each run's plots/train.csv when it finished, except for {', '.join(backfilled)}: "
+              f"{mlflow}.")
+    lines = ["", f"![illegal-move rate per training step]({IMAGE})", "",
+             f"[The curves]({IMAGE}) are the illegal-move rate of the policy's own moves in the self-play games of "
+             "each training step (sampled, both roles, `env_illegal_move_rate_mean`), one line per seed, against the "
+             "2% target; they are not the held-out games of the table above. " + source + " At some steps (one "
+             "step's games each, mean over the seeds):", "",
+             "| game | seeds | " + " | ".join(f"step {s}" for s in CURVE_STEPS) + " |",
+             "|---|---|" + "---|" * len(CURVE_STEPS)]
+    for row in ROWS:
+        mine = [r["game_curves"] for r in have if r["row"] == row.name]
+        if not mine:
+            continue
+        cells = []
+        for s in CURVE_STEPS:
+            values = [v for v in (at_step(c, GAME_CURVES[0], s) for c in mine) if v is not None and not math.isnan(v)]
+            cells.append(f"{statistics.mean(values):.3f}" if values else "-")
+        lines.append(f"| {row.name} | {len(mine)} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def transcript(parquet: Path) -> str:
@@ -112,6 +246,7 @@ def report(results: list[dict], seeds: list[int]) -> str:
              f"each of env.options.eval_opponents (`random` and `{CHECKPOINT}`, the warm start) on 128 rows;",
              "`before` is the baseline_eval stage (the warm start itself), `after` the eval stage. Illegal moves:",
              "the share of the policy's moves the game refused (a cut-off turn counts as one).",
+             *curve_lines(results),
              "", commits_line(results), "", "## A game before and after", ""]
     for r in [r for r in results if "transcripts" in r][:2]:
         lines += [f"{r['row']}, seed {r['seed']}, as the first mover against the starting checkpoint:", "",
@@ -129,10 +264,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", type=Path, default=ROOT / "benchmarks/GAMES.md")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra params for every run (changes what is measured: say so)")
-    parser.add_argument("--report-only", action="store_true", help="rewrite the report from the results file")
+    parser.add_argument("--report-only", action="store_true",
+                        help=f"rewrite the report and its {IMAGE} (next to it) from the results file")
+    parser.add_argument("--backfill-curves", action="store_true",
+                        help="add game_curves to the results without them, from each row's scratch MLflow store "
+                             "(--work-dir/<row>/mlflow.db), then rewrite the report")
     args = parser.parse_args(argv)
     rows = [r for r in ROWS if not args.rows or r.name in args.rows]
-    write = lambda results: args.report.write_text(with_notes(report(results, args.seeds), args.report))  # noqa: E731
+
+    def write(results: list[dict]) -> None:
+        plot_curves(results, args.report.parent / IMAGE)
+        args.report.write_text(with_notes(report(results, args.seeds), args.report))
+
+    if args.backfill_curves:
+        results = json.loads(args.results.read_text())
+        for line in backfill(results, args.work_dir):
+            print(line)
+        args.results.write_text(json.dumps(results, indent=1) + "\n")
+        write(results)
+        return 0
     if args.report_only:
         write(json.loads(args.results.read_text()))
         return 0
