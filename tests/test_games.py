@@ -249,6 +249,76 @@ def test_role_baselines_by_hand():
     assert state["role_baselines"] == {"nim/first": 0.5, "nim/second": 0.0}   # kept across steps by the caller
 
 
+class RewardedNim(Nim):
+    """Nim whose every legal move rewards its mover at once, in a scale of the mover's role:
+    the first mover gets what it took, the second ten times that."""
+
+    def play(self, text):
+        mover, heap = self.to_move(), self.heap
+        move = super().play(text)
+        if move.legal:
+            move.rewards = {mover: float(heap - self.heap) * (1 if mover == "first" else 10)}
+        return move
+
+
+def test_each_seat_carries_only_its_own_turns_so_turn_level_credit_sees_one_role(fmt):
+    """Self-play: a seat's turn ids count its own moves only (its trained tokens of turn k are its
+    k-th move), its turn rewards are its own moves' (none of the other seat's), its first
+    observation is what follows its own first move, and each group is one role: mt_grpo's turn
+    term (turn 0's reward, group-normalised, on the tokens before the first observation) is
+    computed within one role on that role's first move."""
+    from turnrl.training.loop import advantage_inputs, collate
+    _, make, task = game_env(game="tests.test_games:RewardedNim")
+    rows = task.rows(4, seed=0, split="train", exclude=set())
+
+    class BySeed(MoveEngine):      # takes 1 to 3 by the turn's sampling seed: a group's games differ
+        def generate(self, prompts, *, seeds, **options):
+            out = []
+            for p, seed in zip(prompts, seeds):
+                self.pick = lambda text: str(min(last_heap(text), 1 + seed % 3))
+                out += super().generate([p], seeds=[seed], **options)
+            return out
+    trajs = GameRunner().run(BySeed(fmt, None), rows, make, fmt, BUDGETS, n=2, seed=0)
+    end = fmt.end_of_turn or ""
+    assert min(t.num_turns for t in trajs) >= 2          # every seat moved more than once
+    for t in trajs:
+        role, scale = t.example["role"], 1 if t.example["role"] == "first" else 10
+        mine = [m.split(": ", 1)[1] for m in t.info["transcript"].split(" | ") if m.startswith(role + ":")]
+        assert t.finish == "game_over" and t.num_turns == len(mine) >= 1
+        trained = [[i for i, (m, k) in enumerate(zip(t.loss_mask, t.turn_ids)) if m and k == turn]
+                   for turn in range(t.num_turns)]
+        assert [fmt.tokenizer.decode([t.response_ids[i] for i in pos]).replace(end, "").strip()
+                for pos in trained] == mine
+        assert sorted(set(t.turn_ids)) == list(range(t.num_turns))
+        assert t.turn_rewards == [float(move) * scale for move in mine]
+    batch = collate(trajs, fmt.tokenizer.pad_token_id or 0)
+    x = advantage_inputs(trajs, batch, group_size=2)
+    for g in set(x.group_ids.tolist()):
+        assert len({x.roles[i] for i in range(len(trajs)) if x.group_ids[i] == g}) == 1
+    for row, t in enumerate(trajs):
+        p = len(t.prompt_ids)
+        before = (batch["loss_mask"][row] > 0) & (torch.arange(batch["loss_mask"].shape[1]) < x.first_obs_pos[row])
+        assert (batch["turn_ids"][row][before] == 0).all() and before.sum() == sum(
+            m for m, k in zip(t.loss_mask, t.turn_ids) if k == 0)
+        assert x.turn_rewards[row, 0] == t.turn_rewards[0] and p <= x.first_obs_pos[row]
+    mt_grpo = resolve_algorithm("mt_grpo")
+
+    class Cfg:
+        turn_coef, options = 1.0, {}
+    a = mt_grpo.advantages(x, Cfg())
+    assert a.isfinite().all() and (a[batch["loss_mask"] == 0] == 0).all()
+    # a seat's first move: the outcome's advantage plus its first-move reward normalised within
+    # its group (one role); a seat that never saw an observation (its first move ended the game)
+    # gets the outcome's alone
+    a_out = adv.grpo(rewards=x.rewards, mask=x.mask, group_ids=x.group_ids)
+    a_turn = adv.group_normalize(x.turn_rewards[:, 0], x.group_ids)
+    assert a_turn.abs().max() > 0          # the turn term is not all 0 here
+    for row in range(len(trajs)):
+        before = (batch["loss_mask"][row] > 0) & (torch.arange(a.shape[1]) < x.first_obs_pos[row])
+        turn = a_turn[row] if x.first_obs_pos[row] < a.shape[1] else 0.0
+        assert torch.allclose(a[row][before], a_out[row][before] + turn)
+
+
 @pytest.mark.parametrize("illegal", ["end", "retry"])
 def test_textarena_tictactoe_at_the_tables_under_either_illegal_rule(fmt, illegal):
     """The policy repeats a taken cell: with `end` turnrl's rule ends the game at once; with
