@@ -200,7 +200,25 @@ def curve_lines(results: list[dict]) -> list[str]:
             values = [v for v in (at_step(c, GAME_CURVES[0], s) for c in mine) if v is not None and not math.isnan(v)]
             cells.append(f"{statistics.mean(values):.3f}" if values else "-")
         lines.append(f"| {row.name} | {len(mine)} | " + " | ".join(cells) + " |")
-    return lines
+    return lines + prefix_lines(have)
+
+
+def prefix_lines(have: list[dict]) -> list[str]:
+    """Where a longer row's curve starts with a shorter row's on the same seed (training is
+    deterministic: the longer run repeats the shorter one, then goes on), say so."""
+    curve = {(r["row"], r["seed"]): {**r.get("curves", {}), **r["game_curves"]} for r in have}
+    lines = []
+    for short in ROWS:
+        for long in ROWS:
+            seeds = [s for (name, s), c in curve.items() if name == short.name and (long.name, s) in curve
+                     and len(curve[long.name, s]["step"]) > len(c["step"])
+                     and all(curve[long.name, s].get(k, [])[:len(c["step"])] == c[k] for k in c if k not in ("source", "run_id", "step"))]
+            if seeds:
+                n = len(curve[short.name, seeds[0]]["step"])
+                lines.append(f"On seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, sorted(seeds)))}, "
+                             f"{long.name}'s first {n} steps are {short.name}'s, every logged curve value for value (the same seed, "
+                             f"deterministic training): its later steps continue that run.")
+    return ["", *lines] if lines else []
 
 
 def transcript(parquet: Path) -> str:
