@@ -375,3 +375,73 @@ def test_real_data_runs_through_the_pipeline(project, first_run, setting):
         assert manifest["corpus"]["n"] > 2500
         assert rows["trajectory"].str.contains("<result>|No results", regex=True).any() or \
             not rows["trajectory"].str.contains("<search>").any()
+
+
+@pytest.mark.slow
+def test_self_play_nim_with_a_turn_level_algorithm_through_the_pipeline(project, first_run):
+    """Issue 52: self-play Nim (`env.name: game`) through the real pipeline with a turn-level
+    algorithm, mt_grpo (rae has its own real-stack test in test_games.py): each seat is a trajectory
+    of its own, so the turn-level estimator sees one role's turns (Nim gives no per-move rewards:
+    the turn term is 0 and the outcome term is within each (seed, role) group). Only `eval` and
+    what it depends on run; the evaluation plays both roles against both default opponents."""
+    import math
+
+    import pandas as pd
+    params = (project / "params.yaml").read_text()
+    sets = ["env.name=game", "++env.options.game=nim", "algorithm.name=mt_grpo",
+            # the real-data tests may have left other sets in the workspace's params.yaml
+            "data.train_set=synthetic", "data.heldout_set=synthetic",
+            "rollout.max_turns=8", "rollout.max_tokens_per_turn=8", "rollout.max_tokens_total=200",
+            # 40 steps: the rules (a legal move most of the time), so games go on past a first move
+            "model.warmstart.skill_steps=40", "model.warmstart.prior_steps=0",
+            # 2 seeds x 2 roles x 2 evaluation opponents
+            "data.heldout_examples=8", "eval.benchmarks=[]", "eval.greedy=false", "train.steps=2"]
+    start = time.perf_counter()
+    try:
+        proc = run_dvc(project, "exp", "run", "eval", *[a for kv in sets for a in ("-S", kv)])
+    finally:
+        (project / "params.yaml").write_text(params)
+    seconds = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for stage in ["preprocess", "prepare_model", "train", "eval"]:
+        assert f"Running stage '{stage}'" in proc.stdout, stage
+
+    task = json.loads((project / "metrics/eval.json").read_text())["task"]
+    assert task["n"] == 8
+    assert task["win"] + task["draw"] + task["loss"] == pytest.approx(1.0, abs=1e-3)
+    assert 0.0 <= task["illegal_move_rate"] <= 1.0
+    subjects = {f"{role} vs {opponent}" for role in ("first", "second")
+                for opponent in ("random", "checkpoint:models/initial")}
+    assert set(task["by_subject"]) == subjects
+    for entry in task["by_subject"].values():
+        assert entry["n"] == 2 and entry["win"] + entry["draw"] + entry["loss"] == pytest.approx(1.0, abs=1e-3)
+
+    assert json.loads((project / "metrics/train.json").read_text())["steps"] == 2
+    curve = pd.read_csv(project / "plots/train.csv")
+    assert list(curve["step"]) == [1, 2]
+    assert {"env_win_mean", "env_draw_mean", "env_loss_mean", "env_illegal_move_rate_mean"} <= set(curve.columns)
+    assert all(math.isfinite(x) for x in curve["loss"])
+    assert (curve["env_win_mean"] + curve["env_draw_mean"] + curve["env_loss_mean"]).sub(1.0).abs().max() < 1e-3
+
+    # each row is one seat's conversation: the heap it was shown before each of its moves, so
+    # from one to the next the heap fell by its own move and the other player's (1 to 3)
+    from turnrl.games.base import last_number
+    rows = pd.read_parquet(project / "eval/final/task.parquet")
+    assert len(rows) == 8 and set(rows["subject"]) == subjects
+    replied = 0
+    for _, row in rows.iterrows():
+        role = json.loads(row["extra"])["role"]
+        assert role == row["subject"].split(" vs ")[0]
+        messages = [m for m in json.loads(row["messages"]) if m["role"] != "system"]
+        if row["turns"] == 0:    # the opponent opened with an illegal move: the seat never moved
+            assert role == "second" and messages == [] and row["finish"] in ("no_move", "illegal_move"), row.to_dict()
+            continue
+        assert [m["role"] for m in messages] == ["user", "assistant"] * row["turns"], messages
+        heaps = [int(m["content"].split()[1].rstrip(".")) for m in messages[::2]]
+        assert all(m["content"].startswith("Heap ") for m in messages[::2]) and 1 <= heaps[0] <= 15, messages
+        for k in range(1, len(heaps)):
+            own = int(last_number(messages[2 * k - 1]["content"]))
+            assert 1 <= heaps[k - 1] - own - heaps[k] <= 3, messages
+            replied += 1
+    assert replied, "no game went past a seat's first move: nothing shows the other player's moves"
+    print(f"self-play nim, mt_grpo: {seconds:.0f}s; task block {task}")
