@@ -148,7 +148,9 @@ def test_a_cut_off_turn_loses_and_max_turns_draws(fmt):
     rows = task.rows(2, seed=0, split="train", exclude=set())
     trajs = GameRunner().run(MoveEngine(fmt, lambda text: "1", finish="length"), rows, make, fmt, BUDGETS)
     assert trajs[0].finish == "truncated" and trajs[0].outcome == -1.0
-    assert trajs[1].outcome == 1.0 and trajs[1].num_turns == 0 and trajs[1].finish == "no_move"   # never moved
+    assert trajs[1].outcome == 1.0 and trajs[1].num_turns == 0 and trajs[1].finish == "opponent_no_move"   # never moved
+    assert trajs[1].messages[-1] == {"role": "user", "content": trajs[1].messages[-1]["content"]}   # what it was shown
+    assert "Heap" in trajs[1].messages[-1]["content"]
     short = Budgets(max_turns=1, max_tokens_per_turn=16, max_tokens_total=400)
     trajs = GameRunner().run(MoveEngine(fmt, lambda text: "1"), rows, make, fmt, short)
     assert {t.finish for t in trajs} == {"max_turns"} and all(t.outcome == 0.0 and t.info["draw"] for t in trajs)
@@ -372,8 +374,8 @@ def test_a_frozen_checkpoint_plays_a_role(fmt, tiny_model_dir):
     theirs = t.info["opponent_moves"]
     assert t.finish != ENV_ERROR and all(m["player"] == f"checkpoint:{tiny_model_dir}" for m in theirs)
     if t.num_turns == 0:             # its first move ended the game: refused, or its turn cut off
-        assert t.finish in ("illegal_move", "no_move") and t.outcome == 1.0
-        assert t.finish == "no_move" or (len(theirs) == 1 and not theirs[0]["legal"])
+        assert t.finish in ("opponent_illegal_move", "opponent_no_move") and t.outcome == 1.0
+        assert t.finish == "opponent_no_move" or (len(theirs) == 1 and not theirs[0]["legal"])
     else:                            # it wrote a legal first move: the policy's seat played on
         assert theirs[0]["turn"] == -1 and theirs[0]["legal"]
     _, make, _ = game_env(game="nim", opponent="checkpoint:/no/such/folder")

@@ -433,8 +433,10 @@ def test_self_play_nim_with_a_turn_level_algorithm_through_the_pipeline(project,
         role = json.loads(row["extra"])["role"]
         assert role == row["subject"].split(" vs ")[0]
         messages = [m for m in json.loads(row["messages"]) if m["role"] != "system"]
-        if row["turns"] == 0:    # the opponent opened with an illegal move: the seat never moved
-            assert role == "second" and messages == [] and row["finish"] in ("no_move", "illegal_move"), row.to_dict()
+        if row["turns"] == 0:    # the opponent opened with an illegal move: the seat never moved, shown the board
+            assert role == "second" and [m["role"] for m in messages] == ["user"], row.to_dict()
+            assert messages[0]["content"].startswith("Heap ") and row["finish"] in ("opponent_no_move",
+                                                                                    "opponent_illegal_move"), row.to_dict()
             continue
         assert [m["role"] for m in messages] == ["user", "assistant"] * row["turns"], messages
         heaps = [int(m["content"].split()[1].rstrip(".")) for m in messages[::2]]

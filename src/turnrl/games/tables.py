@@ -296,6 +296,8 @@ class _Tables(BatchRollout):
                     "transcript": transcript, "opponent_moves": others_moves(table.moves, role)}
             if table.past_version is not None:   # logged as env_opponent_version_mean: how old the past self is
                 info["opponent_version"] = float(table.past_version)
+            if offender is not None and role != offender:   # the game ended on another role's move, not this seat's
+                info["reason"] = f"opponent_{reason}"
             self._end_seat(seat, StepResult(None, seat.reward_since, True, info))
 
     def _fail(self, table: _Table, exc: BaseException) -> None:
@@ -310,9 +312,15 @@ class _Tables(BatchRollout):
             t.info.update({k: v for k, v in result.info.items() if k != "reason"})
         elif seat.started:                  # waiting for its move's answer: the game's end is the answer
             seat.answer.set_result((result, (time.time(), time.time())))
-        else:                               # the game ended before its first move
+        else:                               # the game ended before its first move: what it would have seen
             system = self.env.system_for(seat.table.game, seat.role)
-            t.prompt_ids = self.fmt.prompt_ids(system, "")
+            try:
+                seen = str(seat.table.game.observe(seat.role))
+            except Exception:   # noqa: BLE001 - a game that cannot show a finished board
+                seen = ""
+            t.prompt_ids = self.fmt.prompt_ids(system, seen)
+            t.messages = ([{"role": "system", "content": system}] if system else []) + \
+                ([{"role": "user", "content": seen}] if seen else [])
             self.envs[seat.index] = self.env
             t.record(result)
             t.turn_rewards.clear()          # no turn was played
