@@ -232,22 +232,25 @@ def test_an_engine_that_fails_mid_step_hands_its_groups_to_the_others(ray_local,
 def test_a_hung_engine_is_left_behind_and_its_groups_go_to_the_others(ray_local):
     # engine 1 never answers its first call: after engine_timeout_s without finishing anything it
     # is killed and its chunk re-sent; the step completes with every group, none twice
-    group = _group("least_loaded", engine_timeout_s=2.0, fail_after=0, how="hang")
+    import ray
+    group = _group("least_loaded", engine_timeout_s=5.0, fail_after=0, how="hang")
+    ray.get([h.calls_log.remote() for h in group.handles])   # started: an actor's start-up is not its work
     start = time.perf_counter()
     trajs, _ = group.rollout(_examples([0.05] * 16), 2, step=1)
     assert [(t["id"], t["i"]) for t in trajs] == [(k, i) for k in range(16) for i in range(2)]
     assert {t["engine"] for t in trajs} == {"rollout engine 0"}
-    assert group.dead == {1: "no answer in 2 s (rollout.engine_timeout_s)"}
+    assert group.dead == {1: "no answer in 5 s (rollout.engine_timeout_s)"}
     assert group.take_dispatch_metrics()["dispatch_moved"] == 2    # its one chunk of 2 groups, once
     assert time.perf_counter() - start < 30                         # not the hour it would sleep
 
 
 def test_a_static_rollout_with_a_hung_engine_stops_naming_it(ray_local):
     from turnrl.training.cluster import ActorFailure
+    import ray
     group = _group("static", engine_timeout_s=1.5, fail_after=0, how="hang")
+    ray.get([h.calls_log.remote() for h in group.handles])
     with pytest.raises(ActorFailure, match=r"rollout engine 1: no answer in \d+ s \(rollout.engine_timeout_s = 1.5\)"):
         group.rollout(_examples([0.0] * 4), 1, step=1)
-    import ray
     ray.kill(group.handles[1], no_restart=True)
 
 
