@@ -236,7 +236,7 @@ def transcript(parquet: Path) -> str:
 def report(results: list[dict], seeds: list[int]) -> str:
     table = ["| game | seed | vs checkpoint: before → after | as first / second (after) | vs random: before → after "
              "| illegal moves: before → after | target |", "|---|---|---|---|---|---|---|"]
-    met_rows = []
+    met_rows, recommended = [], []
     for row in ROWS:
         done = sorted((r for r in results if r["row"] == row.name and "after" in r), key=lambda r: r["seed"])
         for r in done:
@@ -258,8 +258,12 @@ def report(results: list[dict], seeds: list[int]) -> str:
                 for r in done)
             met_rows.append(f"{row.name}: {statistics.mean(after):.2f}{sd} against the starting checkpoint over "
                             f"{len(done)} seed(s), target {'met' if met else '**not met**'}")
+            if met:
+                own = [s for s in row.sets if s not in COMMON]
+                recommended.append(f"`{row.name}` (" + " ".join(f"`-S {s}`" for s in own) + ")")
     headline = ("Self-play with `algorithm.name: rae` from the warm start. Score = wins + half the draws, both movers, "
-                "sampled at T=1: " + ("; ".join(met_rows) if met_rows else "no run finished yet") + ".")
+                "sampled at T=1: " + ("; ".join(met_rows) if met_rows else "no run finished yet") + "."
+                + (" **Recommended, the target met on every seed**: " + ", ".join(recommended) + "." if recommended else ""))
     lines = ["# Games: self-play", "",
              *result_section(headline, table, "python benchmarks/games.py", "games.json"),
              "", "## What was measured", "",
