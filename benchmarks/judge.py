@@ -61,7 +61,10 @@ def rows(port: int) -> list[Row]:
             Row("async", "code_tool", "grpo", sets=[*STEPS, *ASYNC]),
             Row("async_judge", "code_tool", "grpo", sets=[*STEPS, *ASYNC, *judge_sets(port)]),
             Row("async_rec", "code_tool", "grpo", sets=[*STEPS, *ASYNC_REC]),
-            Row("async_rec_judge", "code_tool", "grpo", sets=[*STEPS, *ASYNC_REC, *judge_sets(port)])]
+            Row("async_rec_judge", "code_tool", "grpo", sets=[*STEPS, *ASYNC_REC, *judge_sets(port)]),
+            # the same with a KL penalty to the start: async_rec_judge's seed 2 ran away from it (KL 1.53)
+            Row("async_rec_kl_judge", "code_tool", "grpo",
+                sets=[*STEPS, *ASYNC_REC, "algorithm.kl_coef=0.05", *judge_sets(port)])]
 
 
 def run(project: Path, row: Row, seed: int, extra: list[str]) -> dict:
