@@ -35,7 +35,8 @@ def answer(text: str):
 
 class JudgeServer:
     """Answers by the prompt: 'score N' -> 'N', 'babble' -> no number, 'slow N' -> N after 3 s,
-    'flaky N' -> 503 on its first request then N; counts requests and the most in flight."""
+    'flaky N' -> 503 on its first request then N, 'lagging N' -> N, after 3 s on its first request
+    only; counts requests and the most in flight."""
 
     def __init__(self, delay_s: float = 0.05):
         from starlette.responses import JSONResponse
@@ -48,7 +49,8 @@ class JudgeServer:
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
             try:
                 word, _, value = prompt.partition(" ")
-                await asyncio.sleep(3.0 if word == "slow" else self.delay_s)
+                lagging = word == "lagging" and self.requests[prompt] == 1
+                await asyncio.sleep(3.0 if word == "slow" or lagging else self.delay_s)
                 if word == "flaky" and self.requests[prompt] == 1:
                     return JSONResponse({"error": "overloaded"}, status_code=503)
                 return answer("I would rather not say" if word == "babble" else f"Score: {value}")

@@ -301,6 +301,8 @@ def test_the_judge_report_pairs_each_judge_run_with_its_programmatic_run():
     judged = [{"row": "sync_judge", "seed": 0, "gain_pts": 60.0, "baseline": 0.2, "trained": 0.8, "step_s": 6.0,
                "train_s": 120.0, "steps": 20, "judge_calls": 100, "judge_latency_p50_s": 0.5,
                "judge_latency_p99_s": 2.0, "judge_retries": 1.0, "judge_unparsable": 1.0, "commit": "b"}]
-    text = report(judged, [0], 8731, base)
-    assert "- sync: seed 0: 1.20 (against dynamic_sampling.json's run)" in text   # 6.0 s against 100 / 20
+    hedged = [{**judged[0], "row": "sync_judge_hedged", "step_s": 5.5}]
+    text = report(judged + hedged, [0], 8731, base)
+    assert "- sync_judge over sync: seed 0: 1.20 (against dynamic_sampling.json's run)" in text   # 6.0 s against 100 / 20
+    assert "- sync_judge_hedged over sync: seed 0: 1.10 (against" in text
     assert "| sync_judge | +60.0 (1 seed) | +60.0 | 0.800 | 6.00 | 100 | 0.50 / 2.00 | 1.0 | 1.0 |" in text

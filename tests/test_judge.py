@@ -140,6 +140,60 @@ def test_requests_in_flight_never_exceed_max_concurrency_and_a_batch_asks_a_prom
     assert out[-1] == out[-2] == pytest.approx(0.5)
 
 
+def test_batches_scored_at_once_from_several_threads_share_max_concurrency(server):
+    """The scoring threads (turnrl.rollout.scored) call one judge at once: its bound holds across them."""
+    import threading
+    server.delay_s = 0.2
+    judge = Judge(_cfg(base_url=server.url, range=[0, 10], max_concurrency=3))
+    outs = {}
+
+    def score(k):
+        outs[k] = judge.score_batch(_trajs(*[f"score {k} {j}" for j in range(6)]), decode=lambda ids: "")
+    threads = [threading.Thread(target=score, args=(k,)) for k in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert server.most_in_flight == 3 and sum(server.requests.values()) == 18
+    assert all(out == pytest.approx([j / 10 for j in range(6)]) for out in outs.values())
+
+
+def test_a_call_still_out_after_hedge_after_gets_a_twin_and_the_first_answer_wins(server):
+    """'lagging' answers its first request after 3 s and the second at once: hedged at 0.3 s the
+    verdict comes from the twin, well before the first would have."""
+    judge = Judge(_cfg(base_url=server.url, range=[0, 10], hedge_after=0.3, timeout_s=10))
+    trajs = _trajs("lagging 6", "score 4")
+    start = time.perf_counter()
+    out = judge.score_batch(trajs, decode=lambda ids: "")
+    assert out == pytest.approx([0.6, 0.4]) and time.perf_counter() - start < 2.0
+    assert server.requests["lagging 6"] == 2 and server.requests["score 4"] == 1   # a quick call is not hedged
+    assert [t.info["judge_judge"][0]["hedged"] for t in trajs] == [True, False]
+    assert judge_metrics(trajs)["judge_judge_hedged"] == 1
+
+    unhedged = Judge(_cfg(base_url=server.url, range=[0, 10], timeout_s=10))
+    start = time.perf_counter()
+    assert unhedged.score_batch(_trajs("lagging 7"), decode=lambda ids: "") == pytest.approx([0.7])
+    assert time.perf_counter() - start >= 3.0
+
+
+def test_hedge_after_a_quantile_waits_for_the_judges_own_latencies():
+    from turnrl.rewards.judge import HEDGE_MIN_CALLS
+    judge = Judge(_cfg(hedge_after="p90"))
+    judge.latencies.extend([1.0] * (HEDGE_MIN_CALLS - 1))
+    assert judge.hedge_after_s() is None          # too few answers to know the judge's tail
+    judge.latencies.extend([1.0] * 8 + [11.0] * 2)   # 29 at 1 s, 2 at 11 s
+    assert judge.hedge_after_s() == pytest.approx(1.0)
+    judge.latencies.extend([11.0] * 2)
+    assert 1.0 < judge.hedge_after_s() <= 11.0
+    assert Judge(_cfg(hedge_after=2.5)).hedge_after_s() == 2.5 and Judge(_cfg()).hedge_after_s() is None
+
+
+@pytest.mark.parametrize("hedge", ["p5", "fast", -1, 0])
+def test_a_hedge_after_that_means_nothing_is_refused_naming_the_key(hedge):
+    with pytest.raises(ValueError, match="hedge_after"):
+        _cfg(hedge_after=hedge)
+
+
 def test_a_judge_is_a_weighted_reward_whose_failures_follow_on_error(server):
     cfg = Config.model_validate({"reward": {"on_error": "zero", "judges": [
         {"name": "quality", "base_url": server.url, "template": "{response}", "range": [0, 10], "weight": 0.5}]}})

@@ -57,6 +57,27 @@ def test_groups_are_scored_as_they_finish_not_when_the_trainer_takes_them():
     stream.stop()
 
 
+@pytest.mark.parametrize("max_batches", [1, 4])
+def test_a_group_ending_while_a_batch_waits_for_its_score_is_scored_at_once(max_batches):
+    """g0's score takes 1 s (a judge's slowest answer), g1 ends at 0.2 s: with several batches
+    at once g1 is scored without waiting for g0's; with one it waits (the former behaviour)."""
+    scored_at: dict[str, float] = {}
+
+    def score(trajs):
+        time.sleep(1.0 if trajs[0].example["id"] == "g0" else 0.1)
+        for t in trajs:
+            t.rewards["judge"] = 1.0
+            scored_at[t.example["id"]] = time.perf_counter()
+
+    stream = ScoredStream(ScriptedStream([0.0, 0.2]), score, poll_s=0.05, max_batches=max_batches)
+    groups = []
+    while len(groups) < 2:
+        groups += stream.take_groups(2, timeout_s=3.0)
+    assert sorted(g[0].example["id"] for g in groups) == ["g0", "g1"]
+    assert (scored_at["g1"] < scored_at["g0"]) == (max_batches > 1)
+    stream.stop()
+
+
 def test_a_take_waits_for_the_score_and_counts_what_is_being_scored():
     release = threading.Event()
 

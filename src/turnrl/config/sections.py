@@ -358,10 +358,20 @@ class JudgeCfg(_Section):
     max_concurrency: int = Field(8, gt=0, description="requests in flight to the judge at once")
     timeout_s: float = Field(60.0, gt=0, description="seconds one request may take")
     retries: int = Field(2, ge=0, description="more tries after a timeout, a connection error or a 429/5xx")
+    hedge_after: float | str | None = Field(None, description=(
+        "a call still unanswered after this many seconds gets a twin request, the first answer taken (a slow "
+        "judge's tail off the step's time, for a few more calls); or pNN (e.g. p90): that quantile of this "
+        "judge's own recent latencies (from its 20th answer); null: never"))
     max_tokens: int = Field(256, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> "JudgeCfg":
+        hedge = self.hedge_after
+        if isinstance(hedge, str) and not (re.fullmatch(r"p\d\d", hedge) and int(hedge[1:]) >= 50):
+            raise ValueError(f"hedge_after = {hedge!r}: seconds (e.g. 1.5), a quantile p50-p99 of the judge's own "
+                             "latencies (e.g. p90), or null")
+        if isinstance(hedge, (int, float)) and hedge <= 0:
+            raise ValueError(f"hedge_after = {hedge}: seconds above 0, a quantile like p90, or null")
         if not (self.score in ("number", "labels") or (self.score.startswith("json:") and len(self.score) > 5)):
             raise ValueError(f"score = {self.score!r}: number, labels or json:<field>")
         if self.score == "labels" and not self.labels:

@@ -50,6 +50,7 @@ import os
 import re
 import string
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -57,6 +58,7 @@ import numpy as np
 
 from turnrl.rewards import endpoint
 
+HEDGE_MIN_CALLS = 20   # answered calls before a quantile of them sets hedge_after: pNN
 BUILT_IN_FIELDS = ("question", "response", "transcript", "reference", "history", "turn", "responses", "count")
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 
@@ -159,10 +161,11 @@ class Verdict:
     tries: int = 1
     cached: bool = False
     unparsable: bool = False   # the judge answered, without a score in range
+    hedged: bool = False       # a twin request was sent (hedge_after)
 
     def record(self, prompt: str, turn: int | None = None) -> dict:
         return {"prompt": prompt, "answer": self.answer, "score": self.score, "seconds": round(self.seconds, 4),
-                "tries": self.tries, "cached": self.cached, "unparsable": self.unparsable,
+                "tries": self.tries, "cached": self.cached, "unparsable": self.unparsable, "hedged": self.hedged,
                 **({"turn": turn + 1} if turn is not None else {}), **({"error": self.error} if self.error else {})}
 
 
@@ -176,8 +179,9 @@ def verdicts(info: dict) -> list[tuple[str, dict]]:
 def judge_metrics(trajs: Sequence[Any]) -> dict[str, float]:
     """Per judge, over a batch's verdicts: `judge_<name>_calls` (requests answered or failed, not
     cached), `_latency_p50_s` / `_latency_p99_s` (their seconds, retries included), `_retries`,
-    `_unparsable` (answers with no score in range), `_failures` (no answer: down, timeouts, HTTP
-    errors) and `_cached_frac` (verdicts read from an identical prompt's)."""
+    `_hedged` (calls that sent a twin request, hedge_after), `_unparsable` (answers with no score
+    in range), `_failures` (no answer: down, timeouts, HTTP errors) and `_cached_frac` (verdicts
+    read from an identical prompt's)."""
     by_judge: dict[str, list[dict]] = {}
     for t in trajs:
         for name, record in verdicts(t.info or {}):
@@ -192,6 +196,7 @@ def judge_metrics(trajs: Sequence[Any]) -> dict[str, float]:
             out[f"judge_{name}_latency_p50_s"] = float(np.quantile(seconds, 0.50))
             out[f"judge_{name}_latency_p99_s"] = float(np.quantile(seconds, 0.99))
         out[f"judge_{name}_retries"] = float(sum(max(0, int(r.get("tries", 1)) - 1) for r in asked))
+        out[f"judge_{name}_hedged"] = float(sum(bool(r.get("hedged")) for r in asked))
         out[f"judge_{name}_unparsable"] = float(sum(bool(r.get("unparsable")) for r in asked))
         out[f"judge_{name}_failures"] = float(sum(r["score"] is None and not r.get("unparsable") for r in asked))
         out[f"judge_{name}_cached_frac"] = 1.0 - len(asked) / len(records)
@@ -205,7 +210,20 @@ class Judge:
 
     def __init__(self, cfg: Any, key: str = "reward.judges"):
         self.cfg, self.key, self.weight = cfg, key, cfg.weight
-        self.api_key = os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
+        api_key = os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
+        self.session = endpoint.Session(cfg.max_concurrency, cfg.timeout_s,
+                                        {"Authorization": f"Bearer {api_key}"} if api_key else {})
+        self.latencies: deque[float] = deque(maxlen=512)   # recent answered calls' seconds (hedge_after: pNN)
+
+    def hedge_after_s(self) -> float | None:
+        """When a call still out gets a twin (`hedge_after`): its seconds, the quantile of this
+        judge's recent latencies (none until HEDGE_MIN_CALLS calls answered), or None."""
+        hedge = self.cfg.hedge_after
+        if hedge is None or isinstance(hedge, (int, float)):
+            return hedge
+        if len(self.latencies) < HEDGE_MIN_CALLS:
+            return None
+        return float(np.quantile(list(self.latencies), int(hedge[1:]) / 100))
 
     def prompt(self, t: Any, decode: Callable[[list[int]], str], turn: int | None = None) -> str:
         """The template filled for trajectory `t`: about its last turn, or about policy turn
@@ -228,7 +246,7 @@ class Judge:
         asks = [(i, k, self.prompt(t, decode, k)) for i, t in enumerate(trajs)
                 for k in (range(t.num_turns) if self.cfg.scope == "turn" else [None])]
         unique = list(dict.fromkeys(prompt for _, _, prompt in asks))
-        verdicts = dict(zip(unique, endpoint.run(self._ask_all(unique))))
+        verdicts = dict(zip(unique, self._ask_all(unique)))
         seen: set[str] = set()
         for t in trajs:
             t.info[f"judge_{self.cfg.name}"] = []
@@ -264,15 +282,15 @@ class Judge:
         prompts = {key: self.group_prompt([trajs[i] for i in members]) for key, members in groups.items()}
         unique = list(dict.fromkeys(prompts.values()))
         sizes = {prompts[key]: len(members) for key, members in groups.items()}
-        verdicts = dict(zip(unique, endpoint.run(self._ask_all(unique, [lambda text, n=sizes[p]: parse_scores(text, self.cfg, n)
-                                                                for p in unique]))))
+        verdicts = dict(zip(unique, self._ask_all(unique, [lambda text, n=sizes[p]: parse_scores(text, self.cfg, n)
+                                                         for p in unique])))
         out: list[float | Exception] = [0.0] * len(trajs)
         for key, members in groups.items():
             verdict = verdicts[prompts[key]]
             for k, i in enumerate(members):
                 score = verdict.score[k] if verdict.score is not None else None
                 record = Verdict(score, verdict.answer, verdict.seconds, verdict.error, verdict.tries,
-                                 unparsable=verdict.unparsable).record(prompts[key])
+                                 unparsable=verdict.unparsable, hedged=verdict.hedged).record(prompts[key])
                 record.update(group_index=k + 1, shared=k > 0)   # one call for the group: counted once
                 trajs[i].info[f"judge_{self.cfg.name}"] = [record]
                 out[i] = (JudgeError(f"judge {self.cfg.name!r} at {self.cfg.base_url}: {verdict.error}")
@@ -287,29 +305,35 @@ class Judge:
         fields = {**_row_fields(example), "responses": responses, "count": len(group)}
         return self.cfg.template.format_map(fields)
 
-    async def _ask_all(self, prompts: list[str], parsers: Sequence[Callable[[str], Any]] | None = None) -> list[Verdict]:
-        import httpx
-        limit = asyncio.Semaphore(self.cfg.max_concurrency)
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+    def _ask_all(self, prompts: list[str], parsers: Sequence[Callable[[str], Any]] | None = None) -> list[Verdict]:
+        """The verdicts on `prompts`, asked concurrently through this judge's session."""
         parsers = parsers or [lambda text: parse_score(text, self.cfg)] * len(prompts)
-        async with httpx.AsyncClient(timeout=self.cfg.timeout_s, headers=headers) as client:
-            return list(await asyncio.gather(*(self._ask(client, limit, p, parse) for p, parse in zip(prompts, parsers))))
+        hedge_after_s = self.hedge_after_s()
 
-    async def _ask(self, client, limit: asyncio.Semaphore, prompt: str, parse: Callable[[str], Any]) -> Verdict:
+        async def ask_all(client, limit):
+            return list(await asyncio.gather(*(self._ask(client, limit, p, parse, hedge_after_s)
+                                               for p, parse in zip(prompts, parsers))))
+        verdicts = self.session.call(ask_all)
+        self.latencies.extend(v.seconds for v in verdicts if v.error == "")
+        return verdicts
+
+    async def _ask(self, client, limit: asyncio.Semaphore, prompt: str, parse: Callable[[str], Any],
+                   hedge_after_s: float | None) -> Verdict:
         url = self.cfg.base_url.rstrip("/") + "/chat/completions"
         body = {"model": self.cfg.model, "messages": [{"role": "user", "content": prompt}], "temperature": 0.0,
                 "max_tokens": self.cfg.max_tokens}
         start = time.perf_counter()
-        reply = await endpoint.post(client, limit, url, body, retries=self.cfg.retries, timeout_s=self.cfg.timeout_s)
+        reply = await endpoint.post_hedged(client, limit, url, body, retries=self.cfg.retries,
+                                           timeout_s=self.cfg.timeout_s, hedge_after_s=hedge_after_s)
+        seconds, tries, hedged = time.perf_counter() - start, reply.tries, reply.hedged
         if reply.body is None:
-            return Verdict(None, "", time.perf_counter() - start, reply.error, tries=reply.tries)
+            return Verdict(None, "", seconds, reply.error, tries=tries, hedged=hedged)
         try:
             answer = reply.body["choices"][0]["message"]["content"] or ""
         except (KeyError, IndexError, TypeError):
-            return Verdict(None, "", time.perf_counter() - start, f"not a chat completion: {reply.text[:200]}",
-                           tries=reply.tries)
+            return Verdict(None, "", seconds, f"not a chat completion: {reply.text[:200]}", tries=tries, hedged=hedged)
         try:
-            return Verdict(parse(answer), answer, time.perf_counter() - start, tries=reply.tries)
+            return Verdict(parse(answer), answer, seconds, tries=tries, hedged=hedged)
         except ValueError as exc:   # a parse failure is the judge's answer, not a fault to retry
-            return Verdict(None, answer, time.perf_counter() - start, f"unparsable: {exc}: {answer[:200]!r}",
-                           tries=reply.tries, unparsable=True)
+            return Verdict(None, answer, seconds, f"unparsable: {exc}: {answer[:200]!r}", tries=tries,
+                           unparsable=True, hedged=hedged)

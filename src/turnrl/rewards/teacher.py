@@ -27,13 +27,15 @@ class Teacher:
     def __init__(self, cfg: Any):
         """`cfg`: the checked `reward.teacher` params (turnrl.config TeacherCfg), its base_url set."""
         self.cfg = cfg
-        self.api_key = os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
+        api_key = os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
+        self.session = endpoint.Session(cfg.max_concurrency, cfg.timeout_s,
+                                        {"Authorization": f"Bearer {api_key}"} if api_key else {})
 
     def annotate(self, trajs: Sequence[Any]) -> None:
         """Set `teacher_logprobs` on every trajectory (and on each sample of an agent's episode);
         a trajectory with a row the teacher gave none for ends env_error, untrained (module doc)."""
         owned = [(t, s) for t in trajs for s in (t.samples or [t]) if s.response_ids]
-        results = endpoint.run(self._ask_all([s.prompt_ids + s.response_ids for _, s in owned]))
+        results = self._ask_all([s.prompt_ids + s.response_ids for _, s in owned])
         failed: dict[int, str] = {}
         for (t, row), (logprobs, error) in zip(owned, results):
             if logprobs is None:
@@ -46,12 +48,10 @@ class Teacher:
             if id(t) in failed:
                 _untrained(t, failed[id(t)])
 
-    async def _ask_all(self, sequences: list[list[int]]) -> list[tuple[list[float] | None, str]]:
-        import httpx
-        limit = asyncio.Semaphore(self.cfg.max_concurrency)
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        async with httpx.AsyncClient(timeout=self.cfg.timeout_s, headers=headers) as client:
+    def _ask_all(self, sequences: list[list[int]]) -> list[tuple[list[float] | None, str]]:
+        async def ask_all(client, limit):
             return list(await asyncio.gather(*(self._ask(client, limit, ids) for ids in sequences)))
+        return self.session.call(ask_all)
 
     async def _ask(self, client, limit: asyncio.Semaphore, ids: list[int]) -> tuple[list[float] | None, str]:
         url = self.cfg.base_url.rstrip("/") + "/completions"

@@ -3,10 +3,14 @@
     stream (Stream, or an agent runner's)  --each finished group-->  scoring thread  -->  scored
     take_groups()  <--  scored
 
-The reward functions (a judge among them: seconds of HTTP per batch) run on a thread of their
+The reward functions (a judge among them: seconds of HTTP per batch) run on threads of their
 own as groups come out of the stream, while the engine goes on generating: a slow judge holds
 no engine slot and no trainer wait, unless the trainer has caught up with it. What is finished
-when the thread looks is scored as one batch (a judge's calls run concurrently over it).
+when the stream is looked at is scored as one batch (a judge's calls run concurrently over it),
+and up to `max_batches` batches are scored at once: a group that ends while an earlier batch
+waits for the judge's slowest answer is asked about at once, not after it. (So reward functions
+may be called from several threads at once; a judge's `max_concurrency` holds across them,
+turnrl.rewards.endpoint.Session.)
 
 Asynchronous training wraps its stream in a `ScoredStream`; a synchronous batch goes through
 `scored_as_they_finish`: the runner reports each group as it ends (`on_group_done`) into a
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from turnrl.rollout.multi_turn import Trajectory
@@ -23,37 +28,60 @@ from turnrl.rollout.multi_turn import Trajectory
 
 class ScoredStream:
     """`stream`'s finished groups, each passed through `score` (sets the trajectories' rewards)
-    before `take_groups` hands it out. A failure of the stream or of `score` (e.g. a
-    RewardFunctionError with reward.on_error: fail) is raised by the next `take_groups`."""
+    before `take_groups` hands it out, in the order their scores come back. A failure of the
+    stream or of `score` (e.g. a RewardFunctionError with reward.on_error: fail) is raised by the
+    next `take_groups`."""
 
-    def __init__(self, stream: Any, score: Callable[[list[Trajectory]], None], poll_s: float = 0.25):
-        self.stream, self.score, self.poll_s = stream, score, poll_s
+    def __init__(self, stream: Any, score: Callable[[list[Trajectory]], None], poll_s: float = 0.25,
+                 max_batches: int = 4):
+        self.stream, self.score, self.poll_s, self.max_batches = stream, score, poll_s, max_batches
         self._scored: deque = deque()
         self._scoring = 0              # groups taken from the stream, their scores not yet back
+        self._batches = 0              # batches being scored
         self._cond = threading.Condition()
         self._stopped = False
         self.error: BaseException | None = None
+        self._pool = ThreadPoolExecutor(max_batches, thread_name_prefix="turnrl-scoring")
         self._thread = threading.Thread(target=self._run, name="turnrl-scoring", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stopped:
+        while True:
+            with self._cond:   # a free scorer first: a batch taken waits for none
+                self._cond.wait_for(lambda: self._stopped or self.error is not None
+                                    or self._batches < self.max_batches)
+                if self._stopped or self.error is not None:
+                    return
             try:
                 groups = self.stream.take_groups(1 << 30, self.poll_s)
-                if not groups:
-                    continue
-                with self._cond:
-                    self._scoring = len(groups)
-                self.score([t for group in groups for t in group])
             except BaseException as exc:   # noqa: BLE001 - handed to the trainer's next take
-                with self._cond:
-                    self.error, self._scoring = exc, 0
-                    self._cond.notify_all()
+                self._failed(exc, 0)
                 return
-            with self._cond:
-                self._scored.extend(groups)
-                self._scoring = 0
-                self._cond.notify_all()
+            if groups:
+                with self._cond:
+                    self._scoring += len(groups)
+                    self._batches += 1
+                self._pool.submit(self._score, groups)
+
+    def _score(self, groups: list[list[Trajectory]]) -> None:
+        try:
+            self.score([t for group in groups for t in group])
+        except BaseException as exc:   # noqa: BLE001 - handed to the trainer's next take
+            self._failed(exc, len(groups))
+            return
+        with self._cond:
+            self._scored.extend(groups)
+            self._scoring -= len(groups)
+            self._batches -= 1
+            self._cond.notify_all()
+
+    def _failed(self, exc: BaseException, groups: int) -> None:
+        with self._cond:
+            if self.error is None:
+                self.error = exc
+            self._scoring -= groups
+            self._batches -= 1 if groups else 0
+            self._cond.notify_all()
 
     def take_groups(self, max_groups: int, timeout_s: float) -> list[list[Trajectory]]:
         """Up to `max_groups` scored groups, waiting at most `timeout_s` for the first."""
@@ -79,6 +107,7 @@ class ScoredStream:
             self._stopped = True
             self._cond.notify_all()
         self._thread.join(timeout=self.poll_s * 4 + 1)
+        self._pool.shutdown(wait=False)   # a batch still being scored ends on its own
 
 
 class GroupQueue:
