@@ -42,6 +42,8 @@ from benchmarks.learning import (Row, _environ, commits_line, copy_project, mean
 STUDENT = ["train.steps=20", "train.eval_every=2", "train.eval_examples=64"]
 TEACHER_SEED, TEACHER_STEPS = 100, 40
 FRACTION = 0.9
+LR = 5e-4   # params.yaml's train.lr
+PAIRS = [("opd", "grpo"), ("opd_lr4x", "grpo"), ("opd_lr4x", "grpo_lr4x")]   # (OPD row, GRPO row) for the target
 
 
 def rows(work: Path) -> list[Row]:
@@ -51,6 +53,11 @@ def rows(work: Path) -> list[Row]:
         Row("opd", "code_tool", "opd", sets=[*student, "algorithm.name=opd", f"reward.teacher.serve={teacher}",
                                               "reward.teacher.max_model_len=2048"]),
         Row("sft_grpo", "code_tool", "grpo", sets=[*student, "sft.steps=60", "sft.batch_size=16", "sft.lr=0.0003"]),
+        # at 4x params.yaml's learning rate: a dense per-token signal may take larger steps than a
+        # group's one reward (each row against the other at the same rate, too)
+        Row("grpo_lr4x", "code_tool", "grpo", sets=[*student, f"train.lr={4 * LR}"]),
+        Row("opd_lr4x", "code_tool", "opd", sets=[*student, "algorithm.name=opd", f"reward.teacher.serve={teacher}",
+                                                   "reward.teacher.max_model_len=2048", f"train.lr={4 * LR}"]),
     ]
 
 
@@ -195,15 +202,16 @@ def report(results: list[dict], seeds: list[int], work: Path, teacher: dict) -> 
                            + ", ".join(map(str, seeds)) + "."]
     lines += ["", "Steps to 90% of the teacher, OPD against GRPO, per seed (target: OPD <= GRPO / 3; a run that "
               "never reached it counts as more than its 20 steps):", ""]
-    for seed in seeds:
-        grpo = next((r for r in ok if r["row"] == "grpo" and r["seed"] == seed), None)
-        opd = next((r for r in ok if r["row"] == "opd" and r["seed"] == seed), None)
-        if grpo and opd:
-            g = grpo["reached"]["step"] if grpo["reached"] else None
-            o = opd["reached"]["step"] if opd["reached"] else None
-            verdict = ("met" if o is not None and (g is None or 3 * o <= g) else "**not met**")
-            lines.append(f"- seed {seed}: OPD {o if o is not None else 'never'}, GRPO {g if g is not None else '>20'}: "
-                         f"{verdict}")
+    for opd_row, grpo_row in PAIRS:
+        for seed in seeds:
+            grpo = next((r for r in ok if r["row"] == grpo_row and r["seed"] == seed), None)
+            opd = next((r for r in ok if r["row"] == opd_row and r["seed"] == seed), None)
+            if grpo and opd:
+                g = grpo["reached"]["step"] if grpo["reached"] else None
+                o = opd["reached"]["step"] if opd["reached"] else None
+                verdict = ("met" if o is not None and (g is None or 3 * o <= g) else "**not met**")
+                lines.append(f"- seed {seed}: {opd_row} {o if o is not None else 'never'}, {grpo_row} "
+                             f"{g if g is not None else '>20'}: {verdict}")
     lines += ["", "## Per seed", "", "| row | seed | teacher | baseline | trained | curve (step: accuracy) | step s |",
               "|---|---|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: (r["row"], r["seed"])):
@@ -227,7 +235,7 @@ def report(results: list[dict], seeds: list[int], work: Path, teacher: dict) -> 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--rows", nargs="+", choices=["grpo", "opd", "sft_grpo"])
+    parser.add_argument("--rows", nargs="+", choices=[r.name for r in rows(Path("."))])
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/turnrl_distill_bench"))
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks/distill.json")
     parser.add_argument("--report", type=Path, default=ROOT / "benchmarks/DISTILL.md")

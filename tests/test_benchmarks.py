@@ -306,3 +306,19 @@ def test_the_judge_report_pairs_each_judge_run_with_its_programmatic_run():
     assert "- sync_judge over sync: seed 0: 1.20 (against dynamic_sampling.json's run)" in text   # 6.0 s against 100 / 20
     assert "- sync_judge_hedged over sync: seed 0: 1.10 (against" in text
     assert "| sync_judge | +60.0 (1 seed) | +60.0 | 0.800 | 6.00 | 100 | 0.50 / 2.00 | 1.0 | 1.0 |" in text
+
+
+def test_the_distillation_report_checks_the_target_for_each_opd_grpo_pair():
+    from benchmarks.distill import report
+
+    def run(row, seed, reached_at):
+        curve = [{"step": s, "heldout_accuracy": 0.95 if s >= reached_at else 0.3, "wall_s": 10.0 * s,
+                  "trajectories": 128 * s} for s in range(2, 21, 2)]
+        reached = next((p for p in curve if p["heldout_accuracy"] >= 0.9 * 0.96), None)
+        return {"row": row, "seed": seed, "baseline": 0.1, "trained": 0.95, "teacher_accuracy": 0.96,
+                "curve": curve, "reached": reached, "step_s": 5.0, "commit": "c"}
+    results = [run("grpo", 0, 6), run("opd", 0, 4), run("grpo_lr4x", 0, 4), run("opd_lr4x", 0, 2)]
+    text = report(results, [0], Path("/tmp/w"), {"baseline": 0.1, "trained": 0.96})
+    assert "- seed 0: opd 4, grpo 6: **not met**" in text
+    assert "- seed 0: opd_lr4x 2, grpo 6: met" in text            # 3 x 2 <= 6
+    assert "- seed 0: opd_lr4x 2, grpo_lr4x 4: **not met**" in text
