@@ -16,13 +16,16 @@ reward functions (turnrl.rewards.functions), as a batch.
           max_concurrency: 8                       # requests in flight at once
           timeout_s: 60
           retries: 2
+          hedge_after: p90                         # a call still out then gets a twin (or seconds; null: never)
 
 The rollout actor scores each group as it finishes, on a thread of its own, while the rest of
 the batch (or, in async training, the stream) generates (turnrl.rollout.scored): the engines are
 not held while the judge thinks. What is finished at once is one batch here: its calls run
-concurrently (at most max_concurrency in flight), identical prompts asked once. A request that times out, cannot connect or gets 429 / 5xx is retried (`retries`
-more times, backing off); an answer with no score in it, or one outside `range`, is a parse
-failure. A failure goes to the reward functions' `reward.on_error`: fail stops the step naming
+concurrently, identical prompts asked once; batches scored at once share the judge's session
+(turnrl.rewards.endpoint.Session), so at most max_concurrency calls are in flight in all. A
+request that times out, cannot connect or gets 429 / 5xx is retried (`retries` more times,
+backing off); one still out after `hedge_after` is sent again beside it, the first answer taken;
+an answer with no score in it, or one outside `range`, is a parse failure. A failure goes to the reward functions' `reward.on_error`: fail stops the step naming
 the judge; zero scores it 0, counted as reward_<name>_errors. Each trajectory's verdicts are in
 its info (`judge_<name>`: per call the prompt, the judge's answer, the score, seconds, tries,
 whether cached, the error) and so in its MLflow trace, one span per call; `judge_metrics` sums
