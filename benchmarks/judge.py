@@ -45,7 +45,9 @@ ASYNC = ["train.mode=async", "algorithm.policy_loss=decoupled"]
 # benchmarks/ASYNC.md's recommended asynchronous setting (async_s4_mb4_quarter_lr): at params.yaml's
 # 5e-4 async training collapses on some seeds with or without a judge
 ASYNC_REC = [*ASYNC, "train.max_staleness=4", "algorithm.mini_batches=4", "train.lr=1.25e-4"]
-MODES = ("sync", "async", "async_rec")
+# each judge-rewarded row and the programmatic row it is compared with
+JUDGED = {"sync_judge": "sync", "sync_judge_hedged": "sync", "async_judge": "async", "async_rec_judge": "async_rec",
+          "async_rec_kl_judge": "async_rec"}
 JUDGE_KEYS = ("calls", "latency_p50_s", "latency_p99_s", "retries", "hedged", "unparsable", "failures", "cached_frac")
 
 
@@ -101,31 +103,32 @@ def report(results: list[dict], seeds: list[int], port: int, baselines: list[dic
                for r in results]
     ok = [r for r in results if "gain_pts" in r]
     lines = ["| row | gain, mean ± sd | min gain | trained accuracy | step s (mean) | judge calls per step | "
-             "judge p50 / p99 s | retries per step | unparsable per step |", "|---|---|---|---|---|---|---|---|---|"]
+             "judge p50 / p99 s | retries per step | unparsable per step | hedged per step |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows(port):
         done = [r for r in ok if r["row"] == row.name]
         if not done:
             continue
         avg = lambda key: statistics.mean(r.get(key, 0.0) for r in done)  # noqa: E731
         judge = (f"{avg('judge_calls'):.0f} | {avg('judge_latency_p50_s'):.2f} / {avg('judge_latency_p99_s'):.2f} | "
-                 f"{avg('judge_retries'):.1f} | {avg('judge_unparsable'):.1f}") if "judge" in row.name else "- | - | - | -"
+                 f"{avg('judge_retries'):.1f} | {avg('judge_unparsable'):.1f} | {avg('judge_hedged'):.1f}"
+                 ) if row.name in JUDGED else "- | - | - | - | -"
         lines.append(f"| {row.name} | {mean_sd([r['gain_pts'] for r in done])} | {min(r['gain_pts'] for r in done):+.1f} | "
                      f"{avg('trained'):.3f} | {avg('step_s'):.2f} | {judge} |")
-    by_row = {name: sorted((r for r in ok if r["row"] == name), key=lambda r: r["seed"])
-              for mode in MODES for name in (mode, f"{mode}_judge")}
+    by_row = {row.name: sorted((r for r in ok if r["row"] == row.name), key=lambda r: r["seed"]) for row in rows(port)}
     said = []
-    for mode in MODES:
-        judged, base = by_row[f"{mode}_judge"], by_row[mode]
+    for judged_row, mode in JUDGED.items():
+        judged, base = by_row[judged_row], by_row[mode]
         if judged:
-            said.append(f"in {mode}, rewarded by the judge (`{mode}_judge`) **{mean_sd([r['gain_pts'] for r in judged])}**"
+            said.append(f"in {mode}, rewarded by the judge (`{judged_row}`) **{mean_sd([r['gain_pts'] for r in judged])}**"
                         f" points on {seeds_text(judged)} (lowest {min(r['gain_pts'] for r in judged):+.1f})"
                         + (f", by the outcome (`{mode}`) {mean_sd([r['gain_pts'] for r in base])}" if base else ""))
-    learns = {mode: bool(by_row[f"{mode}_judge"]) and min(r["gain_pts"] for r in by_row[f"{mode}_judge"]) >= 10
-              for mode in MODES}
-    headline = ("**Recommended with a noisy judge: sync, or async at benchmarks/ASYNC.md's recommended setting "
-                "(`train.max_staleness=4`, `algorithm.mini_batches=4`, `train.lr=1.25e-4`), not async at params.yaml's "
-                "learning rate**" if learns["sync"] and learns["async_rec"] and not learns["async"]
-                else "**Recommended with a noisy judge: sync training**" if learns["sync"] and not learns["async"]
+    learns = {name: bool(by_row[name]) and min(r["gain_pts"] for r in by_row[name]) >= 10 for name in JUDGED}
+    headline = ("**Recommended with a noisy judge: sync, or async at benchmarks/ASYNC.md's recommended setting with a "
+                "KL penalty to the start (`train.max_staleness=4`, `algorithm.mini_batches=4`, `train.lr=1.25e-4`, "
+                "`algorithm.kl_coef=0.05`), not async at params.yaml's learning rate**"
+                if learns["sync_judge"] and learns["async_rec_kl_judge"] and not learns["async_judge"]
+                else "**Recommended with a noisy judge: sync training**" if learns["sync_judge"] and not learns["async_judge"]
                 else "**A judge as the reward**") + (": " + "; ".join(said) + "." if said else ": not run yet.")
     table, lines = lines, ["# A judge as the reward", "",
                            *result_section(headline, lines, "python benchmarks/judge.py", "judge.json"),
@@ -138,8 +141,7 @@ def report(results: list[dict], seeds: list[int], port: int, baselines: list[dic
                            + (" The programmatic rows come from benchmarks/dynamic_sampling.json (the same runs)."
                               if borrowed else "")]
     lines += ["", "Step time, judge run over programmatic run, per seed (target <= 1.3):", ""]
-    for mode, judged_row in [(mode, row.name) for mode in MODES for row in rows(port)
-                             if row.name in (f"{mode}_judge", f"{mode}_judge_hedged")]:
+    for judged_row, mode in JUDGED.items():
         ratios = []
         for seed in seeds:
             base = next((r for r in ok if r["row"] == mode and r["seed"] == seed), None)

@@ -305,7 +305,7 @@ def test_the_judge_report_pairs_each_judge_run_with_its_programmatic_run():
     text = report(judged + hedged, [0], 8731, base)
     assert "- sync_judge over sync: seed 0: 1.20 (against dynamic_sampling.json's run)" in text   # 6.0 s against 100 / 20
     assert "- sync_judge_hedged over sync: seed 0: 1.10 (against" in text
-    assert "| sync_judge | +60.0 (1 seed) | +60.0 | 0.800 | 6.00 | 100 | 0.50 / 2.00 | 1.0 | 1.0 |" in text
+    assert "| sync_judge | +60.0 (1 seed) | +60.0 | 0.800 | 6.00 | 100 | 0.50 / 2.00 | 1.0 | 1.0 | 0.0 |" in text
 
 
 def test_the_distillation_report_checks_the_target_for_each_opd_grpo_pair():
