@@ -158,6 +158,18 @@ def test_batches_scored_at_once_from_several_threads_share_max_concurrency(serve
     assert all(out == pytest.approx([j / 10 for j in range(6)]) for out in outs.values())
 
 
+def test_a_judge_sent_to_another_process_opens_its_own_connections_there(server):
+    """Ray pickles the rollout actor's reward functions: the session's loop and client stay behind."""
+    import pickle
+    judge = Judge(_cfg(base_url=server.url, range=[0, 10]))
+    assert judge.score_batch(_trajs("score 3"), decode=lambda ids: "") == pytest.approx([0.3])
+    copy = pickle.loads(pickle.dumps(judge))
+    assert copy.session is not judge.session and copy.session.max_concurrency == judge.cfg.max_concurrency
+    assert copy.score_batch(_trajs("score 4"), decode=lambda ids: "") == pytest.approx([0.4])
+    judge.session.close()
+    copy.session.close()
+
+
 def test_a_call_still_out_after_hedge_after_gets_a_twin_and_the_first_answer_wins(server):
     """'lagging' answers its first request after 3 s and the second at once: hedged at 0.3 s the
     verdict comes from the twin, well before the first would have."""
