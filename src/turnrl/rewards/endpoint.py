@@ -89,6 +89,23 @@ async def post_hedged(client: Any, limit: asyncio.Semaphore, url: str, body: dic
     return reply
 
 
+def run(coroutine):
+    """Run a coroutine to its end from sync code, also where an event loop already runs here: a
+    one-off request (a game's endpoint player); a client's batches go through its `Session`."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    result: dict = {}
+
+    def target():
+        result["value"] = asyncio.run(coroutine)
+    thread = threading.Thread(target=target, name="turnrl-endpoint")
+    thread.start()
+    thread.join()
+    return result["value"]
+
+
 class Session:
     """One server's requests from any thread: `call(make)` runs the coroutine `make(client,
     limit)` on this session's event loop (a daemon thread, started at the first call) with its
