@@ -37,7 +37,11 @@ def test_an_openai_sdk_agent_through_the_pipeline_sync_and_async(tmp_path):
     params["eval"].update(greedy=False, limit=8, benchmarks=[])
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
-    proc = run_dvc(project, "exp", "run", *_sets(*PRESET), timeout=1500)
+    # the agent traced by MLflow as deployed agents often are (its own span, OpenAI autologging):
+    # examples/agents/traced_agent.py, the calculator agent inside; both runs use it, so the second
+    # reuses the first's warm start (a program of its own would be a warm start of its own)
+    traced = "++env.options.program=examples.agents.traced_agent:run"
+    proc = run_dvc(project, "exp", "run", *_sets(*PRESET, traced), timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     warm = json.loads((project / "metrics/prepare_model.json").read_text())
     assert warm["env"] == "agent" and warm["demonstrations"] > 0
@@ -52,14 +56,12 @@ def test_an_openai_sdk_agent_through_the_pipeline_sync_and_async(tmp_path):
     rows = pd.read_parquet(project / "eval/final/task.parquet")
     assert len(rows) == 8 and rows["finish"].ne("env_error").all()
 
-    # async, with the same agent traced by MLflow (its own span, OpenAI autologging): examples/agents/traced_agent.py,
-    # and a judge on loopback rewarding the episodes beside the program's outcome (reward.judges in params.yaml)
+    # async, with a judge on loopback rewarding the episodes beside the program's outcome (reward.judges in params.yaml)
     judge = ReferenceJudge()
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["reward"]["judges"] = [{"name": "reference", "base_url": judge.url, "range": [0, 10], "weight": 0.5,
                                    "template": "Reference: {reference}\nAnswer: {response}"}]
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    traced = "++env.options.program=examples.agents.traced_agent:run"
     try:
         proc = run_dvc(project, "exp", "run", *_sets(*PRESET, traced, "train.mode=async",
                                                      "algorithm.policy_loss=decoupled"), timeout=1500)
