@@ -335,7 +335,9 @@ class JudgeCfg(_Section):
         "actor of its own (cluster.served_gpus / served_cpus), for the train stage; base_url is then its address"))
     max_model_len: int = Field(4096, gt=0, description="serve: the served judge's context length")
     model: str = Field("judge", min_length=1, description="the model name sent (serve: the name it is served as)")
-    api_key_env: str = Field("", description="the environment variable holding its API key; empty: none")
+    api_key_env: str = Field("", description=(
+        "the environment variable holding its API key, sent as a bearer token (named but unset: refused "
+        "before any call); empty: none"))
     template: str = Field(..., min_length=1, description=(
         "the judge's prompt; {question} (the row's prompt), {response} (the trajectory's last turn, or the "
         "turn judged), {transcript} (the whole response), {reference} (the row's answer), {history} (the "
@@ -399,7 +401,9 @@ class TeacherCfg(_Section):
         "(cluster.served_gpus / served_cpus) for the train stage"))
     base_url: str = Field("", description="a vLLM (or compatible) server already running, e.g. http://host:8000/v1")
     model: str = Field("teacher", min_length=1, description="the model name sent (serve: the name it is served as)")
-    api_key_env: str = Field("", description="the environment variable holding its API key; empty: none")
+    api_key_env: str = Field("", description=(
+        "the environment variable holding its API key, sent as a bearer token (named but unset: refused "
+        "before any call); empty: none"))
     max_model_len: int = Field(4096, gt=0, description="serve: the served teacher's context length")
     max_concurrency: int = Field(8, gt=0, description="requests in flight to the teacher at once")
     timeout_s: float = Field(120.0, gt=0, description="seconds one request may take")
