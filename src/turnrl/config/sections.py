@@ -395,7 +395,7 @@ class TeacherCfg(_Section):
     """A model whose logprobs of the policy's own sampled tokens are the per-token signal of
     on-policy distillation (`algorithm.name: opd`; turnrl.rollout.teacher): served behind vLLM's
     OpenAI-compatible completions API (prompt_logprobs), by turnrl (`serve`) or already running
-    (`base_url`). It must share the policy's tokenizer."""
+    (`base_url`). It shares the policy's tokenizer, or `tokenizer` names its own."""
     serve: str = Field("", description=(
         "a checkpoint (a folder, or a hub id) turnrl serves with vLLM's OpenAI server in a Ray actor of its own "
         "(cluster.served_gpus / served_cpus) for the train stage"))
@@ -404,6 +404,11 @@ class TeacherCfg(_Section):
     api_key_env: str = Field("", description=(
         "the environment variable holding its API key, sent as a bearer token (named but unset: refused "
         "before any call); empty: none"))
+    tokenizer: str = Field("", description=(
+        "the teacher's own tokenizer (a folder or hub id; a fast one) when it is not the policy's: the policy's "
+        "tokens reach the teacher through their text, and its logprobs come back per piece of text both "
+        "tokenizations share (turnrl.rewards.token_mapping, docs/post-training.md); empty: the teacher must share "
+        "the policy's tokenizer"))
     max_model_len: int = Field(4096, gt=0, description="serve: the served teacher's context length")
     max_concurrency: int = Field(8, gt=0, description="requests in flight to the teacher at once")
     timeout_s: float = Field(120.0, gt=0, description="seconds one request may take")

@@ -12,7 +12,8 @@ turnrl.rewards.endpoint. A trajectory the teacher still gives no logprobs for is
 environment error (never a silent zero): it ends `env_error` with the reason in
 `info["env_error"]`, nothing of it is trained on (its loss mask is cleared), and more than
 `env.max_error_fraction` of a step's trajectories so ended stops the run naming the teacher. The
-teacher must share the policy's tokenizer (the ids are sent as they are).
+teacher shares the policy's tokenizer (the ids are sent as they are), or `reward.teacher.tokenizer`
+names its own and the ids go through their text (turnrl.rewards.token_mapping).
 """
 from __future__ import annotations
 
@@ -20,30 +21,56 @@ import asyncio
 from typing import Any, Sequence
 
 from turnrl.rewards import endpoint
+from turnrl.rewards.token_mapping import Plan, TextMapping
 
 
 class Teacher:
-    def __init__(self, cfg: Any):
-        """`cfg`: the checked `reward.teacher` params (turnrl.config TeacherCfg), its base_url set."""
+    def __init__(self, cfg: Any, student_tokenizer: Any = None):
+        """`cfg`: the checked `reward.teacher` params (turnrl.config TeacherCfg), its base_url set;
+        `student_tokenizer`: the policy's, needed when `cfg.tokenizer` names the teacher's own."""
         self.cfg = cfg
         self.session = endpoint.Session.for_server(cfg, "reward.teacher")
+        self.mapping = None
+        if cfg.tokenizer:
+            if student_tokenizer is None:
+                raise ValueError("reward.teacher.tokenizer: mapping to the teacher's tokens needs the policy's tokenizer")
+            from transformers import AutoTokenizer
+            self.mapping = TextMapping(student_tokenizer, AutoTokenizer.from_pretrained(cfg.tokenizer))
 
     def annotate(self, trajs: Sequence[Any]) -> None:
         """Set `teacher_logprobs` on every trajectory (and on each sample of an agent's episode);
         a trajectory with a row the teacher gave none for ends env_error, untrained (module doc)."""
         owned = [(t, s) for t in trajs for s in (t.samples or [t]) if s.response_ids]
-        results = self._ask_all([s.prompt_ids + s.response_ids for _, s in owned])
+        plans = [self._plan(row) for _, row in owned]   # a str: why a row has none
+        sent = {k: plan.teacher_ids if plan else row.prompt_ids + row.response_ids
+                for k, ((_, row), plan) in enumerate(zip(owned, plans)) if not isinstance(plan, str)}
+        answers = dict(zip(sent, self._ask_all(list(sent.values()))))
         failed: dict[int, str] = {}
-        for (t, row), (logprobs, error) in zip(owned, results):
+        for k, ((t, row), plan) in enumerate(zip(owned, plans)):
+            logprobs, error = answers.get(k, (None, plan))
             if logprobs is None:
                 failed.setdefault(id(t), f"reward.teacher ({self.cfg.model} at {self.cfg.base_url}) gave no logprobs "
                                          f"for the trajectory of prompt {row.example.get('id', '?')!r}: {error}")
                 continue
-            response = logprobs[len(row.prompt_ids):]
+            start = len(row.prompt_ids)
+            if isinstance(plan, Plan):   # the teacher's tokens, mapped back to the policy's
+                mapped = TextMapping.to_student(plan, logprobs, [0.0] * start + list(row.engine_logprobs))
+                response = [mapped.get(start + i, 0.0) for i in range(len(row.response_ids))]
+            else:
+                response = logprobs[start:]
             row.teacher_logprobs = [lp if m else 0.0 for lp, m in zip(response, row.loss_mask)]
         for t in trajs:
             if id(t) in failed:
                 _untrained(t, failed[id(t)])
+
+    def _plan(self, row: Any) -> Plan | str | None:
+        """The row's mapping to the teacher's tokens (None: the ids go as they are), or why it has none."""
+        if self.mapping is None:
+            return None
+        try:
+            return self.mapping.plan(row.prompt_ids + row.response_ids, [0] * len(row.prompt_ids) + list(row.loss_mask))
+        except ValueError as exc:
+            return f"its tokens could not be mapped to the teacher's ({exc})"
 
     def _ask_all(self, sequences: list[list[int]]) -> list[tuple[list[float] | None, str]]:
         async def ask_all(client, limit):
@@ -89,6 +116,26 @@ def prompt_logprobs(body: dict, ids: Sequence[int]) -> list[float]:
     return out
 
 
+def check_tokenizer(cfg: Any, student_dir: str) -> str | None:
+    """Before any work: why the `reward.teacher` params (TeacherCfg) cannot score the policy of
+    `student_dir`'s tokens, or None. A served checkpoint of another tokenizer needs `tokenizer`;
+    a `tokenizer` given must load, and be fast (token_mapping reads its offsets)."""
+    from pathlib import Path
+    if cfg.tokenizer:
+        from transformers import AutoTokenizer
+        try:
+            teacher = AutoTokenizer.from_pretrained(cfg.tokenizer)
+        except (OSError, ValueError) as exc:
+            return f"reward.teacher.tokenizer = {cfg.tokenizer}: it does not load as a tokenizer ({exc})"
+        if not teacher.is_fast:
+            return (f"reward.teacher.tokenizer = {cfg.tokenizer}: a slow (Python) tokenizer; the mapping reads a fast "
+                    "(Rust) one's character offsets")
+        return None
+    if cfg.serve and Path(cfg.serve).is_dir():
+        return tokenizer_mismatch(cfg.serve, student_dir)
+    return None
+
+
 def tokenizer_mismatch(teacher_dir: str, student_dir: str) -> str | None:
     """Why the teacher's tokenizer (a local folder) cannot score the student's token ids, or None
     when both map every token to the same id."""
@@ -99,4 +146,5 @@ def tokenizer_mismatch(teacher_dir: str, student_dir: str) -> str | None:
     differ = sorted(t for t in set(teacher) | set(student) if teacher.get(t) != student.get(t))
     return (f"reward.teacher.serve = {teacher_dir}: its tokenizer differs from the policy's ({student_dir}) on "
             f"{len(differ)} tokens (e.g. {differ[:3]}); the teacher scores the policy's token ids as they are, so "
-            "it must share the tokenizer: pick a teacher of the policy's family")
+            "it must share the tokenizer: pick a teacher of the policy's family, or set "
+            f"reward.teacher.tokenizer={teacher_dir} to map the policy's tokens to its own through their text")

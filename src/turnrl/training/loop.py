@@ -49,7 +49,7 @@ from turnrl.gateway.samples import episode_view, training_rows
 from turnrl.training.folders import high_level_folder
 from turnrl.rewards.judge import check_rows as check_judge_rows, judge_metrics
 from turnrl.rewards.shaping import cut_by_budget
-from turnrl.rewards.teacher import tokenizer_mismatch
+from turnrl.rewards.teacher import check_tokenizer as check_teacher_tokenizer
 from turnrl.rollout.multi_turn import ENV_ERROR, Trajectory, tool_rates
 from turnrl.training import served_models
 from turnrl.training.checkpoint import CheckpointStore, Resume, write_state
@@ -309,10 +309,9 @@ def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], ou
     where the actors ran (ranks, engines, nodes). `heldout_rows`: what `train.eval_every` scores."""
     check_cluster(cfg)
     check_judge_rows(cfg.reward.judges, train_rows, "the training rows")   # before any work
-    if cfg.reward.teacher.serve and Path(cfg.reward.teacher.serve).is_dir():
-        mismatch = tokenizer_mismatch(cfg.reward.teacher.serve, model_dir)
-        if mismatch:
-            raise ConfigError(mismatch)
+    mismatch = check_teacher_tokenizer(cfg.reward.teacher, model_dir)
+    if mismatch:
+        raise ConfigError(mismatch)
     # Actors run elsewhere (other nodes, other working directories): absolute local paths.
     model_dir, data_dir, out_dir = (str(Path(p).resolve()) if Path(p).exists() or p == out_dir else p
                                     for p in (model_dir, data_dir, out_dir))

@@ -1,0 +1,137 @@
+"""A teacher of another tokenizer (`reward.teacher.tokenizer`): the policy's tokens mapped to the
+teacher's through their text, and the teacher's logprobs mapped back.
+
+    mapping = TextMapping(student_tokenizer, teacher_tokenizer)
+    plan = mapping.plan(prompt_ids + response_ids, sampled)   # sampled: 1 per token the policy sampled
+    ... ask the teacher for log p(plan.teacher_ids[j] | plan.teacher_ids[:j]) ...
+    per_token = mapping.to_student(plan, teacher_logprobs, student_logprobs)
+
+How (documented in docs/post-training.md, "A teacher of another tokenizer"):
+
+1. The policy's ids are decoded, each token to the text it adds (incremental decoding; a
+   character split over byte-level tokens belongs to the token that completes it).
+2. The text is cut where the policy's sampled tokens start and end (its turns, against the prompt
+   and the environment's observations), and each piece is encoded by the teacher's tokenizer on
+   its own, so every turn starts and ends on a token boundary of both.
+3. Within a turn, the boundaries both tokenizations share cut it into chunks (usually one token
+   of each; a word one splits and the other does not is one chunk of several). A chunk's teacher
+   logprob is the sum over the teacher's tokens in it, and so the policy's, over its tokens.
+4. Each policy token of a chunk gets its own logprob plus an equal share of the chunk's
+   difference: `t_i = s_i + (T_chunk - S_chunk) / n_chunk`. So the per-token reverse KL that opd
+   trains on, `t_i - s_i`, sums over the chunk to the chunk's exact log-ratio.
+
+What it cannot fix: the teacher reads the policy's chat rendering (its special tokens as text the
+teacher's tokenizer may not know), so a teacher of the same chat format fits best. Needs a fast
+(Rust) teacher tokenizer, for its character offsets.
+"""
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+WINDOW = 6   # tokens of left context decoded with each token (a leading space, a split character)
+
+
+def token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """The text each of `ids` adds to their decoding (special tokens as their text); a token that
+    ends inside a character adds "" and the one that completes it the whole character. The pieces
+    join to the decoding of all `ids`, else ValueError."""
+    def decode(part: Sequence[int]) -> str:
+        return tokenizer.decode(list(part), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    pieces: list[str] = []
+    start = read = 0          # decode ids[start:] for context; ids[read:] not yet given text
+    for i in range(len(ids)):
+        before, after = decode(ids[start:read]), decode(ids[start:i + 1])
+        if after.endswith("\ufffd") and i + 1 < len(ids):   # a character still incomplete
+            pieces.append("")
+            continue
+        if not after.startswith(before):
+            raise ValueError(f"token {i} (id {ids[i]}) changes the text before it when decoded")
+        pieces.append(after[len(before):])
+        read, start = i + 1, max(0, i + 1 - WINDOW)
+    whole = decode(ids)
+    if "".join(pieces) != whole:
+        raise ValueError("the policy's tokens do not decode piece by piece to their whole text")
+    return pieces
+
+
+@dataclass
+class Plan:
+    """One sequence mapped: the teacher's ids for its text, and per sampled turn the chunks."""
+    teacher_ids: list[int]
+    # per chunk: (the policy tokens' positions, the teacher tokens' positions) in each sequence
+    chunks: list[tuple[list[int], list[int]]]
+
+
+class TextMapping:
+    def __init__(self, student_tokenizer: Any, teacher_tokenizer: Any):
+        if not getattr(teacher_tokenizer, "is_fast", False):
+            raise ValueError("reward.teacher.tokenizer: a fast (Rust) tokenizer is needed for its character "
+                             "offsets; this one is a slow (Python) tokenizer")
+        self.student, self.teacher = student_tokenizer, teacher_tokenizer
+
+    def plan(self, ids: Sequence[int], sampled: Sequence[int]) -> Plan:
+        """`ids`: the policy's whole sequence [n]; `sampled`: 1 where the policy sampled the token
+        (its loss mask over the sequence), else 0."""
+        texts = token_texts(self.student, ids)
+        teacher_ids: list[int] = []
+        chunks: list[tuple[list[int], list[int]]] = []
+        k = 0
+        while k < len(ids):   # runs of equal `sampled`: a turn, or the text between turns
+            end = k
+            while end < len(ids) and bool(sampled[end]) == bool(sampled[k]):
+                end += 1
+            text = "".join(texts[k:end])
+            enc = self.teacher(text, add_special_tokens=False, return_offsets_mapping=True)
+            if sampled[k]:
+                chunks += _chunks(texts[k:end], enc["offset_mapping"], len(text), k, len(teacher_ids))
+            teacher_ids += enc["input_ids"]
+            k = end
+        return Plan(teacher_ids, chunks)
+
+    @staticmethod
+    def to_student(plan: Plan, teacher_logprobs: Sequence[float], student_logprobs: Sequence[float]
+                   ) -> dict[int, float]:
+        """The teacher's logprob for each sampled policy position (module doc, step 4):
+        `teacher_logprobs` [len(plan.teacher_ids)] of the teacher's ids, `student_logprobs` the
+        policy's own per position of its sequence."""
+        out: dict[int, float] = {}
+        for mine, theirs in plan.chunks:
+            if not theirs:   # text no teacher token covers (none in practice): no signal
+                out.update((i, student_logprobs[i]) for i in mine)
+                continue
+            gap = sum(teacher_logprobs[j] for j in theirs) - sum(student_logprobs[i] for i in mine)
+            for i in mine:
+                out[i] = student_logprobs[i] + gap / len(mine)
+        return out
+
+
+def _chunks(pieces: Sequence[str], teacher_spans: Sequence[tuple[int, int]], length: int, first: int,
+            teacher_first: int) -> list[tuple[list[int], list[int]]]:
+    """A turn's chunks: cut where a policy token and a teacher token end at the same character.
+    `pieces`: the policy tokens' texts; `teacher_spans`: each teacher token's (start, end)
+    characters; `first`, `teacher_first`: the turn's first position in each sequence. A token of
+    no width (a byte of a character another token completes) joins the chunk of what follows it."""
+    mine, at = [], 0
+    for piece in pieces:
+        mine.append((at, at + len(piece)))
+        at += len(piece)
+    theirs, top = [], 0
+    for start, end in teacher_spans:   # offsets may step back (a token inside another's span): keep them rising
+        theirs.append((min(start, max(top, end)), max(top, end)))
+        top = max(top, end)
+    if theirs:
+        theirs[-1] = (theirs[-1][0], length)   # trailing text no teacher token claims joins the last one
+    cuts = sorted(({e for _, e in mine} & {e for _, e in theirs}) | {length})
+
+    def chunk_of(start: int, end: int) -> int:   # the chunk holding the token's last character
+        return min(bisect_right(cuts, end - 1 if end > start else end), len(cuts) - 1)
+
+    chunks: list[tuple[list[int], list[int]]] = [([], []) for _ in cuts]
+    for i, span in enumerate(mine):
+        chunks[chunk_of(*span)][0].append(first + i)
+    for j, span in enumerate(theirs):
+        chunks[chunk_of(*span)][1].append(teacher_first + j)
+    return [c for c in chunks if c[0]]

@@ -1,0 +1,128 @@
+"""A teacher of another tokenizer (reward.teacher.tokenizer): the policy's tokens mapped to the
+teacher's through their text (turnrl.rewards.token_mapping), on real byte-level BPE tokenizers of
+two vocabularies and two chat families, and through Teacher.annotate against a loopback server."""
+from __future__ import annotations
+
+import pytest
+
+from turnrl.config.sections import TeacherCfg
+from turnrl.models.miniatures import FAMILIES, build_tokenizer
+from turnrl.rewards.teacher import Teacher, check_tokenizer
+from turnrl.rewards.token_mapping import TextMapping, token_texts
+from turnrl.rollout.multi_turn import Trajectory
+
+from judge_server import TeacherServer
+
+MESSAGES = [
+    {"role": "system", "content": "You are careful."},
+    {"role": "user", "content": "Ada has 3 apples → and buys 4. How many, café 🙂?"},
+    {"role": "assistant", "content": "<code>print(3 + 4)</code>"},
+    {"role": "tool", "content": "<output>7</output>"},
+    {"role": "assistant", "content": "Ada has 7 apples, naïve 🙂. <answer>7</answer>"},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    """The policy's (qwen2's chat format, 512 tokens) and two teachers': the same format with
+    300 tokens (so words split differently), and llama's format (other special tokens)."""
+    return (build_tokenizer(FAMILIES["qwen2"], 512), build_tokenizer(FAMILIES["qwen2"], 300),
+            build_tokenizer(FAMILIES["llama"], 400))
+
+
+def _conversation(tokenizer) -> tuple[list[int], list[int]]:
+    """The rendered conversation's ids and 1 on the assistant's turns' tokens (what the policy sampled)."""
+    ids, sampled = [], []
+    for k in range(len(MESSAGES)):
+        upto = tokenizer.apply_chat_template(MESSAGES[:k + 1], tokenize=False)
+        done = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        new = tokenizer(upto[len(done):], add_special_tokens=False)["input_ids"]
+        ids += new
+        sampled += [int(MESSAGES[k]["role"] == "assistant")] * len(new)
+    return ids, sampled
+
+
+def test_each_token_gets_the_text_it_adds_and_a_split_character_goes_to_the_token_completing_it(tokenizers):
+    policy = tokenizers[0]
+    ids = policy("café 🙂 → naïve", add_special_tokens=False)["input_ids"]
+    pieces = token_texts(policy, ids)
+    assert "".join(pieces) == "café 🙂 → naïve" and len(pieces) == len(ids)
+    assert "🙂" in pieces and "" in pieces   # the emoji's bytes: "" until the token that completes it
+    assert all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize("teacher", [1, 2], ids=["same-format-other-vocabulary", "llama-format"])
+def test_every_chunk_is_the_same_text_in_both_tokenizations_and_holds_each_sampled_token_once(tokenizers, teacher):
+    policy, other = tokenizers[0], tokenizers[teacher]
+    ids, sampled = _conversation(policy)
+    plan = TextMapping(policy, other).plan(ids, sampled)
+    pieces = token_texts(policy, ids)
+    mine = [i for chunk, _ in plan.chunks for i in chunk]
+    assert sorted(mine) == [i for i, s in enumerate(sampled) if s]   # every sampled token, once; nothing else
+    assert len(plan.chunks) > 10 and any(len(c[0]) != len(c[1]) for c in plan.chunks)   # the vocabularies differ
+    for chunk, theirs in plan.chunks:
+        text = "".join(pieces[i] for i in chunk)
+        assert other.decode([plan.teacher_ids[j] for j in theirs], skip_special_tokens=False) == text
+    # the teacher reads the same text: the whole conversation, in its own tokens
+    assert other.decode(plan.teacher_ids, skip_special_tokens=False) == "".join(pieces)
+
+
+def test_a_chunks_teacher_logprobs_come_back_as_its_exact_log_ratio_shared_equally(tokenizers):
+    policy, other = tokenizers[0], tokenizers[1]
+    ids, sampled = _conversation(policy)
+    plan = TextMapping(policy, other).plan(ids, sampled)
+    teacher = [-0.01 * (j % 7) - 0.1 for j in range(len(plan.teacher_ids))]
+    student = [-0.02 * (i % 5) - 0.05 for i in range(len(ids))]
+    mapped = TextMapping.to_student(plan, teacher, student)
+    for chunk, theirs in plan.chunks:
+        ratios = [mapped[i] - student[i] for i in chunk]
+        assert sum(ratios) == pytest.approx(sum(teacher[j] for j in theirs) - sum(student[i] for i in chunk))
+        assert max(ratios) == pytest.approx(min(ratios))   # shared equally within the chunk
+    # one token each side: the teacher's own logprob, unchanged
+    one = [(c, t) for c, t in plan.chunks if len(c) == len(t) == 1]
+    assert one and all(mapped[c[0]] == pytest.approx(teacher[t[0]]) for c, t in one)
+
+
+def test_the_same_tokenizer_maps_each_token_to_itself(tokenizers):
+    policy = tokenizers[0]
+    ids, sampled = _conversation(policy)
+    plan = TextMapping(policy, policy).plan(ids, sampled)
+    assert plan.teacher_ids == ids and all(c == t for c, t in plan.chunks)
+    pieces = token_texts(policy, ids)
+    # a chunk of several tokens only where they are the bytes of one character
+    assert all(len(c) == 1 or len("".join(pieces[i] for i in c)) == 1 for c, _ in plan.chunks)
+    assert any(len(c) > 1 for c, _ in plan.chunks)
+
+
+def test_annotate_sends_the_teachers_tokens_and_maps_its_logprobs_back(tokenizers, tmp_path):
+    policy, other = tokenizers[0], tokenizers[1]
+    other.save_pretrained(tmp_path / "teacher_tokenizer")
+    ids, sampled = _conversation(policy)
+    start = sampled.index(1)
+    t = Trajectory(example={"id": "row-0"}, prompt_ids=ids[:start])
+    t.response_ids, t.loss_mask = ids[start:], sampled[start:]
+    t.engine_logprobs = [-0.5 if s else 0.0 for s in sampled[start:]]
+    server = TeacherServer()   # log p(token) = -token / 100, of the ids it is sent
+    try:
+        Teacher(TeacherCfg(base_url=server.url, tokenizer=str(tmp_path / "teacher_tokenizer")), policy).annotate([t])
+    finally:
+        server.close()
+    plan = TextMapping(policy, other).plan(ids, sampled)
+    expected = TextMapping.to_student(plan, [0.0] + [-tok / 100 for tok in plan.teacher_ids[1:]],
+                                      [0.0] * start + t.engine_logprobs)
+    assert t.teacher_logprobs == pytest.approx([expected.get(start + i, 0.0) for i in range(len(t.response_ids))])
+    assert all(lp == 0.0 for lp, m in zip(t.teacher_logprobs, t.loss_mask) if not m)   # the tool's output
+    assert t.finish != "env_error"
+
+
+def test_a_served_teacher_of_another_tokenizer_is_refused_unless_its_tokenizer_is_named(tokenizers, tmp_path):
+    tokenizers[0].save_pretrained(tmp_path / "policy")
+    tokenizers[1].save_pretrained(tmp_path / "teacher")
+    served = TeacherCfg(serve=str(tmp_path / "teacher"))
+    assert "reward.teacher.tokenizer=" in check_tokenizer(served, str(tmp_path / "policy"))
+    assert check_tokenizer(TeacherCfg(serve=str(tmp_path / "teacher"), tokenizer=str(tmp_path / "teacher")),
+                           str(tmp_path / "policy")) is None
+    assert check_tokenizer(TeacherCfg(serve=str(tmp_path / "policy")), str(tmp_path / "policy")) is None
+    missing = check_tokenizer(TeacherCfg(base_url="http://t/v1", tokenizer=str(tmp_path / "nowhere")),
+                              str(tmp_path / "policy"))
+    assert missing.startswith(f"reward.teacher.tokenizer = {tmp_path / 'nowhere'}: it does not load")
