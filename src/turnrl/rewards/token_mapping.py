@@ -84,7 +84,7 @@ class TextMapping:
             while end < len(ids) and bool(sampled[end]) == bool(sampled[k]):
                 end += 1
             text = "".join(texts[k:end])
-            enc = self.teacher(text, add_special_tokens=False, return_offsets_mapping=True)
+            enc = self.teacher(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
             if sampled[k]:
                 chunks += _chunks(texts[k:end], enc["offset_mapping"], len(text), k, len(teacher_ids))
             teacher_ids += enc["input_ids"]
