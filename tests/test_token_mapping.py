@@ -7,7 +7,7 @@ import pytest
 
 from turnrl.config.sections import TeacherCfg
 from turnrl.models.miniatures import FAMILIES, build_tokenizer
-from turnrl.rewards.teacher import Teacher, check_tokenizer
+from turnrl.rewards.teacher import Teacher, check_tokenizer, teacher_metrics
 from turnrl.rewards.token_mapping import TextMapping, token_texts
 from turnrl.rollout.multi_turn import Trajectory
 
@@ -83,6 +83,24 @@ def test_a_chunks_teacher_logprobs_come_back_as_its_exact_log_ratio_shared_equal
     assert one and all(mapped[c[0]] == pytest.approx(teacher[t[0]]) for c, t in one)
 
 
+def test_bytes_that_are_no_utf8_carry_no_signal_and_are_counted(tokenizers):
+    policy = tokenizers[0]
+    emoji = policy("🙂", add_special_tokens=False)["input_ids"]
+    assert len(emoji) > 1   # its bytes are tokens of their own in this vocabulary
+    prompt = policy("Say:", add_special_tokens=False)["input_ids"]
+    sampled_ids = policy(" ok ", add_special_tokens=False)["input_ids"] + emoji[1:] + \
+        policy(" done", add_special_tokens=False)["input_ids"]   # the emoji without its first byte
+    ids = prompt + sampled_ids
+    plan = TextMapping(policy, tokenizers[1]).plan(ids, [0] * len(prompt) + [1] * len(sampled_ids))
+    counts = plan.counts()
+    assert counts["tokens"] == len(sampled_ids) and counts["unreadable"] >= len(emoji) - 1
+    student = [-1.0] * len(ids)
+    mapped = TextMapping.to_student(plan, [-3.0] * len(plan.teacher_ids), student)
+    for mine, theirs in plan.chunks:
+        if not theirs:
+            assert all(mapped[i] == student[i] for i in mine)   # no signal: the policy's own logprob
+
+
 def test_the_same_tokenizer_maps_each_token_to_itself(tokenizers):
     policy = tokenizers[0]
     ids, sampled = _conversation(policy)
@@ -113,6 +131,9 @@ def test_annotate_sends_the_teachers_tokens_and_maps_its_logprobs_back(tokenizer
     assert t.teacher_logprobs == pytest.approx([expected.get(start + i, 0.0) for i in range(len(t.response_ids))])
     assert all(lp == 0.0 for lp, m in zip(t.teacher_logprobs, t.loss_mask) if not m)   # the tool's output
     assert t.finish != "env_error"
+    exact = plan.counts()["exact"] / plan.counts()["tokens"]
+    assert teacher_metrics([t]) == {"teacher_exact_frac": pytest.approx(exact), "teacher_unreadable_frac": 0.0}
+    assert 0.0 < exact < 1.0 and teacher_metrics([Trajectory(example={}, prompt_ids=[1])]) == {}
 
 
 def test_a_served_teacher_of_another_tokenizer_is_refused_unless_its_tokenizer_is_named(tokenizers, tmp_path):

@@ -24,6 +24,9 @@ from turnrl.rewards import endpoint
 from turnrl.rewards.token_mapping import Plan, TextMapping
 
 
+MAPPING_INFO = "teacher_mapping"   # a trajectory's info: its sampled tokens' Plan.counts, when mapped
+
+
 class Teacher:
     def __init__(self, cfg: Any, student_tokenizer: Any = None):
         """`cfg`: the checked `reward.teacher` params (turnrl.config TeacherCfg), its base_url set;
@@ -56,6 +59,9 @@ class Teacher:
             if isinstance(plan, Plan):   # the teacher's tokens, mapped back to the policy's
                 mapped = TextMapping.to_student(plan, logprobs, [0.0] * start + list(row.engine_logprobs))
                 response = [mapped.get(start + i, 0.0) for i in range(len(row.response_ids))]
+                counts = t.info.setdefault(MAPPING_INFO, {"tokens": 0, "exact": 0, "unreadable": 0})
+                for key, n in plan.counts().items():
+                    counts[key] += n
             else:
                 response = logprobs[start:]
             row.teacher_logprobs = [lp if m else 0.0 for lp, m in zip(response, row.loss_mask)]
@@ -87,6 +93,18 @@ class Teacher:
             return prompt_logprobs(reply.body, ids), ""
         except ValueError as exc:
             return None, str(exc)
+
+
+def teacher_metrics(trajs: Sequence[Any]) -> dict[str, float]:
+    """A teacher of another tokenizer (reward.teacher.tokenizer), over a batch's sampled tokens:
+    `teacher_exact_frac` (their chunk is one token each side: the teacher's own logprob) and
+    `teacher_unreadable_frac` (their text is no UTF-8: no signal). Empty when nothing was mapped."""
+    counts = [t.info[MAPPING_INFO] for t in trajs if MAPPING_INFO in (t.info or {})]
+    tokens = sum(c["tokens"] for c in counts)
+    if not tokens:
+        return {}
+    return {"teacher_exact_frac": sum(c["exact"] for c in counts) / tokens,
+            "teacher_unreadable_frac": sum(c["unreadable"] for c in counts) / tokens}
 
 
 def _untrained(t: Any, reason: str) -> None:

@@ -20,9 +20,11 @@ How (documented in docs/post-training.md, "A teacher of another tokenizer"):
    difference: `t_i = s_i + (T_chunk - S_chunk) / n_chunk`. So the per-token reverse KL that opd
    trains on, `t_i - s_i`, sums over the chunk to the chunk's exact log-ratio.
 
-What it cannot fix: the teacher reads the policy's chat rendering (its special tokens as text the
-teacher's tokenizer may not know), so a teacher of the same chat format fits best. Needs a fast
-(Rust) teacher tokenizer, for its character offsets.
+Bytes the policy sampled that are no UTF-8 decode to U+FFFD: their chunk carries no signal (its
+tokens get their own logprob), counted (Plan.counts). What it cannot fix: the teacher reads the
+policy's chat rendering (its special tokens as text the teacher's tokenizer may not know), so a
+teacher of the same chat format fits best. Needs a fast (Rust) teacher tokenizer, for its
+character offsets.
 """
 from __future__ import annotations
 
@@ -61,8 +63,16 @@ def token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
 class Plan:
     """One sequence mapped: the teacher's ids for its text, and per sampled turn the chunks."""
     teacher_ids: list[int]
-    # per chunk: (the policy tokens' positions, the teacher tokens' positions) in each sequence
+    # per chunk: (the policy tokens' positions, the teacher tokens' positions) in each sequence; no
+    # teacher positions where the text is not what the policy sampled (bytes that are no UTF-8)
     chunks: list[tuple[list[int], list[int]]]
+
+    def counts(self) -> dict[str, int]:
+        """Sampled tokens: all, those of a chunk of one token each side (their own teacher logprob),
+        and those of a chunk the teacher cannot read (no signal)."""
+        return {"tokens": sum(len(m) for m, _ in self.chunks),
+                "exact": sum(len(m) for m, t in self.chunks if len(m) == len(t) == 1),
+                "unreadable": sum(len(m) for m, t in self.chunks if not t)}
 
 
 class TextMapping:
@@ -86,7 +96,11 @@ class TextMapping:
             text = "".join(texts[k:end])
             enc = self.teacher(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
             if sampled[k]:
-                chunks += _chunks(texts[k:end], enc["offset_mapping"], len(text), k, len(teacher_ids))
+                for mine, theirs in _chunks(texts[k:end], enc["offset_mapping"], len(text), k, len(teacher_ids)):
+                    # a byte sequence that is no UTF-8 decodes to U+FFFD, which the teacher would read
+                    # as another text: no signal there
+                    unreadable = "\ufffd" in "".join(texts[i] for i in mine)
+                    chunks.append((mine, [] if unreadable else theirs))
             teacher_ids += enc["input_ids"]
             k = end
         return Plan(teacher_ids, chunks)
@@ -99,7 +113,7 @@ class TextMapping:
         policy's own per position of its sequence."""
         out: dict[int, float] = {}
         for mine, theirs in plan.chunks:
-            if not theirs:   # text no teacher token covers (none in practice): no signal
+            if not theirs:   # text the teacher cannot read (Plan.chunks): no signal
                 out.update((i, student_logprobs[i]) for i in mine)
                 continue
             gap = sum(teacher_logprobs[j] for j in theirs) - sum(student_logprobs[i] for i in mine)

@@ -49,7 +49,7 @@ from turnrl.gateway.samples import episode_view, training_rows
 from turnrl.training.folders import high_level_folder
 from turnrl.rewards.judge import check_rows as check_judge_rows, judge_metrics
 from turnrl.rewards.shaping import cut_by_budget
-from turnrl.rewards.teacher import check_tokenizer as check_teacher_tokenizer
+from turnrl.rewards.teacher import check_tokenizer as check_teacher_tokenizer, teacher_metrics
 from turnrl.rollout.multi_turn import ENV_ERROR, Trajectory, tool_rates
 from turnrl.training import served_models
 from turnrl.training.checkpoint import CheckpointStore, Resume, write_state
@@ -237,6 +237,7 @@ def rollout_metrics(trajs: Sequence[Trajectory], n: int) -> dict[str, float]:
     for name in sorted({name for t in trajs for name in t.rewards}):   # reward functions, by name
         out[f"reward_{name}_mean"] = sum(t.rewards.get(name, 0.0) for t in trajs) / count
     out.update(judge_metrics(trajs))   # reward.judges: their calls' latency, retries, failures
+    out.update(teacher_metrics(trajs))   # reward.teacher of another tokenizer: how exact its mapping was
     return out
 
 
