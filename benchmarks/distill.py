@@ -13,7 +13,11 @@ sample each at T=1), through `dvc exp run` as a user runs it:
   no reward (`algorithm.options.reward_weight` 0);
 - `sft_grpo`: the sft stage on the teacher's own successes (`turnrl evaluate` of the teacher on
   512 training problems through the environment, 2 samples each, the correct ones'
-  conversations as an OpenAI messages jsonl: `sft.data`), then GRPO.
+  conversations as an OpenAI messages jsonl: `sft.data`), then GRPO;
+- `grpo_lr4x`, `opd_lr4x`: both at 4x params.yaml's learning rate;
+- `opd_own_tokenizer`: opd from the seed's own warm start (not the teacher's), whose tokenizer
+  is learnt from the seed's data and so is not the teacher's: the student's tokens reach the
+  teacher through their text (`reward.teacher.tokenizer`, turnrl.rewards.token_mapping).
 
     python benchmarks/distill.py                       # teacher, then rows x seeds 0 1 2 -> benchmarks/DISTILL.md
     python benchmarks/distill.py --rows grpo opd --seeds 0
@@ -61,6 +65,12 @@ def rows(work: Path) -> list[Row]:
         Row("grpo_lr4x", "code_tool", "grpo", sets=[*student, f"train.lr={4 * LR}"]),
         Row("opd_lr4x", "code_tool", "opd", sets=[*student, "algorithm.name=opd", f"reward.teacher.serve={teacher}",
                                                    "reward.teacher.max_model_len=2048", f"train.lr={4 * LR}"]),
+        # the student its seed's own warm start, whose tokenizer (learnt from the seed's data) is
+        # not the teacher's: the teacher's logprobs come through the text (reward.teacher.tokenizer)
+        Row("opd_own_tokenizer", "code_tool", "opd", sets=[*ENGINE, *STUDENT[len(ENGINE):], "algorithm.name=opd",
+                                                            f"reward.teacher.serve={teacher}",
+                                                            "reward.teacher.max_model_len=2048",
+                                                            f"reward.teacher.tokenizer={teacher}"]),
     ]
 
 
@@ -148,6 +158,9 @@ def run(project: Path, row: Row, seed: int, extra: list[str], work: Path) -> dic
     sft = json.loads((project / "metrics/sft.json").read_text()) if (project / "metrics/sft.json").exists() else {}
     return {**result, "teacher_accuracy": teacher, "curve": points, "reached": reached,
             "step_s": round(float(curve["step_s"].mean()), 2),
+            # a teacher of another tokenizer: the share of sampled tokens mapped one to one
+            "teacher_exact_frac": round(float(curve["teacher_exact_frac"].mean()), 4)
+            if "teacher_exact_frac" in curve else None,
             "sft": {k: sft.get(k) for k in ("samples", "steps", "loss_first", "loss_last", "heldout_loss_start",
                                             "heldout_loss_last")} if not sft.get("skipped", True) else None}
 
@@ -232,6 +245,11 @@ def report(results: list[dict], seeds: list[int], work: Path, teacher: dict) -> 
             f"seed {r['seed']}: {r['sft']['samples']} conversations, loss {r['sft']['loss_first']:.2f} -> "
             f"{r['sft']['loss_last']:.2f}, held-out {r['sft']['heldout_loss_start']:.2f} -> "
             f"{r['sft']['heldout_loss_last']:.2f}" for r in sft if r["sft"]["heldout_loss_start"] is not None)]
+    mapped = [r for r in ok if r.get("teacher_exact_frac") is not None]
+    if mapped:
+        lines += ["", "The teacher through the text (opd_own_tokenizer): sampled tokens whose chunk was one token of "
+                  "each tokenizer, so they got the teacher's own logprob (the mean over steps): " + "; ".join(
+                      f"seed {r['seed']}: {100 * r['teacher_exact_frac']:.1f}%" for r in mapped)]
     return "\n".join(lines + ["", commits_line(results)]) + "\n"
 
 

@@ -322,3 +322,7 @@ def test_the_distillation_report_checks_the_target_for_each_opd_grpo_pair():
     assert "- seed 0: opd 4, grpo 6: **not met**" in text
     assert "- seed 0: opd_lr4x 2, grpo 6: met" in text            # 3 x 2 <= 6
     assert "- seed 0: opd_lr4x 2, grpo_lr4x 4: **not met**" in text
+    assert "through the text" not in text   # no row mapped a teacher's tokens
+    mapped = {**run("opd_own_tokenizer", 0, 4), "teacher_exact_frac": 0.9876}
+    assert "(the mean over steps): seed 0: 98.8%" in report([*results, mapped], [0], Path("/tmp/w"),
+                                                            {"baseline": 0.1, "trained": 0.96})
