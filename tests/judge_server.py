@@ -9,16 +9,17 @@ import threading
 import time
 
 
-def serve(chat, path: str = "/v1/chat/completions") -> tuple:
-    """A Starlette app answering POST `path` with `chat`, on uvicorn on a free
-    loopback port, on a thread: (the server, its thread, its URL)."""
+def serve(chat, path: str = "/v1/chat/completions", more: dict | None = None) -> tuple:
+    """A Starlette app answering POST `path` with `chat` (and each path of `more` with its
+    handler), on uvicorn on a free loopback port, on a thread: (the server, its thread, its URL)."""
     import uvicorn
     from starlette.applications import Starlette
     from starlette.routing import Route
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route(path, chat, methods=["POST"])]),
+    server = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route(path, chat, methods=["POST"]),
+                                                             *(Route(p, h, methods=["POST"]) for p, h in (more or {}).items())]),
                                            host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -81,9 +82,10 @@ class ReferenceJudge:
 
 class TeacherServer:
     """vLLM's /v1/completions with prompt_logprobs as a teacher answers: log p(token) = -token / 100
-    (position 0: null). 'down' mode answers 503 always; 'bare' answers without prompt_logprobs."""
+    (position 0: null). 'down' mode answers 503 always; 'bare' answers without prompt_logprobs.
+    With a `tokenizer`, it answers vLLM's /tokenize with its ids too."""
 
-    def __init__(self, mode: str = "ok"):
+    def __init__(self, mode: str = "ok", tokenizer=None):
         from starlette.responses import JSONResponse
         self.mode, self.requests = mode, 0
 
@@ -95,7 +97,12 @@ class TeacherServer:
             entries = [None] + [{str(tok): {"logprob": -tok / 100, "rank": 1}} for tok in body["prompt"][1:]]
             choice = {"index": 0, "text": "x", **({"prompt_logprobs": entries} if self.mode == "ok" else {})}
             return JSONResponse({"choices": [choice]})
-        self.server, self.thread, self.url = serve(completions, path="/v1/completions")
+        async def tokenize(request):
+            body = await request.json()
+            ids = tokenizer(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))["input_ids"]
+            return JSONResponse({"tokens": ids, "count": len(ids)})
+        self.server, self.thread, self.url = serve(completions, path="/v1/completions",
+                                                   more={"/tokenize": tokenize} if tokenizer is not None else None)
 
     def close(self) -> None:
         self.server.should_exit = True

@@ -86,12 +86,21 @@ def test_a_teacher_with_another_tokenizer_is_named(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_opd_learns_from_a_teacher_turnrl_serves_beside_a_served_judge(tiny_model_dir, tmp_path):
+def test_opd_learns_from_a_teacher_turnrl_serves_beside_a_served_judge(tiny_model_dir, tmp_path, monkeypatch):
     """reward.teacher.serve and reward.judges[*].serve: two checkpoints behind vLLM's OpenAI
     server, each in a Ray actor of its own; opd trains on the teacher's logprobs. The teacher is
     the policy's own start, so at step 1 the per-token signal is only the engines' numerics."""
     import subprocess
+
+    import turnrl.training.loop as loop
     from conftest import train_two_steps
+    checked = []   # the served teacher's tokenizer, checked by its /tokenize once it answered
+    real_check = loop.check_teacher_server
+
+    def check(cfg, student_dir):
+        checked.append((cfg.base_url, real_check(cfg, student_dir)))
+        return checked[-1][1]
+    monkeypatch.setattr(loop, "check_teacher_server", check)
     history = train_two_steps(tiny_model_dir, tmp_path, {"name": "code_tool"}, {"name": "opd"}, reward={
         "on_error": "zero",
         "teacher": {"serve": str(tiny_model_dir), "max_model_len": 1024},
@@ -99,6 +108,7 @@ def test_opd_learns_from_a_teacher_turnrl_serves_beside_a_served_judge(tiny_mode
                     "score": "labels", "labels": {"answer": 1.0, "code": 0.0, "output": 0.5},
                     "template": "Question: {question}\nResponse: {response}"}]})
     assert len(history) == 2
+    assert len(checked) == 1 and checked[0][0].startswith("http") and checked[0][1] == (None, None)   # same ids
     assert history[0]["advantage_abs_mean"] < 0.01   # the same weights: log pi_T - log pi ~ 0
     for h in history:
         assert h["judge_served_calls"] > 0 and h["judge_served_failures"] == 0   # the judge answered every call

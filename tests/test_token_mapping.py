@@ -7,7 +7,7 @@ import pytest
 
 from turnrl.config.sections import TeacherCfg
 from turnrl.models.miniatures import FAMILIES, build_tokenizer
-from turnrl.rewards.teacher import Teacher, check_tokenizer, teacher_metrics
+from turnrl.rewards.teacher import Teacher, check_server_tokenizer, check_tokenizer, teacher_metrics
 from turnrl.rewards.token_mapping import TextMapping, token_texts
 from turnrl.rollout.multi_turn import Trajectory
 
@@ -147,3 +147,25 @@ def test_a_served_teacher_of_another_tokenizer_is_refused_unless_its_tokenizer_i
     missing = check_tokenizer(TeacherCfg(base_url="http://t/v1", tokenizer=str(tmp_path / "nowhere")),
                               str(tmp_path / "policy"))
     assert missing.startswith(f"reward.teacher.tokenizer = {tmp_path / 'nowhere'}: it does not load")
+
+
+def test_a_teacher_server_of_another_tokenizer_is_refused_once_it_answers(tokenizers, tmp_path):
+    """A teacher at base_url: the policy's rendering of a probe conversation is sent to its
+    /tokenize; other ids refuse the run naming reward.teacher.tokenizer, the same ids pass, and a
+    server without /tokenize is a note (it cannot be checked), not an error."""
+    tokenizers[0].save_pretrained(tmp_path / "policy")
+    for served, expected in ((tokenizers[1], "tokenizes differently"), (tokenizers[0], None)):
+        server = TeacherServer(tokenizer=served)
+        try:
+            problem, note = check_server_tokenizer(TeacherCfg(base_url=server.url), str(tmp_path / "policy"))
+            mapped = check_server_tokenizer(TeacherCfg(base_url=server.url, tokenizer="x"), str(tmp_path / "policy"))
+        finally:
+            server.close()
+        assert note is None and mapped == (None, None)
+        assert (problem is None) if expected is None else (expected in problem and "reward.teacher.tokenizer" in problem)
+    server = TeacherServer()   # no /tokenize
+    try:
+        problem, note = check_server_tokenizer(TeacherCfg(base_url=server.url), str(tmp_path / "policy"))
+    finally:
+        server.close()
+    assert problem is None and "could not be checked" in note and "404" in note

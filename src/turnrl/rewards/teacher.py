@@ -154,6 +154,47 @@ def check_tokenizer(cfg: Any, student_dir: str) -> str | None:
     return None
 
 
+# A conversation whose rendering has the chat template's markup, numbers and words
+PROBE = [{"role": "user", "content": "Probe: what is 12 + 30? Reply in <answer></answer>, please."},
+         {"role": "assistant", "content": "12 + 30 = 42, so <answer>42</answer>"}]
+
+
+def check_server_tokenizer(cfg: Any, student_dir: str) -> tuple[str | None, str | None]:
+    """Once the teacher answers, before any step: (why it cannot score the policy's token ids, or
+    None; a note when that cannot be checked, or None). The policy's rendering of PROBE is sent to
+    the server's /tokenize (vLLM's); other ids than the policy's mean another tokenizer. With
+    `cfg.tokenizer` (the text mapping) nothing needs checking."""
+    if cfg.tokenizer or not cfg.base_url:
+        return None, None
+    import httpx
+    from transformers import AutoTokenizer
+    student = AutoTokenizer.from_pretrained(student_dir)
+    try:
+        text = student.apply_chat_template(PROBE, tokenize=False)
+    except (ValueError, TypeError):   # no chat template: the words alone
+        text = "\n".join(m["content"] for m in PROBE)
+    ids = student(text, add_special_tokens=False)["input_ids"]
+    root = cfg.base_url.rstrip("/").removesuffix("/v1")
+    headers = endpoint.Session.for_server(cfg, "reward.teacher").headers
+    try:
+        reply = httpx.post(f"{root}/tokenize", json={"model": cfg.model, "prompt": text, "add_special_tokens": False},
+                           headers=headers, timeout=min(cfg.timeout_s, 30.0))
+        theirs = reply.json().get("tokens") if reply.status_code == 200 else None
+    except (httpx.HTTPError, ValueError) as exc:
+        theirs, reply = None, exc
+    if not isinstance(theirs, list):
+        return None, (f"reward.teacher at {cfg.base_url}: its tokenizer could not be checked ({root}/tokenize "
+                      f"answered {getattr(reply, 'status_code', reply)}); it must share the policy's, or set "
+                      "reward.teacher.tokenizer")
+    if theirs == ids:
+        return None, None
+    differ = next((k for k, (a, b) in enumerate(zip(ids, theirs)) if a != b), min(len(ids), len(theirs)))
+    return (f"reward.teacher at {cfg.base_url} tokenizes differently from the policy ({student_dir}): a probe "
+            f"conversation is {len(theirs)} tokens there and {len(ids)} here, first differing at token {differ}; "
+            "the teacher scores the policy's token ids as they are, so set reward.teacher.tokenizer to the "
+            "teacher's tokenizer (its text mapping), or pick a teacher of the policy's tokenizer"), None
+
+
 def tokenizer_mismatch(teacher_dir: str, student_dir: str) -> str | None:
     """Why the teacher's tokenizer (a local folder) cannot score the student's token ids, or None
     when both map every token to the same id."""

@@ -49,7 +49,8 @@ from turnrl.gateway.samples import episode_view, training_rows
 from turnrl.training.folders import high_level_folder
 from turnrl.rewards.judge import check_rows as check_judge_rows, judge_metrics
 from turnrl.rewards.shaping import cut_by_budget
-from turnrl.rewards.teacher import check_tokenizer as check_teacher_tokenizer, teacher_metrics
+from turnrl.rewards.teacher import (check_server_tokenizer as check_teacher_server,
+                                   check_tokenizer as check_teacher_tokenizer, teacher_metrics)
 from turnrl.rollout.multi_turn import ENV_ERROR, Trajectory, tool_rates
 from turnrl.training import served_models
 from turnrl.training.checkpoint import CheckpointStore, Resume, write_state
@@ -325,6 +326,11 @@ def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], ou
     try:
         workers = start_workers(cfg, model_dir, data_dir, high_dir)
         served.wait_ready()
+        mismatch, unchecked = check_teacher_server(cfg.reward.teacher, model_dir)   # a teacher at base_url too
+        if unchecked:
+            log.warning(unchecked)
+        if mismatch:
+            raise ConfigError(mismatch)
     except BaseException:   # e.g. a served model that never answered: nothing left running
         if workers is not None:
             workers.shutdown()
