@@ -94,6 +94,8 @@ def test_bytes_that_are_no_utf8_carry_no_signal_and_are_counted(tokenizers):
     plan = TextMapping(policy, tokenizers[1]).plan(ids, [0] * len(prompt) + [1] * len(sampled_ids))
     counts = plan.counts()
     assert counts["tokens"] == len(sampled_ids) and counts["unreadable"] >= len(emoji) - 1
+    garbage = emoji[1:] * 100   # bytes that never complete a character: each given its U+FFFD in turn
+    assert "".join(token_texts(policy, garbage)) == policy.decode(garbage)
     student = [-1.0] * len(ids)
     mapped = TextMapping.to_student(plan, [-3.0] * len(plan.teacher_ids), student)
     for mine, theirs in plan.chunks:

@@ -46,8 +46,8 @@ def token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
     start = read = 0          # decode ids[start:] for context; ids[read:] not yet given text
     for i in range(len(ids)):
         before, after = decode(ids[start:read]), decode(ids[start:i + 1])
-        if after.endswith("\ufffd") and i + 1 < len(ids):   # a character still incomplete
-            pieces.append("")
+        if after.endswith("\ufffd") and i + 1 < len(ids) and i - read < 3:
+            pieces.append("")   # a character still incomplete (UTF-8: at most 4 bytes; longer is no UTF-8)
             continue
         if not after.startswith(before):
             raise ValueError(f"token {i} (id {ids[i]}) changes the text before it when decoded")
