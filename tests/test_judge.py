@@ -215,6 +215,16 @@ def test_an_api_key_variable_that_is_not_set_is_refused_before_any_call(monkeypa
     assert Judge(_cfg()).session.headers == {}
 
 
+def test_a_run_whose_judge_key_is_not_set_stops_before_any_work(monkeypatch, tmp_path):
+    from turnrl.config import ConfigError
+    from turnrl.training.loop import train
+    monkeypatch.delenv("TURNRL_TEST_JUDGE_KEY", raising=False)
+    cfg = Config.model_validate({"reward": {"judges": [{"name": "q", "base_url": "http://127.0.0.1:1/v1",
+                                                        "template": "{response}", "api_key_env": "TURNRL_TEST_JUDGE_KEY"}]}})
+    with pytest.raises(ConfigError, match=r"reward.judges\[0\] \(q\): api_key_env names TURNRL_TEST_JUDGE_KEY"):
+        train(cfg, "no-model-read-yet", "no-data", [{"id": "r0", "prompt": "q", "answer": "a"}], str(tmp_path / "out"))
+
+
 def test_a_judge_is_a_weighted_reward_whose_failures_follow_on_error(server):
     cfg = Config.model_validate({"reward": {"on_error": "zero", "judges": [
         {"name": "quality", "base_url": server.url, "template": "{response}", "range": [0, 10], "weight": 0.5}]}})

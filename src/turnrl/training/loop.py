@@ -47,6 +47,7 @@ from turnrl.algos.registry import resolve as resolve_algorithm
 from turnrl.config import AlgorithmCfg, Config, ConfigError, LevelsCfg, TrainCfg
 from turnrl.gateway.samples import episode_view, training_rows
 from turnrl.training.folders import high_level_folder
+from turnrl.rewards import endpoint
 from turnrl.rewards.judge import check_rows as check_judge_rows, judge_metrics
 from turnrl.rewards.shaping import cut_by_budget
 from turnrl.rewards.teacher import (check_server_tokenizer as check_teacher_server,
@@ -314,6 +315,7 @@ def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], ou
     mismatch = check_teacher_tokenizer(cfg.reward.teacher, model_dir)
     if mismatch:
         raise ConfigError(mismatch)
+    _check_api_keys(cfg)
     # Actors run elsewhere (other nodes, other working directories): absolute local paths.
     model_dir, data_dir, out_dir = (str(Path(p).resolve()) if Path(p).exists() or p == out_dir else p
                                     for p in (model_dir, data_dir, out_dir))
@@ -424,6 +426,19 @@ def _steps(cfg: Config, workers: Workers, rollouts: Rollouts, algorithm: Algorit
     if workers.high is not None:
         workers.high.call("save", str(Path(out_dir) / HIGH_LEVEL), high_dir)
     return history
+
+
+def _check_api_keys(cfg: Config) -> None:
+    """Before any work: every judge's and the teacher's api_key_env is set here (the actors of a
+    local cluster inherit this environment), else the one line that says which."""
+    servers = [(f"reward.judges[{k}] ({j.name})", j) for k, j in enumerate(cfg.reward.judges)]
+    if cfg.reward.teacher.enabled:
+        servers.append(("reward.teacher", cfg.reward.teacher))
+    for key, server in servers:
+        try:
+            endpoint.Session.for_server(server, key)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def _pushes_so_far(history: list[dict]) -> int:
