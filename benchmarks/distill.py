@@ -15,6 +15,8 @@ sample each at T=1), through `dvc exp run` as a user runs it:
   512 training problems through the environment, 2 samples each, the correct ones'
   conversations as an OpenAI messages jsonl: `sft.data`), then GRPO;
 - `grpo_lr4x`, `opd_lr4x`: both at 4x params.yaml's learning rate;
+- `opd_reward`: opd with `algorithm.options.reward_weight=1.0` (GRPO's advantage of the reward
+  added to the teacher's per-token signal);
 - `opd_own_tokenizer`: opd from the seed's own warm start (not the teacher's), whose tokenizer
   is learnt from the seed's data and so is not the teacher's: the student's tokens reach the
   teacher through their text (`reward.teacher.tokenizer`, turnrl.rewards.token_mapping).
@@ -65,6 +67,10 @@ def rows(work: Path) -> list[Row]:
         Row("grpo_lr4x", "code_tool", "grpo", sets=[*student, f"train.lr={4 * LR}"]),
         Row("opd_lr4x", "code_tool", "opd", sets=[*student, "algorithm.name=opd", f"reward.teacher.serve={teacher}",
                                                    "reward.teacher.max_model_len=2048", f"train.lr={4 * LR}"]),
+        # the teacher's signal plus GRPO's advantage of the reward, weighted equally
+        Row("opd_reward", "code_tool", "opd", sets=[*student, "algorithm.name=opd", f"reward.teacher.serve={teacher}",
+                                                     "reward.teacher.max_model_len=2048",
+                                                     "++algorithm.options.reward_weight=1.0"]),
         # the student its seed's own warm start, whose tokenizer (learnt from the seed's data) is
         # not the teacher's: the teacher's logprobs come through the text (reward.teacher.tokenizer)
         Row("opd_own_tokenizer", "code_tool", "opd", sets=[*ENGINE, *STUDENT[len(ENGINE):], "algorithm.name=opd",
