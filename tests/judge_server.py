@@ -11,7 +11,8 @@ import time
 
 def serve(chat, path: str = "/v1/chat/completions", more: dict | None = None) -> tuple:
     """A Starlette app answering POST `path` with `chat` (and each path of `more` with its
-    handler), on uvicorn on a free loopback port, on a thread: (the server, its thread, its URL)."""
+    (handler, methods)), on uvicorn on a free loopback port, on a thread: (the server, its
+    thread, its URL)."""
     import uvicorn
     from starlette.applications import Starlette
     from starlette.routing import Route
@@ -19,7 +20,7 @@ def serve(chat, path: str = "/v1/chat/completions", more: dict | None = None) ->
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route(path, chat, methods=["POST"]),
-                                                             *(Route(p, h, methods=["POST"]) for p, h in (more or {}).items())]),
+                                                             *(Route(p, h, methods=m) for p, (h, m) in (more or {}).items())]),
                                            host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -83,7 +84,7 @@ class ReferenceJudge:
 class TeacherServer:
     """vLLM's /v1/completions with prompt_logprobs as a teacher answers: log p(token) = -token / 100
     (position 0: null). 'down' mode answers 503 always; 'bare' answers without prompt_logprobs.
-    With a `tokenizer`, it answers vLLM's /tokenize with its ids too."""
+    With a `tokenizer`, it answers vLLM's /tokenize with its ids, and /v1/models, too."""
 
     def __init__(self, mode: str = "ok", tokenizer=None):
         from starlette.responses import JSONResponse
@@ -101,8 +102,11 @@ class TeacherServer:
             body = await request.json()
             ids = tokenizer(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))["input_ids"]
             return JSONResponse({"tokens": ids, "count": len(ids)})
-        self.server, self.thread, self.url = serve(completions, path="/v1/completions",
-                                                   more={"/tokenize": tokenize} if tokenizer is not None else None)
+        async def models(request):
+            return JSONResponse({"object": "list", "data": [{"id": "teacher", "object": "model"}]})
+        self.server, self.thread, self.url = serve(
+            completions, path="/v1/completions",
+            more={"/tokenize": (tokenize, ["POST"]), "/v1/models": (models, ["GET"])} if tokenizer is not None else None)
 
     def close(self) -> None:
         self.server.should_exit = True

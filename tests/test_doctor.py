@@ -42,6 +42,40 @@ def test_mlflow_store_and_checkpoint_folder(tmp_path, monkeypatch):
     assert result.status == "FAIL" and "tracking.uri" in result.fix
 
 
+def test_judges_and_a_teacher_at_their_servers_are_checked(tmp_path, monkeypatch):
+    """A key not set, a server not answering, a model it does not serve, a teacher of another
+    tokenizer: each its line; a teacher of the policy's tokenizer passes."""
+    from judge_server import TeacherServer
+    from turnrl.models.miniatures import FAMILIES, build_tokenizer
+    policy = tmp_path / "policy"
+    build_tokenizer(FAMILIES["qwen2"], 512).save_pretrained(policy)
+    (policy / "config.json").write_text("{}")
+    assert doctor.check_endpoints(Config()) == []   # nothing configured
+    monkeypatch.delenv("TURNRL_TEST_JUDGE_KEY", raising=False)
+    judges = [{"name": "keyed", "base_url": "http://127.0.0.1:1/v1", "template": "{response}",
+               "api_key_env": "TURNRL_TEST_JUDGE_KEY"},
+              {"name": "down", "base_url": f"http://127.0.0.1:{_closed_port()}/v1", "template": "{response}"}]
+    keyed, down = doctor.check_endpoints(Config.model_validate({"reward": {"judges": judges}}))
+    assert keyed.status == "FAIL" and "TURNRL_TEST_JUDGE_KEY" in keyed.detail and "export" in keyed.fix
+    assert down.status == "FAIL" and "start the server" in down.fix
+    for served, status, said in ((build_tokenizer(FAMILIES["qwen2"], 300), "FAIL", "tokenizes differently"),
+                                 (build_tokenizer(FAMILIES["qwen2"], 512), "OK", "answers, serving ['teacher']")):
+        server = TeacherServer(tokenizer=served)
+        try:
+            params = {"model": {"path": str(policy)}, "reward": {"teacher": {"base_url": server.url}}}
+            [check] = doctor.check_endpoints(Config.model_validate(params))
+            params["reward"]["teacher"]["model"] = "other"
+            [unknown] = doctor.check_endpoints(Config.model_validate(params))
+        finally:
+            server.close()
+        assert check.name == "teacher" and check.status == status and said in check.detail, check
+        assert unknown.status == "WARN" and "'other' is not among them" in unknown.detail
+    build_tokenizer(FAMILIES["qwen2"], 300).save_pretrained(tmp_path / "other")
+    [served] = doctor.check_endpoints(Config.model_validate(
+        {"model": {"path": str(policy)}, "reward": {"teacher": {"serve": str(tmp_path / "other")}}}))
+    assert served.status == "FAIL" and "reward.teacher.tokenizer=" in served.detail
+
+
 def test_bad_params_fail_first(tmp_path, capsys):
     (tmp_path / "params.yaml").write_text("train: {steps: -1}\n")
     assert doctor.main([str(tmp_path / "params.yaml")]) == 1

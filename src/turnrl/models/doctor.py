@@ -8,6 +8,9 @@
     ray         cluster.address reachable (or a local Ray starts), and room for the run's actors
     mlflow      the tracking store takes a run (a throwaway run in experiment turnrl-doctor)
     checkpoints train.checkpoint_dir is writable, with free space
+    endpoints   each judge and the teacher already running (base_url): its api_key_env is set, it
+                answers /models, and the teacher tokenizes as the policy (its /tokenize); a
+                teacher turnrl serves from a folder: its tokenizer against the policy's
     model ...   with model.path a checkpoint folder (-S model.path=FOLDER): the checks of
                 turnrl.models.check on a small batch (chat template and its generation prompt,
                 end-of-turn token, a token-exact two-turn conversation, vLLM loads and generates,
@@ -220,6 +223,51 @@ def check_checkpoints(cfg: Config) -> Check:
     return Check("checkpoints", "OK", detail)
 
 
+def check_endpoints(cfg: Config) -> list[Check]:
+    """The judges' and the teacher's servers (none configured: no check)."""
+    teacher = cfg.reward.teacher
+    servers = [(f"judge {j.name}", f"reward.judges[{k}] ({j.name})", j) for k, j in enumerate(cfg.reward.judges)]
+    servers += [("teacher", "reward.teacher", teacher)] if teacher.enabled else []
+    student = model_folder(cfg.model.path)[0] if cfg.model.path != "tiny" else None
+    return [_check_endpoint(name, key, server, student if name == "teacher" else None)
+            for name, key, server in servers]
+
+
+def _check_endpoint(name: str, key: str, server, student: Path | None) -> Check:
+    """One judge's or the teacher's server (`student`: the policy's folder, for the teacher's
+    tokenizer; None: not checked here)."""
+    import httpx
+
+    from turnrl.rewards import endpoint
+    from turnrl.rewards.teacher import check_server_tokenizer, check_tokenizer
+    try:
+        headers = endpoint.Session.for_server(server, key).headers
+    except ValueError as exc:
+        return Check(name, "FAIL", str(exc), f"export {server.api_key_env}=..., or set {key}.api_key_env")
+    if not server.base_url:   # turnrl serves it when the train stage starts
+        problem = check_tokenizer(server, str(student)) if student else None
+        if problem:
+            return Check(name, "FAIL", problem, "change the key it names")
+        return Check(name, "OK", f"{server.serve}: turnrl serves it when the train stage starts")
+    try:
+        reply = httpx.get(server.base_url.rstrip("/") + "/models", headers=headers, timeout=10.0)
+        reply.raise_for_status()
+        served = [m.get("id") for m in reply.json().get("data", [])]
+    except (httpx.HTTPError, ValueError, AttributeError) as exc:
+        return Check(name, "FAIL", f"{server.base_url}: {type(exc).__name__}: {str(exc)[:200]}",
+                     f"start the server, or fix {key}.base_url (and its api_key_env)")
+    detail = f"{server.base_url} answers, serving {served}"
+    if server.model not in served:
+        return Check(name, "WARN", f"{detail}; {key}.model = {server.model!r} is not among them",
+                     f"set {key}.model to one of {served}")
+    if student:
+        problem, unchecked = check_server_tokenizer(server, str(student))
+        if problem or unchecked:
+            return Check(name, "FAIL" if problem else "WARN", problem or unchecked,
+                         "set reward.teacher.tokenizer to the teacher's tokenizer (the text mapping)")
+    return Check(name, "OK", detail)
+
+
 def model_folder(path: str) -> tuple[Path | None, str]:
     """model.path as a local folder: a folder, or a hub id already in the local Hugging Face
     cache. (None, why) otherwise."""
@@ -266,7 +314,8 @@ def check_model(cfg: Config) -> list[Check]:
 
 
 CHECKS: list[Callable[[Config], Check | list[Check]]] = [check_versions, check_gpus, check_vllm, check_deepspeed,
-                                                         check_ray, check_mlflow, check_checkpoints, check_model]
+                                                         check_ray, check_mlflow, check_checkpoints, check_endpoints,
+                                                         check_model]
 
 
 def main(argv: list[str] | None = None) -> int:
