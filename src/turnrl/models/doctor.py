@@ -8,7 +8,8 @@
     ray         cluster.address reachable (or a local Ray starts), and room for the run's actors
     mlflow      the tracking store takes a run (a throwaway run in experiment turnrl-doctor)
     checkpoints train.checkpoint_dir is writable, with free space
-    endpoints   each judge and the teacher already running (base_url): its api_key_env is set, it
+    judge NAME, teacher
+                each judge and the teacher already running (base_url): its api_key_env is set, it
                 answers /models, and the teacher tokenizes as the policy (its /tokenize); a
                 teacher turnrl serves from a folder: its tokenizer against the policy's
     model ...   with model.path a checkpoint folder (-S model.path=FOLDER): the checks of
