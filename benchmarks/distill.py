@@ -17,9 +17,10 @@ sample each at T=1), through `dvc exp run` as a user runs it:
 - `grpo_lr4x`, `opd_lr4x`: both at 4x params.yaml's learning rate;
 - `opd_reward`: opd with `algorithm.options.reward_weight=1.0` (GRPO's advantage of the reward
   added to the teacher's per-token signal);
-- `opd_own_tokenizer`: opd from the seed's own warm start (not the teacher's), whose tokenizer
-  is learnt from the seed's data and so is not the teacher's: the student's tokens reach the
-  teacher through their text (`reward.teacher.tokenizer`, turnrl.rewards.token_mapping).
+- `opd_own_tokenizer`: opd from a fresh warm start of the student's own, whose tokenizer stops
+  at 330 tokens (`model.tiny.vocab_size=330`; the teacher's has 371), so the two split text
+  differently: the student's tokens reach the teacher through their text
+  (`reward.teacher.tokenizer`, turnrl.rewards.token_mapping).
 
     python benchmarks/distill.py                       # teacher, then rows x seeds 0 1 2 -> benchmarks/DISTILL.md
     python benchmarks/distill.py --rows grpo opd --seeds 0
@@ -71,9 +72,10 @@ def rows(work: Path) -> list[Row]:
         Row("opd_reward", "code_tool", "opd", sets=[*student, "algorithm.name=opd", f"reward.teacher.serve={teacher}",
                                                      "reward.teacher.max_model_len=2048",
                                                      "++algorithm.options.reward_weight=1.0"]),
-        # the student its seed's own warm start, whose tokenizer (learnt from the seed's data) is
-        # not the teacher's: the teacher's logprobs come through the text (reward.teacher.tokenizer)
-        Row("opd_own_tokenizer", "code_tool", "opd", sets=[*ENGINE, *STUDENT[len(ENGINE):], "algorithm.name=opd",
+        # the student a fresh warm start of its own, its byte-level BPE stopped at 330 tokens (the
+        # teacher's has 371): other splits and sequence lengths, so the teacher's logprobs come
+        # through the text (reward.teacher.tokenizer)
+        Row("opd_own_tokenizer", "code_tool", "opd", sets=[*STUDENT, "model.tiny.vocab_size=330", "algorithm.name=opd",
                                                             f"reward.teacher.serve={teacher}",
                                                             "reward.teacher.max_model_len=2048",
                                                             f"reward.teacher.tokenizer={teacher}"]),
