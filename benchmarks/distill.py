@@ -210,7 +210,8 @@ def report(results: list[dict], seeds: list[int], work: Path, teacher: dict) -> 
         if all(r["reached"]["step"] == r["curve"][0]["step"] for r in f["done"] if r.get("curve")):
             headline += " (its first measurement, not learning)"
             headline = headline.replace(f"{seeds_text(f['done'])}. (its", f"{seeds_text(f['done'])} (its") + "."
-        others = [f"`{name}` {g['steps']} steps (ends at {g['final']})" for name, g in figures.items() if name != best]
+        others = [f"`{name}` {g['steps'] + ' steps' if g['steps'] != 'never' else 'never'} (ends at {g['final']})"
+                  for name, g in figures.items() if name != best]
         if others:
             headline += " Against " + ", ".join(others) + "."
     table, lines = lines, ["# On-policy distillation against GRPO", "",
