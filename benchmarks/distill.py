@@ -53,7 +53,7 @@ STUDENT = [*ENGINE, "train.steps=20", "train.eval_every=2", "train.eval_examples
 TEACHER_SEED, TEACHER_STEPS = 100, 40
 FRACTION = 0.9
 LR = 5e-4   # params.yaml's train.lr
-PAIRS = [("opd", "grpo"), ("opd_lr4x", "grpo"), ("opd_lr4x", "grpo_lr4x")]   # (OPD row, GRPO row) for the target
+PAIRS = [("opd", "grpo"), ("opd_lr4x", "grpo"), ("opd_lr4x", "grpo_lr4x"), ("opd_reward", "grpo")]   # (OPD row, GRPO row) for the target
 
 
 def rows(work: Path) -> list[Row]:
