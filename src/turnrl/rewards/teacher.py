@@ -18,6 +18,7 @@ names its own and the ids go through their text (turnrl.rewards.token_mapping).
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any, Sequence
 
 from turnrl.rewards import endpoint
@@ -138,7 +139,6 @@ def check_tokenizer(cfg: Any, student_dir: str) -> str | None:
     """Before any work: why the `reward.teacher` params (TeacherCfg) cannot score the policy of
     `student_dir`'s tokens, or None. A served checkpoint of another tokenizer needs `tokenizer`;
     a `tokenizer` given must load, and be fast (token_mapping reads its offsets)."""
-    from pathlib import Path
     if cfg.tokenizer:
         from transformers import AutoTokenizer
         try:
