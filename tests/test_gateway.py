@@ -488,13 +488,14 @@ def test_stream_options_not_an_object_is_400_and_records_nothing(scripted):
 
 # --------------------------------------------------------------------------- programs that fail
 def test_a_program_that_raises_fails_its_own_episodes_only(scripted, fmt, rows):
-    groups = []
+    groups, ended = [], []
     trajs = scripted.runner.run(scripted.engine, rows, _program(program=f"{HERE}:raises_on_row_0"), fmt, _budgets(),
-                                n=2, on_group_done=groups.append)
+                                n=2, on_group_done=groups.append, on_trajectory_done=ended.append)
     assert len(trajs) == 4 and [t.example["id"] for t in trajs] == [rows[0]["id"]] * 2 + [rows[1]["id"]] * 2
     # each example's episodes reported once, whole, as they ended (a failed episode ends its group too)
     position = {id(t): k for k, t in enumerate(trajs)}
     assert sorted([position[id(t)] for t in g] for g in groups) == [[0, 1], [2, 3]]
+    assert sorted(position[id(t)] for t in ended) == [0, 1, 2, 3]   # and each episode as it ended
     for t in trajs[:2]:
         assert t.finish == "env_error" and t.outcome == 0.0
         assert t.info["env_error"] == f"ValueError: no tool for {rows[0]['prompt']}"

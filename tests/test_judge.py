@@ -158,6 +158,36 @@ def test_batches_scored_at_once_from_several_threads_share_max_concurrency(serve
     assert all(out == pytest.approx([j / 10 for j in range(6)]) for out in outs.values())
 
 
+def test_an_identical_prompt_is_asked_once_a_step_across_batches_and_anew_the_next_step(server):
+    """Trajectories are scored one by one as they end (turnrl.rollout.scored): a later batch's
+    identical prompt waits for the call in flight or reads its answer, without a request of its
+    own; new_step (a new policy version) asks again; a failed call is not kept."""
+    import threading
+    server.delay_s = 0.5
+    judge = Judge(_cfg(base_url=server.url, range=[0, 10], retries=0))
+    outs = {}
+
+    def score(k):
+        outs[k] = judge.score_batch(_trajs("score 7"), decode=lambda ids: "")
+    first = threading.Thread(target=score, args=(0,))
+    first.start()
+    time.sleep(0.2)                      # the first call is in flight
+    score(1)
+    first.join()
+    assert outs == {0: pytest.approx([0.7]), 1: pytest.approx([0.7])} and server.requests["score 7"] == 1
+    later = _trajs("score 7")
+    assert judge.score_batch(later, decode=lambda ids: "") == pytest.approx([0.7])   # answered: read
+    assert server.requests["score 7"] == 1 and later[0].info["judge_judge"][0]["cached"] is True
+    assert judge_metrics(later)["judge_judge_calls"] == 0
+    judge.new_step()
+    assert judge.score_batch(_trajs("score 7"), decode=lambda ids: "") == pytest.approx([0.7])
+    assert server.requests["score 7"] == 2
+    for _ in range(2):                   # 503 on the first request, no retry: failed, then asked again
+        judge.score_batch(_trajs("flaky 4"), decode=lambda ids: "")
+    assert server.requests["flaky 4"] == 2
+    judge.session.close()
+
+
 def test_a_judge_sent_to_another_process_opens_its_own_connections_there(server):
     """Ray pickles the rollout actor's reward functions: the session's loop and client stay behind."""
     import pickle

@@ -129,7 +129,8 @@ class _Tables(BatchRollout):
     def __init__(self, engine: Any, examples: Sequence[dict], table_env: GameTable, fmt: ChatFormat,
                  budgets: Budgets, *, n: int, temperature: float, top_p: float, seed: int | None,
                  progress: bool = False, desc: str = "rollout",
-                 on_group_done: Callable[[list[Trajectory]], None] | None = None, opponent: str | None = None,
+                 on_group_done: Callable[[list[Trajectory]], None] | None = None,
+                 on_trajectory_done: Callable[[Trajectory], None] | None = None, opponent: str | None = None,
                  leagues: Leagues | None = None):
         for e, example in enumerate(examples):
             if example.get("role") not in table_env.roles:
@@ -139,7 +140,7 @@ class _Tables(BatchRollout):
         batch = [Trajectory(example=ex, prompt_ids=[]) for ex in examples for _ in range(n)]
         super().__init__(engine, [table_env] * len(batch), batch, fmt, budgets, temperature=temperature, top_p=top_p,
                          seed=seed, observation_lag=0, rejoin="ready", progress=progress, desc=desc, group_size=n,
-                         on_group_done=on_group_done)
+                         on_group_done=on_group_done, on_trajectory_done=on_trajectory_done)
         self.env, self.n = table_env, n
         self.leagues = leagues if leagues is not None else Leagues()   # the past selves' engines
         self.seat_of: dict[int, _Seat] = {}
@@ -404,7 +405,7 @@ class GameRunner:
 
     def run(self, engine, examples, make_env, fmt, budgets, *, n: int = 1, temperature: float = 1.0,
             top_p: float = 1.0, seed: int | None = None, progress: bool = False, desc: str = "rollout",
-            on_group_done=None, **_: Any) -> list[Trajectory]:
+            on_group_done=None, on_trajectory_done=None, **_: Any) -> list[Trajectory]:
         """n trajectories per row (trajectory i of row i // n), each the row's role's seat."""
         if not examples:
             return []
@@ -413,7 +414,7 @@ class GameRunner:
                            *(opponent_of(e, table_env) for e in examples)])
         return _roll(_Tables(engine, examples, table_env, fmt, budgets, n=n, temperature=temperature, top_p=top_p,
                              seed=seed, progress=progress, desc=desc, on_group_done=on_group_done,
-                             leagues=self.leagues))
+                             on_trajectory_done=on_trajectory_done, leagues=self.leagues))
 
     def stream(self, engine, make_env, fmt, budgets, **options):
         raise NotImplementedError("env.name: game is rolled out in train.mode: sync only for now; set "

@@ -209,11 +209,12 @@ class AgentRunner:
     def run(self, engine, examples: Sequence[dict], make_env: Callable[[], AgentProgram], fmt: ChatFormat,
             budgets: Budgets, *, n: int = 1, temperature: float = 1.0, top_p: float = 1.0, progress: bool = False,
             desc: str = "rollout", on_group_done: Callable[[list[Trajectory]], None] | None = None,
-            **_: Any) -> list[Trajectory]:
+            on_trajectory_done: Callable[[Trajectory], None] | None = None, **_: Any) -> list[Trajectory]:
         """n episodes per example, in order (episode i of example i // n). The seed, rejoin and
         observation-lag options of the step loop do not apply: programs run on their own clocks.
-        `on_group_done(group)` is called as each example's n episodes have ended (on the thread
-        that ran the last of them)."""
+        `on_trajectory_done(episode)` is called as each episode ends, `on_group_done(group)` as
+        each example's n have ended (on the thread that ran the last of them); an episode that
+        raised is reported by neither, and its group not at all."""
         program = make_env()
         _, gateway = self.gateway(engine, fmt, program, self.version)
         limits = self.limits(program, budgets, temperature, top_p)
@@ -224,7 +225,9 @@ class AgentRunner:
                 tqdm(total=len(jobs), desc=desc, unit="episode", disable=not progress, leave=False) as bar:
             futures = [pool.submit(self.episode, gateway, program, example, limits, fmt) for example in jobs]
 
-            def ended(k: int, _future) -> None:
+            def ended(k: int, future) -> None:
+                if on_trajectory_done is not None and future.exception() is None:
+                    on_trajectory_done(future.result())
                 with lock:
                     left[k // n] -= 1
                     done = not left[k // n]

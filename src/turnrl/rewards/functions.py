@@ -78,7 +78,8 @@ class RewardFunctions:
                  builtin: dict[str, Callable[..., Any]] | None = None, outcome_weight: float = 1.0):
         """`builtin`: scorers params configure (name -> a function, or a batch scorer with
         `batch = True` and `score_batch(trajs, decode) -> [value or Exception]`; its `weight`
-        and `key` attributes, if any, are its weight and the params key errors name).
+        and `key` attributes, if any, are its weight and the params key errors name; `by_group`,
+        that it must see whole groups; `new_step()`, called as each step's rollouts start).
         `outcome_weight`: the environment's outcome's weight in the reward."""
         self.outcome_weight = float(outcome_weight)
         self.paths = list(paths)
@@ -97,6 +98,20 @@ class RewardFunctions:
 
     def __bool__(self) -> bool:
         return bool(self.fns) or self.outcome_weight != 1.0
+
+    @property
+    def by_group(self) -> bool:
+        """Whether a scorer needs a group's trajectories together (a batch scorer with `by_group`
+        set: a judge with scope: group): then a batch is scored group by group as groups end,
+        otherwise trajectory by trajectory (turnrl.rollout.scored)."""
+        return any(getattr(fn, "by_group", False) for fn in self.fns)
+
+    def new_step(self) -> None:
+        """A new policy version samples from here on: scorers that share answers across batches
+        (a judge's identical prompts) forget the last step's."""
+        for fn in self.fns:
+            if callable(getattr(fn, "new_step", None)):
+                fn.new_step()
 
     def score(self, trajs: Sequence, decode: Callable[[list[int]], str]) -> None:
         """Set each trajectory's `rewards` (name -> value), `extra_reward` (their weighted sum)

@@ -18,11 +18,13 @@ reward functions (turnrl.rewards.functions), as a batch.
           retries: 2
           hedge_after: p90                         # a call still out then gets a twin (or seconds; null: never)
 
-The rollout actor scores each group as it finishes, on a thread of its own, while the rest of
-the batch (or, in async training, the stream) generates (turnrl.rollout.scored): the engines are
-not held while the judge thinks. What is finished at once is one batch here: its calls run
-concurrently, identical prompts asked once; batches scored at once share the judge's session
-(turnrl.rewards.endpoint.Session), so at most max_concurrency calls are in flight in all. A
+The rollout actor scores each trajectory as it finishes (in async training, each group as the
+stream hands it out; with scope: group, each group as its last member ends), on a thread of its
+own, while the rest of the batch generates (turnrl.rollout.scored): the engines are not held
+while the judge thinks. What is finished at once is one batch here: its calls run concurrently;
+batches scored at once share the judge's session (turnrl.rewards.endpoint.Session), so at most
+max_concurrency calls are in flight in all, and an identical prompt is asked once per step
+(a later batch's waits for the call in flight, or reads its answer; a failed call is not kept). A
 request that times out, cannot connect or gets 429 / 5xx is retried (`retries` more times,
 backing off); one still out after `hedge_after` is sent again beside it, the first answer taken;
 an answer with no score in it, or one outside `range`, is a parse failure. A failure goes to the reward functions' `reward.on_error`: fail stops the step naming
@@ -61,6 +63,7 @@ import numpy as np
 from turnrl.rewards import endpoint
 
 HEDGE_MIN_CALLS = 20   # answered calls before a quantile of them sets hedge_after: pNN
+MAX_SHARED_PROMPTS = 4096   # a step's prompts kept for identical ones (Judge._asked)
 BUILT_IN_FIELDS = ("question", "response", "transcript", "reference", "history", "turn", "responses", "count")
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 
@@ -214,6 +217,20 @@ class Judge:
         self.cfg, self.key, self.weight = cfg, key, cfg.weight
         self.session = endpoint.Session.for_server(cfg, key)
         self.latencies: deque[float] = deque(maxlen=512)   # recent answered calls' seconds (hedge_after: pNN)
+        # this step's calls by prompt (asyncio tasks, touched on the session's loop only): asked once a step
+        self._asked: dict[str, asyncio.Future] = {}
+
+    @property
+    def by_group(self) -> bool:
+        """scope: group sees a group's responses together (turnrl.rollout.scored scores whole groups)."""
+        return self.cfg.scope == "group"
+
+    def new_step(self) -> None:
+        """A new policy version's samples come: their identical prompts are asked anew."""
+        self._asked = {}
+
+    def __getstate__(self) -> dict:   # sent to another process (Ray): its calls in flight stay here
+        return {**self.__dict__, "_asked": {}}
 
     def hedge_after_s(self) -> float | None:
         """When a call still out gets a twin (`hedge_after`): its seconds, the quantile of this
@@ -290,7 +307,8 @@ class Judge:
             for k, i in enumerate(members):
                 score = verdict.score[k] if verdict.score is not None else None
                 record = Verdict(score, verdict.answer, verdict.seconds, verdict.error, verdict.tries,
-                                 unparsable=verdict.unparsable, hedged=verdict.hedged).record(prompts[key])
+                                 cached=verdict.cached, unparsable=verdict.unparsable,
+                                 hedged=verdict.hedged).record(prompts[key])
                 record.update(group_index=k + 1, shared=k > 0)   # one call for the group: counted once
                 trajs[i].info[f"judge_{self.cfg.name}"] = [record]
                 out[i] = (JudgeError(f"judge {self.cfg.name!r} at {self.cfg.base_url}: {verdict.error}")
@@ -311,10 +329,22 @@ class Judge:
         hedge_after_s = self.hedge_after_s()
 
         async def ask_all(client, limit):
-            return list(await asyncio.gather(*(self._ask(client, limit, p, parse, hedge_after_s)
-                                               for p, parse in zip(prompts, parsers))))
+            asked, calls, shared = self._asked, [], []
+            if len(asked) > MAX_SHARED_PROMPTS:   # no new_step for long (a stream without weight pushes)
+                asked.clear()
+            for prompt, parse in zip(prompts, parsers):
+                call = asked.get(prompt)
+                shared.append(call is not None)
+                if call is None:
+                    call = asked[prompt] = asyncio.ensure_future(self._ask(client, limit, prompt, parse, hedge_after_s))
+                    call.add_done_callback(lambda c, p=prompt: _forget_failed(asked, p, c))
+                calls.append(call)
+            # shielded: a call another batch waits for too is never cancelled with this one
+            verdicts = await asyncio.gather(*(asyncio.shield(c) for c in calls))
+            return [Verdict(v.score, v.answer, 0.0, v.error, 0, cached=True, unparsable=v.unparsable) if reused else v
+                    for v, reused in zip(verdicts, shared)]
         verdicts = self.session.call(ask_all)
-        self.latencies.extend(v.seconds for v in verdicts if v.error == "")
+        self.latencies.extend(v.seconds for v in verdicts if v.error == "" and not v.cached)
         return verdicts
 
     async def _ask(self, client, limit: asyncio.Semaphore, prompt: str, parse: Callable[[str], Any],
@@ -337,3 +367,9 @@ class Judge:
         except ValueError as exc:   # a parse failure is the judge's answer, not a fault to retry
             return Verdict(None, answer, seconds, f"unparsable: {exc}: {answer[:200]!r}", tries=tries,
                            unparsable=True, hedged=hedged)
+
+
+def _forget_failed(asked: dict, prompt: str, call: asyncio.Future) -> None:
+    """A call that got no score is not kept: the prompt's next batch asks again."""
+    if not call.cancelled() and call.exception() is None and call.result().score is None and asked.get(prompt) is call:
+        del asked[prompt]

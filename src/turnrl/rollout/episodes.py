@@ -9,9 +9,11 @@ the warm start's replays) asks the environment's runner, never a loop directly:
     t      = runner.replay(make_env, fmt, example, turns)       # a scripted episode (warm start)
 
 `run` returns n trajectories per example, trajectory i of example i // n, as `run_rollouts`
-does; the option `on_group_done(group)`, where given, is called as each example's n have ended
-(the training actor scores a group then, while the rest of the batch generates; a runner that
-ignores it has its groups scored when `run` returns). A trajectory may carry `samples` (an agent program's episode of several samples): the
+does; the options `on_trajectory_done(t)` and `on_group_done(group)`, where given, are called as
+each trajectory ends and as each example's n have ended (the training actor scores each
+trajectory then, or each group where a scorer needs whole groups, while the rest of the batch
+generates; a runner that ignores them has its trajectories scored when `run` returns; one whose
+`run` has no `on_trajectory_done` parameter nor **options is scored group by group). A trajectory may carry `samples` (an agent program's episode of several samples): the
 trainer trains those (`turnrl.gateway.samples.training_rows`), everything else reads the episode.
 
 New weights reach a runner (or its stream) between rollouts through `load_weights(version,
@@ -96,6 +98,13 @@ def hand_weights(target: Any, version: int, apply: Callable[[], None], weights: 
         method(version, apply, weights=weights)
     else:
         method(version, apply)
+
+
+def scoring_unit(runner: Any, by_group: bool) -> str:
+    """How a synchronous batch of `runner`'s is scored as it ends (turnrl.rollout.scored): by
+    "group" where a scorer needs whole groups (`by_group`) or the runner reports no single
+    trajectory, else by "trajectory"."""
+    return "trajectory" if not by_group and _takes(runner.run, "on_trajectory_done") else "group"
 
 
 def _takes(method: Callable, name: str) -> bool:

@@ -371,11 +371,12 @@ def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict]
                  fmt: ChatFormat, budgets: Budgets, *, n: int = 1, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int | None = None, env_workers: int = 2,
                  observation_lag: int = 0, rejoin: str = "lag", progress: bool = False,
-                 desc: str = "rollout", on_group_done: Callable[[list[Trajectory]], None] | None = None
-                 ) -> list[Trajectory]:
+                 desc: str = "rollout", on_group_done: Callable[[list[Trajectory]], None] | None = None,
+                 on_trajectory_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
     """Roll out `n` trajectories per example; trajectory i belongs to group i // n.
-    `on_group_done(group)` is called (on this thread) as each group's n trajectories have ended,
-    e.g. to score it while the others generate (turnrl.rollout.scored).
+    `on_trajectory_done(t)` is called (on this thread) as each trajectory ends, and
+    `on_group_done(group)` as each group's n have ended, e.g. to score them while the others
+    generate (turnrl.rollout.scored).
 
     `engine` is one engine for every turn, or one per level ({"low": solver, "high": feedback
     model}) when two models share a conversation: each turn goes to the engine of its level
@@ -398,12 +399,14 @@ def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict]
             envs.append(env)
             trajs.append(t)
     if not any(e is not None for e in envs):
+        for t in trajs if on_trajectory_done is not None else ():
+            on_trajectory_done(t)
         for g in range(len(examples)) if on_group_done is not None else ():
             on_group_done(trajs[g * n:(g + 1) * n])
         return trajs
     rollout = BatchRollout(engine, envs, trajs, fmt, budgets, temperature=temperature, top_p=top_p, seed=seed,
                        observation_lag=observation_lag, rejoin=rejoin, progress=progress, desc=desc,
-                       group_size=n, on_group_done=on_group_done)
+                       group_size=n, on_group_done=on_group_done, on_trajectory_done=on_trajectory_done)
     with ThreadPoolExecutor(max_workers=env_workers) as pool:
         rollout.run(pool)
     return trajs
@@ -582,12 +585,13 @@ class BatchRollout(TurnEngine):
     def __init__(self, engine: Engine | Mapping[str, Engine], envs: list[Env | None], trajs: list[Trajectory],
                  fmt: ChatFormat, budgets: Budgets, *, temperature: float, top_p: float, seed: int | None,
                  observation_lag: int, rejoin: str, progress: bool, desc: str, group_size: int = 1,
-                 on_group_done: Callable[[list[Trajectory]], None] | None = None):
+                 on_group_done: Callable[[list[Trajectory]], None] | None = None,
+                 on_trajectory_done: Callable[[Trajectory], None] | None = None):
         live = [e for e in envs if e is not None]
         super().__init__(engine, fmt, budgets, live[0], temperature=temperature, top_p=top_p, seed=seed,
                          observation_lag=observation_lag, rejoin=rejoin)
         self.batch, self.batch_envs = trajs, envs
-        self.group_size, self.on_group_done = group_size, on_group_done
+        self.group_size, self.on_group_done, self.on_trajectory_done = group_size, on_group_done, on_trajectory_done
         self.left_in_group = [group_size] * (len(trajs) // group_size)   # trajectories not yet ended
         self.bar = tqdm(total=len(trajs), desc=desc, unit="traj", disable=not progress, leave=False)
 
@@ -620,6 +624,8 @@ class BatchRollout(TurnEngine):
         if i >= len(self.batch):   # a subclass's own trajectory, not the batch's
             return
         self.bar.update()
+        if self.on_trajectory_done is not None:
+            self.on_trajectory_done(self.batch[i])
         group = i // self.group_size
         self.left_in_group[group] -= 1
         if not self.left_in_group[group] and self.on_group_done is not None:

@@ -1,4 +1,4 @@
-"""Groups scored as they finish.
+"""Trajectories scored as they finish.
 
     stream (Stream, or an agent runner's)  --each finished group-->  scoring thread  -->  scored
     take_groups()  <--  scored
@@ -12,9 +12,13 @@ waits for the judge's slowest answer is asked about at once, not after it. (So r
 may be called from several threads at once; a judge's `max_concurrency` holds across them,
 turnrl.rewards.endpoint.Session.)
 
-Asynchronous training wraps its stream in a `ScoredStream`; a synchronous batch goes through
-`scored_as_they_finish`: the runner reports each group as it ends (`on_group_done`) into a
-`GroupQueue`, the same thread scores it while the rest of the batch generates.
+Asynchronous training wraps its stream in a `ScoredStream` (group by group, as the stream hands
+groups out); a synchronous batch goes through `scored_as_they_finish`: the runner reports each
+trajectory as it ends (`on_trajectory_done`) into a `FinishedQueue`, and the same thread scores it
+while the rest of the batch generates. So a judge's calls start as each answer is in, not when
+its group's slowest member is: in a synchronous step the judge's time left after the last
+trajectory ends is that of the last few answers' calls, not of the last groups' (a scorer that
+judges a group together, RULER-style, has the runner report whole groups: `unit="group"`).
 """
 from __future__ import annotations
 
@@ -110,8 +114,10 @@ class ScoredStream:
         self._pool.shutdown(wait=False)   # a batch still being scored ends on its own
 
 
-class GroupQueue:
-    """Groups pushed as they finish (a runner's `on_group_done`), taken like a stream's."""
+class FinishedQueue:
+    """Trajectories pushed as they finish, one at a time (`put_one`, a runner's
+    `on_trajectory_done`) or a group at a time (`put`, its `on_group_done`), taken like a stream's
+    groups (a trajectory pushed alone is taken as a list of one)."""
 
     def __init__(self):
         self._groups: deque = deque()
@@ -123,6 +129,9 @@ class GroupQueue:
             self._groups.append(list(group))
             self.pushed += 1
             self._cond.notify_all()
+
+    def put_one(self, t: Trajectory) -> None:
+        self.put([t])
 
     def take_groups(self, max_groups: int, timeout_s: float) -> list[list[Trajectory]]:
         with self._cond:
@@ -140,16 +149,24 @@ class GroupQueue:
         pass
 
 
-def scored_as_they_finish(roll_out: Callable[[Callable[[list[Trajectory]], None]], list[Trajectory]],
-                          score: Callable[[list[Trajectory]], None]) -> list[Trajectory]:
-    """`roll_out(on_group_done)`'s trajectories, every group scored on a thread of its own as
-    soon as the runner reports it done; groups it never reported (a runner without the hook)
-    are scored when it returns. A scoring failure is raised here."""
-    queue = GroupQueue()
-    scored = ScoredStream(queue, score, poll_s=0.05)
+SYNC_SCORING_BATCHES = 16   # batches scored at once in a synchronous step: each trajectory is one as it ends
+
+
+def scored_as_they_finish(roll_out: Callable[..., list[Trajectory]], score: Callable[[list[Trajectory]], None],
+                          unit: str = "trajectory") -> list[Trajectory]:
+    """`roll_out(**hook)`'s trajectories, scored on threads of their own as soon as the runner
+    reports them done. `hook` is the runner's keyword: `on_trajectory_done` (unit "trajectory":
+    each is scored as it ends) or `on_group_done` (unit "group": for scorers that need the whole
+    group). What the runner never reported (a runner without the hook) is scored when it
+    returns. A scoring failure is raised here."""
+    if unit not in ("trajectory", "group"):
+        raise ValueError(f"unit = {unit!r}: trajectory or group")
+    queue = FinishedQueue()
+    scored = ScoredStream(queue, score, poll_s=0.05, max_batches=SYNC_SCORING_BATCHES)
     done: set[int] = set()
+    hook = {"on_group_done": queue.put} if unit == "group" else {"on_trajectory_done": queue.put_one}
     try:
-        trajs = roll_out(queue.put)
+        trajs = roll_out(**hook)
         taken = 0
         while taken < queue.pushed:
             groups = scored.take_groups(1 << 30, timeout_s=1.0)

@@ -73,15 +73,17 @@ class RolloutWorker:
             torch.manual_seed(generator_seed)
             random.seed(generator_seed)
         r = self.params.rollout
+        from turnrl.rollout.episodes import scoring_unit
         from turnrl.rollout.scored import scored_as_they_finish
-        # each group scored on a thread as it ends (a judge's seconds overlap the rest of the batch)
+        self.reward_functions.new_step()
+        # each trajectory (or group) scored on a thread as it ends (a judge's seconds overlap the rest of the batch)
         return scored_as_they_finish(
-            lambda on_group_done: self.runner.run(
+            lambda **hook: self.runner.run(
                 self.engines if len(self.engines) > 1 else self.engine, examples, self.make_env, self.fmt,
                 self.budgets(), n=n, temperature=r.temperature if temperature is None else temperature, top_p=r.top_p,
                 seed=seed, env_workers=self.params.env.workers, observation_lag=r.observation_lag, rejoin=r.rejoin,
-                on_group_done=on_group_done),
-            self.score)
+                **hook),
+            self.score, scoring_unit(self.runner, self.reward_functions.by_group))
 
     def score(self, trajs: list) -> None:
         """The reward functions' (judges') scores and the teacher's logprobs, where configured."""
@@ -114,6 +116,8 @@ class RolloutWorker:
             for ref in buckets:
                 yield from unpack_tensors(ray.get(ref))
         self.pushes += 1
+        if self.stream is not None:   # the stream's next samples are the new policy's: asked anew
+            self.reward_functions.new_step()
         # (a stream's generating thread loads them before its next engine step; the agent gateway's
         # engine thread between two engine steps; the step loop and a game's tables at once)
         hand_weights(self.stream if self.stream is not None else self.runner, self.pushes,
