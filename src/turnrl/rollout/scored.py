@@ -106,12 +106,15 @@ class ScoredStream:
             counts["finished"] = counts.get("finished", 0) + len(self._scored) + self._scoring
         return counts
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """Stop taking from the stream; `wait`: until the taking thread has ended (it may be
+        waiting up to poll_s for the stream). A batch still being scored ends on its own."""
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
-        self._thread.join(timeout=self.poll_s * 4 + 1)
-        self._pool.shutdown(wait=False)   # a batch still being scored ends on its own
+        if wait:
+            self._thread.join(timeout=self.poll_s * 4 + 1)
+        self._pool.shutdown(wait=False)
 
 
 class FinishedQueue:
@@ -172,8 +175,8 @@ def scored_as_they_finish(roll_out: Callable[..., list[Trajectory]], score: Call
             groups = scored.take_groups(1 << 30, timeout_s=1.0)
             taken += len(groups)
             done.update(id(t) for group in groups for t in group)
-    finally:
-        scored.stop()
+    finally:   # everything reported was taken: no need to wait for the thread's last poll (poll_s)
+        scored.stop(wait=False)
     rest = [t for t in trajs if id(t) not in done]
     if rest:
         score(rest)
