@@ -45,9 +45,10 @@ ASYNC = ["train.mode=async", "algorithm.policy_loss=decoupled"]
 # benchmarks/ASYNC.md's recommended asynchronous setting (async_s4_mb4_quarter_lr): at params.yaml's
 # 5e-4 async training collapses on some seeds with or without a judge
 ASYNC_REC = [*ASYNC, "train.max_staleness=4", "algorithm.mini_batches=4", "train.lr=1.25e-4"]
+KL_TO_START = ["algorithm.kl_coef=0.05"]
 # each judge-rewarded row and the programmatic row it is compared with
 JUDGED = {"sync_judge": "sync", "sync_judge_hedged": "sync", "async_judge": "async", "async_rec_judge": "async_rec",
-          "async_rec_kl_judge": "async_rec"}
+          "async_rec_kl_judge": "async_rec_kl"}
 JUDGE_KEYS = ("calls", "latency_p50_s", "latency_p99_s", "retries", "hedged", "unparsable", "failures", "cached_frac")
 
 
@@ -68,8 +69,8 @@ def rows(port: int) -> list[Row]:
             Row("async_rec", "code_tool", "grpo", sets=[*STEPS, *ASYNC_REC]),
             Row("async_rec_judge", "code_tool", "grpo", sets=[*STEPS, *ASYNC_REC, *judge_sets(port)]),
             # the same with a KL penalty to the start: async_rec_judge's seed 2 ran away from it (KL 1.53)
-            Row("async_rec_kl_judge", "code_tool", "grpo",
-                sets=[*STEPS, *ASYNC_REC, "algorithm.kl_coef=0.05", *judge_sets(port)])]
+            Row("async_rec_kl", "code_tool", "grpo", sets=[*STEPS, *ASYNC_REC, *KL_TO_START]),
+            Row("async_rec_kl_judge", "code_tool", "grpo", sets=[*STEPS, *ASYNC_REC, *KL_TO_START, *judge_sets(port)])]
 
 
 def run(project: Path, row: Row, seed: int, extra: list[str]) -> dict:
