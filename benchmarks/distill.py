@@ -20,7 +20,10 @@ sample each at T=1), through `dvc exp run` as a user runs it:
 - `opd_own_tokenizer`: opd from a fresh warm start of the student's own, whose tokenizer stops
   at 330 tokens (`model.tiny.vocab_size=330`; the teacher's has 371), so the two split text
   differently: the student's tokens reach the teacher through their text
-  (`reward.teacher.tokenizer`, turnrl.rewards.token_mapping).
+  (`reward.teacher.tokenizer`, turnrl.rewards.token_mapping);
+- `grpo_rare`, `opd_rare`: a rarer reward, each from a fresh warm start of its seed whose prior
+  phase shows 5% good demonstrations (`model.warmstart.good_fraction=0.05`; params.yaml's 0.3), so
+  the student seldom calls the tool and few of GRPO's groups hold a success.
 
     python benchmarks/distill.py                       # teacher, then rows x seeds 0 1 2 -> benchmarks/DISTILL.md
     python benchmarks/distill.py --rows grpo opd --seeds 0
@@ -53,7 +56,9 @@ STUDENT = [*ENGINE, "train.steps=20", "train.eval_every=2", "train.eval_examples
 TEACHER_SEED, TEACHER_STEPS = 100, 40
 FRACTION = 0.9
 LR = 5e-4   # params.yaml's train.lr
-PAIRS = [("opd", "grpo"), ("opd_lr4x", "grpo"), ("opd_lr4x", "grpo_lr4x"), ("opd_reward", "grpo")]   # (OPD row, GRPO row) for the target
+PAIRS = [("opd", "grpo"), ("opd_lr4x", "grpo"), ("opd_lr4x", "grpo_lr4x"), ("opd_reward", "grpo"),
+         ("opd_rare", "grpo_rare")]
+RARE = "model.warmstart.good_fraction=0.05"   # the rarer-reward rows' warm start (params.yaml: 0.3)   # (OPD row, GRPO row) for the target
 
 
 def rows(work: Path) -> list[Row]:
@@ -79,6 +84,14 @@ def rows(work: Path) -> list[Row]:
                                                             f"reward.teacher.serve={teacher}",
                                                             "reward.teacher.max_model_len=2048",
                                                             f"reward.teacher.tokenizer={teacher}"]),
+        # a rarer reward: each seed's own warm start, its prior phase 5% good demonstrations (params.yaml's
+        # 30%), so few of a group's samples call the tool and GRPO's groups seldom hold a success, while
+        # the teacher's per-token signal needs none (its tokenizer mapped through the text, should the
+        # other corpus have split differently)
+        Row("grpo_rare", "code_tool", "grpo", sets=[*STUDENT, RARE]),
+        Row("opd_rare", "code_tool", "opd", sets=[*STUDENT, RARE, "algorithm.name=opd", f"reward.teacher.serve={teacher}",
+                                                   "reward.teacher.max_model_len=2048",
+                                                   f"reward.teacher.tokenizer={teacher}"]),
     ]
 
 
