@@ -17,6 +17,7 @@ from its results (--baseline-results).
 `async_rec` and `async_rec_judge` are the async rows at benchmarks/ASYNC.md's recommended setting
 (staleness 4, four mini-batches, train.lr 1.25e-4): at params.yaml's 5e-4 async training
 collapsed on some seeds with and without a judge (ASYNC.md), and so did `async_judge`.
+`async_rec_kl` and `async_rec_kl_judge` add a KL penalty to the start (`algorithm.kl_coef=0.05`).
 
 The held-out accuracy is graded by the task's own grader (evaluation asks no judge): the true
 reward. Targets (issue 50): +10 points or more on every seed with the judge; the judge run's step
