@@ -21,6 +21,8 @@ sample each at T=1), through `dvc exp run` as a user runs it:
   at 330 tokens (`model.tiny.vocab_size=330`; the teacher's has 371), so the two split text
   differently: the student's tokens reach the teacher through their text
   (`reward.teacher.tokenizer`, turnrl.rewards.token_mapping);
+- `opd_topk`: opd with the teacher's 8 most likely tokens at each sampled position too
+  (`reward.teacher.top_k=8`): the KL from its top-8 distribution to the student's joins the loss;
 - `grpo_rare`, `opd_rare`: a rarer reward, each from a fresh warm start of its seed whose prior
   phase shows 5% good demonstrations (`model.warmstart.good_fraction=0.05`; params.yaml's 0.3), so
   the student seldom calls the tool and few of GRPO's groups hold a success.
@@ -57,7 +59,7 @@ TEACHER_SEED, TEACHER_STEPS = 100, 40
 FRACTION = 0.9
 LR = 5e-4   # params.yaml's train.lr
 PAIRS = [("opd", "grpo"), ("opd_lr4x", "grpo"), ("opd_lr4x", "grpo_lr4x"), ("opd_reward", "grpo"),
-         ("opd_rare", "grpo_rare")]
+         ("opd_topk", "grpo"), ("opd_rare", "grpo_rare")]
 RARE = "model.warmstart.good_fraction=0.05"   # the rarer-reward rows' warm start (params.yaml: 0.3)   # (OPD row, GRPO row) for the target
 
 
@@ -84,6 +86,10 @@ def rows(work: Path) -> list[Row]:
                                                             f"reward.teacher.serve={teacher}",
                                                             "reward.teacher.max_model_len=2048",
                                                             f"reward.teacher.tokenizer={teacher}"]),
+        # the teacher's 8 most likely tokens at every sampled position too (reward.teacher.top_k): a
+        # signal on the tokens the student did not sample, such as the tool call it seldom makes
+        Row("opd_topk", "code_tool", "opd", sets=[*student, "algorithm.name=opd", f"reward.teacher.serve={teacher}",
+                                                   "reward.teacher.max_model_len=2048", "reward.teacher.top_k=8"]),
         # a rarer reward: each seed's own warm start, its prior phase 5% good demonstrations (params.yaml's
         # 30%), so few of a group's samples call the tool and GRPO's groups seldom hold a success, while
         # the teacher's per-token signal needs none (its tokenizer mapped through the text, should the

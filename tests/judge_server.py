@@ -83,7 +83,8 @@ class ReferenceJudge:
 
 class TeacherServer:
     """vLLM's /v1/completions with prompt_logprobs as a teacher answers: log p(token) = -token / 100
-    (position 0: null). 'down' mode answers 503 always; 'bare' answers without prompt_logprobs.
+    (position 0: null); with prompt_logprobs k also k top tokens, ids 100.. with logprobs -0.001,
+    -0.002, ... 'down' mode answers 503 always; 'bare' answers without prompt_logprobs.
     With a `tokenizer`, it answers vLLM's /tokenize with its ids, and /v1/models, too."""
 
     def __init__(self, mode: str = "ok", tokenizer=None):
@@ -95,7 +96,9 @@ class TeacherServer:
             self.requests += 1
             if self.mode == "down":
                 return JSONResponse({"error": "overloaded"}, status_code=503)
-            entries = [None] + [{str(tok): {"logprob": -tok / 100, "rank": 1}} for tok in body["prompt"][1:]]
+            k = body.get("prompt_logprobs") or 0   # top k as vLLM adds them: ids 100.., logprob -(j + 1) / 1000
+            top = {str(100 + j): {"logprob": -(j + 1) / 1000, "rank": j + 1} for j in range(k)}
+            entries = [None] + [{**top, str(tok): {"logprob": -tok / 100, "rank": k + 1}} for tok in body["prompt"][1:]]
             choice = {"index": 0, "text": "x", **({"prompt_logprobs": entries} if self.mode == "ok" else {})}
             return JSONResponse({"choices": [choice]})
         async def tokenize(request):

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 from turnrl.algos import registry
 from turnrl.algos import (
+    top_k_distillation,
     before_first_obs,
     context_utilization_bonus,
     contiguous_group_ids,
@@ -405,3 +406,43 @@ def test_on_policy_distillation_is_the_teachers_log_ratio_on_every_sampled_token
     without = registry.AdvantageInputs(**{**inputs.__dict__, "teacher_logprobs": None})
     with pytest.raises(ValueError, match="reward.teacher.serve"):
         opd.advantages(without, SimpleNamespace(options={}))
+
+
+def test_top_k_distillation_is_the_kl_from_the_teachers_renormalised_top_k_by_hand():
+    """KL_t = sum_j q_j (log q_j - log pi(top_j)), q the teacher's top-k renormalised, pi the
+    policy's full softmax at token t's position (logits entry t - 1); entry 0 is 0."""
+    logits = t([[[0.0, 0.0, 0.0], [math.log(3.0), 0.0, 0.0], [0.0, 0.0, 0.0]]])   # [1, 3, V=3]
+    top_ids = torch.tensor([[[0, 0], [0, 1], [2, 1]]])
+    top_lps = t([[[0.0, 0.0], [math.log(0.6), math.log(0.2)], [math.log(0.25), math.log(0.25)]]])
+    kl = top_k_distillation(logits, top_ids, top_lps)
+    # token 1: pi = softmax(0, 0, 0) = 1/3 each; q = (0.75, 0.25)
+    kl_1 = 0.75 * math.log(0.75 * 3) + 0.25 * math.log(0.25 * 3)
+    # token 2: pi = (3, 1, 1) / 5; q = (0.5, 0.5) over ids 2 and 1, each at 1/5
+    kl_2 = 2 * 0.5 * math.log(0.5 * 5)
+    assert torch.allclose(kl, t([[0.0, kl_1, kl_2]]), atol=1e-6)
+    # the policy that gives the top k the teacher's probabilities and nothing else: 0
+    exact = t([[[math.log(0.75), math.log(0.25), -1e4], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]]).requires_grad_()
+    zero = top_k_distillation(exact, top_ids, top_lps)[0, 1]
+    assert abs(float(zero.detach())) < 1e-6
+    policy = logits.clone().requires_grad_()
+    top_k_distillation(policy, top_ids, top_lps)[0, 1].backward()
+    # d KL / d z_v = pi_v - q_v: every logit of the position gets a gradient, sampled or not
+    assert torch.allclose(policy.grad[0, 0], t([1 / 3 - 0.75, 1 / 3 - 0.25, 1 / 3]), atol=1e-6)
+
+
+def test_opds_loss_term_adds_the_weighted_top_k_kl_only_when_the_teacher_gave_its_top_k():
+    opd = registry.resolve("opd")
+    logits = torch.zeros(1, 3, 3, requires_grad=True)
+    batch = {"logp": torch.zeros(1, 3), "mask": t([[0, 1, 1]]), "logits": logits,
+             "teacher_top_ids": torch.tensor([[[0, 0], [0, 1], [2, 1]]]),
+             "teacher_top_logprobs": t([[[0.0, 0.0], [math.log(0.6), math.log(0.2)], [0.0, 0.0]]])}
+    cfg = SimpleNamespace(options={"top_k_weight": 2.0}, loss_agg="token-mean")
+    loss, info = opd.loss_term(batch, cfg)
+    per_token = top_k_distillation(logits, batch["teacher_top_ids"], batch["teacher_top_logprobs"])
+    assert torch.allclose(info["top_k_kl"], per_token[0, 1:].mean()) and torch.allclose(loss, 2 * info["top_k_kl"])
+    loss.backward()
+    assert logits.grad[0, 0].abs().sum() > 0   # the position of token 1
+    no_top = {k: v for k, v in batch.items() if not k.startswith("teacher_top")}
+    term, info = opd.loss_term(no_top, cfg)
+    assert float(term) == 0.0 and info == {}
+    assert registry.resolve("grpo").loss_term is None

@@ -52,6 +52,28 @@ def test_the_episode_view_lays_samples_end_to_end_with_a_mark_where_the_context_
     assert view.first_observation == 2     # turn-level algorithms find the first turn's end here
 
 
+def test_the_teachers_top_k_follows_the_samples_into_the_view_and_the_batch():
+    """reward.teacher.top_k on an episode of two samples: the view lays each sample's top tokens
+    where its tokens went (none at the edit's mark), and collate makes them [B, L, k] tensors, 0
+    where the policy did not sample."""
+    t = episode_trajectory({"prompt": "p"}, [call(0, [1, 2, 3], [10, 11]), call(1, [1, 2, 60], [12])],
+                           outcome=1.0, finish="answer")
+    first, second = t.samples
+    first.teacher_logprobs, second.teacher_logprobs = [-0.1, -0.2], [-0.3]
+    first.teacher_top_ids, first.teacher_top_logprobs = [[5, 6], [7, 8]], [[-0.1, -0.9], [-0.2, -0.8]]
+    second.teacher_top_ids, second.teacher_top_logprobs = [[9, 4]], [[-0.3, -0.7]]
+    (view,), _ = episode_view([t])
+    assert view.teacher_top_ids == [[5, 6], [7, 8], [], [9, 4]]
+    assert view.teacher_top_logprobs == [[-0.1, -0.9], [-0.2, -0.8], [], [-0.3, -0.7]]
+    other = Trajectory(example={}, prompt_ids=[7])   # no top k of its own (e.g. the teacher failed on it)
+    other.add_turn(0, [8], [-1.0], "x")
+    batch = collate([view, other], pad_id=0)
+    assert batch["teacher_top_ids"].shape == (2, 7, 2)   # 3 prompt + 4 response tokens, k = 2
+    assert batch["teacher_top_ids"][0, 3:].tolist() == [[5, 6], [7, 8], [0, 0], [9, 4]]
+    assert torch.allclose(batch["teacher_top_logprobs"][0, 6], torch.tensor([-0.3, -0.7]))
+    assert batch["teacher_top_ids"][0, :3].abs().sum() == 0 and batch["teacher_top_ids"][1].abs().sum() == 0
+
+
 def _episode(reward, samples):
     """An episode whose calls i each form a sample of their own (len(samples) == calls)."""
     calls = [call(i, [1, 2, 100 + i], completion) for i, completion in enumerate(samples)]

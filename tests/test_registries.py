@@ -299,6 +299,27 @@ def test_a_plugin_loss_gets_the_batch_by_name_and_its_checked_options(plugin_dir
         algos.compute_policy_loss(algos.resolve_loss("myreg_tis:not_a_pair"), _loss_batch(), alg)
 
 
+def test_an_algorithms_loss_term_joins_every_policy_loss_with_the_logits_and_is_checked():
+    """Algorithm.loss_term: added to algorithm.policy_loss's loss (whichever it is), given the
+    logits; a term that returns no (loss, metrics) pair is named, like a loss."""
+    seen = {}
+
+    def term(batch, cfg):
+        seen.update(batch)
+        return batch["logits"].sum() * 0 + 2.0, {"extra": batch["logits"].new_tensor(1.0)}
+    alg = parse_config({}).algorithm
+    base = algos.resolve_loss(alg.policy_loss)
+    batch, logits = _loss_batch(), torch.zeros(4, 7, 5)
+    plain, _ = algos.compute_policy_loss(base, batch, alg)
+    with_term, metrics = algos.compute_policy_loss(base, batch, alg, algos.Algorithm(lambda x, cfg: 0, loss_term=term,
+                                                                                     name="mine"), logits)
+    assert float(with_term) == pytest.approx(float(plain) + 2.0) and float(metrics["extra"]) == 1.0
+    assert seen["logits"] is logits and "advantages" in seen
+    broken = algos.Algorithm(lambda x, cfg: 0, loss_term=lambda batch, cfg: batch["logp"].sum(), name="mine")
+    with pytest.raises(PluginError, match=r"algorithm.name = 'mine': its loss_term returned Tensor; it must return"):
+        algos.compute_policy_loss(base, batch, alg, broken, logits)
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -3,6 +3,7 @@ tokens in their full context, from a vLLM-style completions server on loopback; 
 algorithm needs from params; a served teacher through the real loop (slow)."""
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from turnrl.config import Config
 from turnrl.config.loading import check_plugins
 from turnrl.config.sections import TeacherCfg
-from turnrl.rewards.teacher import Teacher, prompt_logprobs, tokenizer_mismatch
+from turnrl.rewards.teacher import Teacher, prompt_logprobs, tokenizer_mismatch, top_logprobs
 from turnrl.rollout.multi_turn import Trajectory
 
 from judge_server import TeacherServer
@@ -34,6 +35,33 @@ def test_the_teacher_scores_every_sampled_token_in_its_full_context():
     # the whole sequence went out (prompt, turns, observation); the policy's tokens keep their logprob
     assert t.teacher_logprobs == pytest.approx([-0.10, -0.20, 0.0, -0.40])
     assert server.requests == 1
+
+
+def test_top_k_brings_the_teachers_most_likely_tokens_at_each_sampled_position():
+    server = TeacherServer()
+    try:
+        t = _trajectory()
+        Teacher(TeacherCfg(base_url=server.url, top_k=2)).annotate([t])
+    finally:
+        server.close()
+    assert t.teacher_logprobs == pytest.approx([-0.10, -0.20, 0.0, -0.40])   # the sampled tokens' as before
+    assert t.teacher_top_ids == [[100, 101], [100, 101], [], [100, 101]]     # none at the observation
+    assert t.teacher_top_logprobs == [pytest.approx([-0.001, -0.002])] * 2 + [[]] + [pytest.approx([-0.001, -0.002])]
+
+
+def test_top_logprobs_ranks_by_logprob_and_names_a_server_that_gives_fewer():
+    # vLLM's entry: the top k and the prompt's own token (here outside them, less likely)
+    entry = {"4": {"logprob": -3.0, "rank": 9}, "8": {"logprob": -0.2, "rank": 2}, "6": {"logprob": -0.1, "rank": 1}}
+    body = {"choices": [{"prompt_logprobs": [None, entry]}]}
+    assert top_logprobs(body, 2) == [([], []), ([6, 8], [-0.1, -0.2])]
+    with pytest.raises(ValueError, match=r"top_k = 4: the teacher's answer has 3 tokens at position 1 .*--max-logprobs 4"):
+        top_logprobs(body, 4)
+
+
+def test_top_k_needs_the_policys_tokenizer():
+    with pytest.raises(ValueError, match=r"top_k = 4 with tokenizer = 'other': the teacher's top tokens are ids of "
+                                         r"its own vocabulary"):
+        TeacherCfg(base_url="http://127.0.0.1:1/v1", top_k=4, tokenizer="other")
 
 
 def test_a_teacher_that_is_down_or_gives_no_logprobs_is_an_env_error_naming_it_never_a_silent_zero():
@@ -88,8 +116,9 @@ def test_a_teacher_with_another_tokenizer_is_named(tiny_model_dir, tmp_path):
 @pytest.mark.slow
 def test_opd_learns_from_a_teacher_turnrl_serves_beside_a_served_judge(tiny_model_dir, tmp_path, monkeypatch):
     """reward.teacher.serve and reward.judges[*].serve: two checkpoints behind vLLM's OpenAI
-    server, each in a Ray actor of its own; opd trains on the teacher's logprobs. The teacher is
-    the policy's own start, so at step 1 the per-token signal is only the engines' numerics."""
+    server, each in a Ray actor of its own; opd trains on the teacher's logprobs and its top 4
+    (reward.teacher.top_k). The teacher is the policy's own start, so at step 1 the per-token
+    signal is only the engines' numerics."""
     import subprocess
 
     import turnrl.training.loop as loop
@@ -103,13 +132,21 @@ def test_opd_learns_from_a_teacher_turnrl_serves_beside_a_served_judge(tiny_mode
     monkeypatch.setattr(loop, "check_teacher_server", check)
     history = train_two_steps(tiny_model_dir, tmp_path, {"name": "code_tool"}, {"name": "opd"}, reward={
         "on_error": "zero",
-        "teacher": {"serve": str(tiny_model_dir), "max_model_len": 1024},
+        "teacher": {"serve": str(tiny_model_dir), "max_model_len": 1024, "top_k": 4},
         "judges": [{"name": "served", "serve": str(tiny_model_dir), "max_model_len": 1024, "max_tokens": 8,
                     "score": "labels", "labels": {"answer": 1.0, "code": 0.0, "output": 0.5},
                     "template": "Question: {question}\nResponse: {response}"}]})
     assert len(history) == 2
     assert len(checked) == 1 and checked[0][0].startswith("http") and checked[0][1] == (None, None)   # same ids
     assert history[0]["advantage_abs_mean"] < 0.01   # the same weights: log pi_T - log pi ~ 0
+    # top_k 4 through the real server: at step 1 (the teacher's own weights) the KL to its top 4,
+    # renormalised, is -log(the policy's mass on them): above 0, and at most log(V / 4), a flat
+    # distribution's (the fixture's model is untrained); ids read one position off would land on
+    # tokens less likely than the top 4 and break the bound
+    from transformers import AutoConfig
+    flat = math.log(AutoConfig.from_pretrained(tiny_model_dir).vocab_size / 4)
+    assert 0.0 < history[0]["top_k_kl"] <= flat + 1e-3, (history[0]["top_k_kl"], flat)
+    assert math.isfinite(history[1]["top_k_kl"]) and history[1]["top_k_kl"] > 0
     for h in history:
         assert h["judge_served_calls"] > 0 and h["judge_served_failures"] == 0   # the judge answered every call
         assert 0.0 <= h["reward_served_mean"] <= 1.0

@@ -12,7 +12,7 @@ from turnrl.algos.kl import (KL_KINDS, kl_estimate, kl_loss, kl_penalized_reward
                              policy_loss_with_kl)
 from turnrl.algos.losses import (AGGREGATION_MODES, aggregate, entropy_from_logits, explained_variance,
                                  logprobs_from_logits, masked_mean, masked_sum, masked_var, masked_whiten, nll_loss,
-                                 policy_loss, value_loss)
+                                 policy_loss, top_k_distillation, value_loss)
 
 __all__ = [
     "AGGREGATION_MODES", "KL_KINDS", "aggregate", "before_first_obs", "context_utilization_bonus",
@@ -20,6 +20,6 @@ __all__ = [
     "group_normalize", "grpo", "kl_estimate", "kl_loss", "kl_penalized_rewards", "logprobs_from_logits",
     "masked_mean", "masked_sum", "masked_var", "masked_whiten", "mlmt", "mlmt_stage1_rewards", "mlmt_stage2_rewards",
     "ms_grpo", "ms_po", "mt_grpo", "nll_loss", "off_policy_kl_mean", "outcome_token_rewards", "per_turn_grpo",
-    "per_turn_mean_std", "per_turn_sum", "policy_loss", "policy_loss_with_kl", "rloo", "turn_rewards_to_tokens",
-    "value_loss",
+    "per_turn_mean_std", "per_turn_sum", "policy_loss", "policy_loss_with_kl", "rloo", "top_k_distillation",
+    "turn_rewards_to_tokens", "value_loss",
 ]

@@ -14,6 +14,7 @@ from turnrl.algos import advantages as adv
 from turnrl.algos import hierarchy
 from turnrl.algos import corrections  # noqa: F401  (registers the off-policy losses: tis, mis, decoupled)
 from turnrl.algos.kl import policy_loss_with_kl
+from turnrl.algos.losses import aggregate, top_k_distillation
 from turnrl.algos.registry import AdvantageInputs, NoOptions, register, register_loss
 
 
@@ -86,12 +87,26 @@ class OpdOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reward_weight: float = Field(0.0, ge=0, description=(
         "x GRPO's group-normalised reward added to the distillation signal (0: the teacher alone)"))
+    top_k_weight: float = Field(1.0, ge=0, description=(
+        "with reward.teacher.top_k: x the KL from the teacher's top-k distribution to the policy's, added to the "
+        "policy loss on every sampled position (losses.top_k_distillation; aggregated like the loss)"))
 
 
-@register("opd", options=OpdOptions, teacher=True)
+def opd_top_k(batch: Mapping[str, torch.Tensor], cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """opd's loss term: top_k_weight x the top-k KL (reward.teacher.top_k; 0 without it),
+    aggregated over the loss mask by algorithm.loss_agg; logged as top_k_kl."""
+    if "teacher_top_ids" not in batch:
+        return batch["logp"].new_zeros(()), {}
+    kl = top_k_distillation(batch["logits"], batch["teacher_top_ids"], batch["teacher_top_logprobs"])
+    mean = aggregate(kl, batch["mask"], cfg.loss_agg)
+    return cfg.options["top_k_weight"] * mean, {"top_k_kl": mean.detach()}
+
+
+@register("opd", options=OpdOptions, teacher=True, loss_term=opd_top_k)
 def opd(x: AdvantageInputs, cfg) -> torch.Tensor:
     """On-policy distillation (the policy samples, reward.teacher scores every sampled token):
-    A_t = log pi_T - log pi_engine per token, + reward_weight x GRPO (advantages.on_policy_distillation)."""
+    A_t = log pi_T - log pi_engine per token, + reward_weight x GRPO (advantages.on_policy_distillation);
+    with reward.teacher.top_k, the loss also takes the KL from the teacher's top k (opd_top_k)."""
     if x.teacher_logprobs is None:
         raise ValueError("algorithm.name = opd needs the teacher's logprobs: set reward.teacher.serve (a checkpoint) "
                          "or reward.teacher.base_url (a vLLM server)")

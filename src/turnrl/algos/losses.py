@@ -114,6 +114,26 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Te
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+def top_k_distillation(logits: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor) -> torch.Tensor:
+    """KL from a teacher's top-k distribution to the policy's, per token: logits [B, T, V] (entry t
+    the distribution token t+1 is drawn from), top_ids / top_logprobs [B, T, k] (entry t: the
+    teacher's k most likely tokens at token t's position and their logprobs) -> [B, T] fp32,
+    entry 0 (no context) 0.
+
+        KL_t = sum_j q_j (log q_j - log pi(top_ids[t, j]))   q = softmax(top_logprobs[t]) (renormalised)
+
+    It is 0 where the policy gives the k tokens the teacher's probabilities, renormalised, and
+    nothing else; its gradient reaches tokens the policy did not sample (forward KL, as a
+    teacher's full distribution gives in GKD with beta 0). Like logprobs_from_logits, in fp32
+    without a full [B, T, V] log_softmax."""
+    logits = logits[:, :-1].float()
+    ids = top_ids[:, 1:].long()
+    student = logits.gather(-1, ids) - torch.logsumexp(logits, dim=-1, keepdim=True)   # [B, T-1, k]
+    teacher = torch.log_softmax(top_logprobs[:, 1:].float(), dim=-1)
+    kl = (teacher.exp() * (teacher - student)).sum(dim=-1)
+    return torch.nn.functional.pad(kl, (1, 0))
+
+
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the categorical distribution at each position: [B, T, V] -> [B, T] fp32.
 

@@ -22,6 +22,11 @@ algorithm. Optional, declared on an `Algorithm`:
   a `Scorer`; `extras` arrive as `inputs.extras`, `metrics` are logged.
 - `teacher=True`: it reads `inputs.teacher_logprobs` (reward.teacher's logprob of every sampled
   token, on-policy distillation); params without a teacher are refused when checked.
+- `loss_term(batch, cfg) -> (loss, metrics)`: a term the policy worker adds to
+  `algorithm.policy_loss`'s loss on every micro-batch, whichever loss that is. Its `batch` is
+  the loss's (below) plus `logits` [B, T, V] (entry t: the distribution token t+1 is drawn
+  from), for what needs more than the sampled tokens' logprobs: opd's top-k distillation from
+  `teacher_top_ids` / `teacher_top_logprobs` [B, T, k].
 - `options`: a pydantic model of the algorithm's keys under `algorithm.options` (unknown keys
   and bad values are params errors before any work); none: any keys, passed as given.
 
@@ -111,6 +116,7 @@ class Algorithm:
     name: str = ""
     options: type[BaseModel] | None = None
     teacher: bool = False   # reads inputs.teacher_logprobs: params must name reward.teacher
+    loss_term: Callable[..., Any] | None = None   # added to the policy loss (module doc)
 
 
 @dataclass(frozen=True)
@@ -169,9 +175,12 @@ def _as_algorithm(obj: Any, name: str, key: str) -> Algorithm:
     if obj.prepare is not None:
         check_call(obj.prepare, where, "prepare(trajs, batch, scorer, cfg) -> (extras, metrics)", positional=4)
     _check_model(obj.options, where)
+    if obj.loss_term is not None:
+        check_call(obj.loss_term, where, "loss_term(batch, cfg) -> (loss, metrics)", positional=2)
     return Algorithm(_with_options(obj.advantages, obj.options, "options", "algorithm.options"), obj.critic,
                      _with_options(obj.prepare, obj.options, "options", "algorithm.options"),
-                     obj.name or name, obj.options, obj.teacher)
+                     obj.name or name, obj.options, obj.teacher,
+                     _with_options(obj.loss_term, obj.options, "options", "algorithm.options"))
 
 
 def _as_loss(obj: Any, name: str, key: str) -> PolicyLoss:
@@ -200,15 +209,17 @@ _LOSSES = Registry("policy loss", "my_algos.module:loss", _as_loss, builtins="tu
 
 
 def register(name: str, algorithm: Algorithm | Callable | str | None = None, *, critic: bool = False,
-             prepare: Callable | None = None, options: type[BaseModel] | None = None, teacher: bool = False) -> Any:
+             prepare: Callable | None = None, options: type[BaseModel] | None = None, teacher: bool = False,
+             loss_term: Callable | None = None) -> Any:
     """Add an algorithm under `name`: an Algorithm, a bare advantage function or an import path;
     without one, a decorator for the advantage function (`critic`, `prepare`, `options`,
-    `teacher` as on Algorithm), which returns it unchanged."""
+    `teacher`, `loss_term` as on Algorithm), which returns it unchanged."""
     if algorithm is not None:
         return _ALGORITHMS.register(name, algorithm)
 
     def decorate(fn: Callable) -> Callable:
-        declared = Algorithm(fn, critic=critic, prepare=prepare, name=name, options=options, teacher=teacher)
+        declared = Algorithm(fn, critic=critic, prepare=prepare, name=name, options=options, teacher=teacher,
+                             loss_term=loss_term)
         _ALGORITHMS.register(name, declared)
         setattr(fn, _DECLARED, declared)
         return fn
@@ -255,14 +266,24 @@ def check_options(algorithm: Algorithm | PolicyLoss, options: dict[str, Any], ke
     return validate_options(algorithm.options, dict(options or {}), key)
 
 
-def compute_policy_loss(loss: PolicyLoss, batch: Mapping[str, "torch.Tensor"], cfg: Any
+def compute_policy_loss(loss: PolicyLoss, batch: Mapping[str, "torch.Tensor"], cfg: Any,
+                        algorithm: Algorithm | None = None, logits: "torch.Tensor | None" = None
                         ) -> tuple["torch.Tensor", dict[str, "torch.Tensor"]]:
-    """What the policy worker calls on each mini-batch: `loss(batch, cfg)`, its result checked
-    (a plugin's mistake is named here, not as a failure deep in DeepSpeed)."""
-    out = loss(batch, cfg)
+    """What the policy worker calls on each mini-batch: `loss(batch, cfg)`, plus the algorithm's
+    `loss_term` (given the `logits` too) when it has one, each result checked (a plugin's mistake
+    is named here, not as a failure deep in DeepSpeed)."""
+    out = _checked(loss(batch, cfg), f"algorithm.policy_loss = {loss.name!r}")
+    if algorithm is None or algorithm.loss_term is None:
+        return out
+    term, info = _checked(algorithm.loss_term({**batch, "logits": logits}, cfg),
+                          f"algorithm.name = {algorithm.name!r}: its loss_term")
+    return out[0] + term, {**out[1], **info}
+
+
+def _checked(out: Any, what: str) -> tuple["torch.Tensor", dict[str, "torch.Tensor"]]:
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)
             and getattr(out[0], "dim", lambda: -1)() == 0):
-        raise PluginError(f"algorithm.policy_loss = {loss.name!r} returned {type(out).__name__}; it must return "
+        raise PluginError(f"{what} returned {type(out).__name__}; it must return "
                           "(loss: a 0-dim tensor, metrics: a dict of 0-dim tensors)")
     return out
 

@@ -409,6 +409,11 @@ class TeacherCfg(_Section):
         "tokens reach the teacher through their text, and its logprobs come back per piece of text both "
         "tokenizations share (turnrl.rewards.token_mapping, docs/post-training.md); empty: the teacher must share "
         "the policy's tokenizer"))
+    top_k: int = Field(0, ge=0, le=20, description=(
+        "also read the teacher's k most likely tokens at each position the policy sampled (vLLM's prompt_logprobs "
+        "k; a vLLM server gives up to 20 unless started with more --max-logprobs): opd then adds the KL from the "
+        "teacher's top-k distribution, renormalised, to the policy's (algorithm.options.top_k_weight), a signal on "
+        "tokens the policy did not sample; 0: the sampled token's logprob only (top-1 reverse KL)"))
     max_model_len: int = Field(4096, gt=0, description="serve: the served teacher's context length")
     max_concurrency: int = Field(8, gt=0, description="requests in flight to the teacher at once")
     timeout_s: float = Field(120.0, gt=0, description="seconds one request may take")
@@ -423,6 +428,10 @@ class TeacherCfg(_Section):
         if self.serve and self.base_url:
             raise ValueError("give the teacher either base_url (a server already running) or serve (a checkpoint "
                              "turnrl serves), not both")
+        if self.top_k and self.tokenizer:
+            raise ValueError(f"top_k = {self.top_k} with tokenizer = {self.tokenizer!r}: the teacher's top tokens are "
+                             "ids of its own vocabulary, which the policy does not share; set top_k to 0 (the sampled "
+                             "token's logprob, mapped through the text) or pick a teacher of the policy's tokenizer")
         return self
 
 

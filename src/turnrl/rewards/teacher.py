@@ -4,7 +4,8 @@ turns and the environment's observations, as the policy saw them), read from vLL
 completions API with `prompt_logprobs` (the prompt sent as token ids, so nothing is re-rendered).
 
     Teacher(cfg).annotate(trajs)     # t.teacher_logprobs: one per response token, 0.0 where the
-                                     # policy did not sample (observations)
+                                     # policy did not sample (observations); with cfg.top_k also
+                                     # t.teacher_top_ids / teacher_top_logprobs: k per token
 
 `algorithm.name: opd` trains on them (turnrl.algos.builtin: the per-token reverse KL, top-1).
 Calls run concurrently, at most `max_concurrency` in flight, with the retries of
@@ -51,11 +52,12 @@ class Teacher:
         answers = dict(zip(sent, self._ask_all(list(sent.values()))))
         failed: dict[int, str] = {}
         for k, ((t, row), plan) in enumerate(zip(owned, plans)):
-            logprobs, error = answers.get(k, (None, plan))
-            if logprobs is None:
+            answer, error = answers.get(k, (None, plan))
+            if answer is None:
                 failed.setdefault(id(t), f"reward.teacher ({self.cfg.model} at {self.cfg.base_url}) gave no logprobs "
                                          f"for the trajectory of prompt {row.example.get('id', '?')!r}: {error}")
                 continue
+            logprobs, top = answer
             start = len(row.prompt_ids)
             if isinstance(plan, Plan):   # the teacher's tokens, mapped back to the policy's
                 mapped = TextMapping.to_student(plan, logprobs, [0.0] * start + list(row.engine_logprobs))
@@ -66,6 +68,9 @@ class Teacher:
             else:
                 response = logprobs[start:]
             row.teacher_logprobs = [lp if m else 0.0 for lp, m in zip(response, row.loss_mask)]
+            if top is not None:   # top_k (the policy's own tokenizer: config refuses it with a mapping)
+                row.teacher_top_ids = [ids if m else [] for (ids, _), m in zip(top[start:], row.loss_mask)]
+                row.teacher_top_logprobs = [lps if m else [] for (_, lps), m in zip(top[start:], row.loss_mask)]
         for t in trajs:
             if id(t) in failed:
                 _untrained(t, failed[id(t)])
@@ -79,19 +84,22 @@ class Teacher:
         except ValueError as exc:
             return f"its tokens could not be mapped to the teacher's ({exc})"
 
-    def _ask_all(self, sequences: list[list[int]]) -> list[tuple[list[float] | None, str]]:
+    def _ask_all(self, sequences: list[list[int]]) -> list[tuple[tuple | None, str]]:
         async def ask_all(client, limit):
             return list(await asyncio.gather(*(self._ask(client, limit, ids) for ids in sequences)))
         return self.session.call(ask_all)
 
-    async def _ask(self, client, limit: asyncio.Semaphore, ids: list[int]) -> tuple[list[float] | None, str]:
+    async def _ask(self, client, limit: asyncio.Semaphore, ids: list[int]) -> tuple[tuple | None, str]:
+        """((the logprob of each of `ids`, each position's top_k or None), "") or (None, why not)."""
         url = self.cfg.base_url.rstrip("/") + "/completions"
-        body = {"model": self.cfg.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+        body = {"model": self.cfg.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
+                "prompt_logprobs": self.cfg.top_k}
         reply = await endpoint.post(client, limit, url, body, retries=self.cfg.retries, timeout_s=self.cfg.timeout_s)
         if reply.body is None:
             return None, reply.error
         try:
-            return prompt_logprobs(reply.body, ids), ""
+            top = top_logprobs(reply.body, self.cfg.top_k) if self.cfg.top_k else None
+            return (prompt_logprobs(reply.body, ids), top), ""
         except ValueError as exc:
             return None, str(exc)
 
@@ -114,6 +122,7 @@ def _untrained(t: Any, reason: str) -> None:
     t.end_untrained(reason)
     for row in t.samples or [t]:
         row.teacher_logprobs = [0.0] * len(row.response_ids)
+        row.teacher_top_ids, row.teacher_top_logprobs = [], []
 
 
 def prompt_logprobs(body: dict, ids: Sequence[int]) -> list[float]:
@@ -132,6 +141,23 @@ def prompt_logprobs(body: dict, ids: Sequence[int]) -> list[float]:
         if not isinstance(found, dict) or not isinstance(found.get("logprob"), (int, float)):
             raise ValueError(f"no logprob for token {token} at position {position} in the teacher's answer")
         out.append(float(found["logprob"]))
+    return out
+
+
+def top_logprobs(body: dict, k: int) -> list[tuple[list[int], list[float]]]:
+    """Each position's k most likely tokens (ids, logprobs; most likely first) from a completions
+    answer with prompt_logprobs k, whose entries hold the top k and the prompt's own token
+    (entry 0: ([], [])); ValueError where a position has fewer (a server started with a lower
+    --max-logprobs)."""
+    entries = body["choices"][0]["prompt_logprobs"]   # prompt_logprobs has checked the shape
+    out: list[tuple[list[int], list[float]]] = [([], [])]
+    for position, entry in enumerate(entries[1:], start=1):
+        ranked = sorted(((-float(v["logprob"]), int(token)) for token, v in (entry or {}).items()
+                         if isinstance(v, dict) and isinstance(v.get("logprob"), (int, float))))[:k]
+        if len(ranked) < k:
+            raise ValueError(f"reward.teacher.top_k = {k}: the teacher's answer has {len(ranked)} tokens at position "
+                             f"{position} (start its vLLM server with --max-logprobs {k} or more)")
+        out.append(([token for _, token in ranked], [-neg for neg, _ in ranked]))
     return out
 
 

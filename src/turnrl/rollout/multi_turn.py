@@ -131,6 +131,10 @@ class Trajectory:
     turn_ids: list[int] = field(default_factory=list)          # turn of each response token
     engine_logprobs: list[float] = field(default_factory=list)  # 0.0 where loss_mask is 0
     teacher_logprobs: list[float] = field(default_factory=list)  # reward.teacher's (opd), 0.0 where loss_mask is 0
+    # reward.teacher.top_k: the teacher's k most likely tokens and their logprobs at each response
+    # token's position, [] where loss_mask is 0
+    teacher_top_ids: list[list[int]] = field(default_factory=list)
+    teacher_top_logprobs: list[list[float]] = field(default_factory=list)
     turn_texts: list[str] = field(default_factory=list)
     observations: list[str] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)

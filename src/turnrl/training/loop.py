@@ -78,7 +78,9 @@ def collate(trajs: Sequence[Trajectory], pad_id: int) -> dict[str, torch.Tensor]
     prompt + response: input_ids, attention_mask, loss_mask (1 on policy tokens only),
     engine_logprobs (0 elsewhere), turn_ids (-1 outside the response), high (True on the tokens
     of high-level turns and the observations after them); from asynchronous rollouts also
-    versions (the policy version that sampled each token's turn, -1 outside the response)."""
+    versions (the policy version that sampled each token's turn, -1 outside the response); with
+    reward.teacher teacher_logprobs [B, L], and with its top_k teacher_top_ids and
+    teacher_top_logprobs [B, L, k] (0 where the policy did not sample)."""
     width = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
     B = len(trajs)
     out = {
@@ -91,6 +93,10 @@ def collate(trajs: Sequence[Trajectory], pad_id: int) -> dict[str, torch.Tensor]
     }
     if any(t.teacher_logprobs for t in trajs):   # reward.teacher's (on-policy distillation)
         out["teacher_logprobs"] = torch.zeros((B, width))
+    top_k = max((len(top) for t in trajs for top in t.teacher_top_ids), default=0)
+    if top_k:   # reward.teacher.top_k: [B, L, k], entry t the teacher's top tokens at token t's position
+        out["teacher_top_ids"] = torch.zeros((B, width, top_k), dtype=torch.long)
+        out["teacher_top_logprobs"] = torch.zeros((B, width, top_k))
     stamped = any(t.turn_versions for t in trajs)   # asynchronous rollouts: the version of each turn
     if stamped:
         out["versions"] = torch.full((B, width), -1, dtype=torch.long)
@@ -104,6 +110,10 @@ def collate(trajs: Sequence[Trajectory], pad_id: int) -> dict[str, torch.Tensor]
         out["engine_logprobs"][row, p:p + r] = torch.tensor(t.engine_logprobs)
         if t.teacher_logprobs:
             out["teacher_logprobs"][row, p:p + r] = torch.tensor(t.teacher_logprobs)
+        if top_k and t.teacher_top_ids:   # k each where the policy sampled, none elsewhere
+            out["teacher_top_ids"][row, p:p + r] = torch.tensor([ids or [0] * top_k for ids in t.teacher_top_ids])
+            out["teacher_top_logprobs"][row, p:p + r] = torch.tensor(
+                [lps or [0.0] * top_k for lps in t.teacher_top_logprobs])
         out["turn_ids"][row, p:p + r] = torch.tensor(t.turn_ids)
         out["high"][row, p:p + r] = torch.tensor([t.levels[k] == "high" for k in t.turn_ids], dtype=torch.bool)
     return out

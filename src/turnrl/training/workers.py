@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from turnrl.algos import explained_variance, kl_estimate, masked_mean, nll_loss, off_policy_kl_mean, value_loss
-from turnrl.algos.registry import compute_policy_loss, resolve_loss
+from turnrl.algos.registry import compute_policy_loss, resolve, resolve_loss
 from turnrl.config import AlgorithmCfg, Config, EnvCfg, ModelCfg, RewardCfg, RolloutCfg, TrainCfg
 from turnrl.training.batching import (combine_rank_stats, entropy, micro_batch_count, micro_batches, normalizer,
                                       rank_rows, share_weight, take_rows, token_logprobs)
@@ -339,6 +339,7 @@ class PolicyWorker(_TrainerRank):
         batch was sampled by the weights before the last update: the ratio is taken to the
         engine's logprobs, and logp_gap_max measures that step of staleness."""
         alg = self.params.algorithm
+        algorithm = resolve(alg.name)   # its loss_term, if any, joins the policy loss
         batch = self._to_device(batch)
         mask = batch["loss_mask"]
         stale = self.params.train.overlap_rollout
@@ -385,7 +386,7 @@ class PolicyWorker(_TrainerRank):
                 # algorithm.policy_loss (turnrl.algos.registry): every tensor of the micro-batch, by name
                 loss, info = compute_policy_loss(resolve_loss(alg.policy_loss), {
                     **micro, "logp": logp, "old_logp": micro.get("old_logp", logp.detach()),
-                    "mask": micro["loss_mask"]}, alg)
+                    "mask": micro["loss_mask"]}, alg, algorithm, logits)
                 loss = weight * loss
                 ent_mean = masked_mean(entropy(logits if alg.entropy_coef else logits.detach()), micro["loss_mask"])
                 if alg.entropy_coef:
