@@ -23,6 +23,8 @@ sample each at T=1), through `dvc exp run` as a user runs it:
   (`reward.teacher.tokenizer`, turnrl.rewards.token_mapping);
 - `opd_topk`: opd with the teacher's 8 most likely tokens at each sampled position too
   (`reward.teacher.top_k=8`): the KL from its top-8 distribution to the student's joins the loss;
+- `grpo_mb4`, `opd_topk_mb4`: grpo and opd_topk with four optimizer steps a step
+  (`algorithm.mini_batches=4`);
 - `grpo_rare`, `opd_rare`: a rarer reward, each from a fresh warm start of its seed whose prior
   phase shows 5% good demonstrations (`model.warmstart.good_fraction=0.05`; params.yaml's 0.3), so
   the student seldom calls the tool and few of GRPO's groups hold a success.
@@ -59,7 +61,7 @@ TEACHER_SEED, TEACHER_STEPS = 100, 40
 FRACTION = 0.9
 LR = 5e-4   # params.yaml's train.lr
 PAIRS = [("opd", "grpo"), ("opd_lr4x", "grpo"), ("opd_lr4x", "grpo_lr4x"), ("opd_reward", "grpo"),
-         ("opd_topk", "grpo"), ("opd_rare", "grpo_rare")]
+         ("opd_topk", "grpo"), ("opd_topk_mb4", "grpo_mb4"), ("opd_rare", "grpo_rare")]
 RARE = "model.warmstart.good_fraction=0.05"   # the rarer-reward rows' warm start (params.yaml: 0.3)   # (OPD row, GRPO row) for the target
 
 
@@ -90,6 +92,12 @@ def rows(work: Path) -> list[Row]:
         # signal on the tokens the student did not sample, such as the tool call it seldom makes
         Row("opd_topk", "code_tool", "opd", sets=[*student, "algorithm.name=opd", f"reward.teacher.serve={teacher}",
                                                    "reward.teacher.max_model_len=2048", "reward.teacher.top_k=8"]),
+        # four optimizer steps a step (mini-batches of a quarter of the batch, PPO's clip), each method:
+        # whether the teacher's dense signal takes more updates per sample than the reward's
+        Row("grpo_mb4", "code_tool", "grpo", sets=[*student, "algorithm.mini_batches=4"]),
+        Row("opd_topk_mb4", "code_tool", "opd", sets=[*student, "algorithm.name=opd", f"reward.teacher.serve={teacher}",
+                                                       "reward.teacher.max_model_len=2048", "reward.teacher.top_k=8",
+                                                       "algorithm.mini_batches=4"]),
         # a rarer reward: each seed's own warm start, its prior phase 5% good demonstrations (params.yaml's
         # 30%), so few of a group's samples call the tool and GRPO's groups seldom hold a success, while
         # the teacher's per-token signal needs none (its tokenizer mapped through the text, should the
@@ -240,7 +248,9 @@ def report(results: list[dict], seeds: list[int], work: Path, teacher: dict) -> 
                            f"its `dvc exp run -S seed={TEACHER_SEED} -S train.steps={TEACHER_STEPS}` (held-out accuracy "
                            f"{teacher['baseline']:.3f} -> {teacher['trained']:.3f}); every student starts from that "
                            "run's warm start (its models/initial, the teacher's tokenizer; opd_own_tokenizer: a warm "
-                           "start of its own, of another tokenizer), seed S its data split and sampling, 20 steps, held-out accuracy every 2 "
+                           "start of its own, of another tokenizer; grpo_rare and opd_rare: a warm start of their "
+                           "seed's own whose prior phase shows 5% good demonstrations), seed S its data split and "
+                           "sampling, 20 steps, held-out accuracy every 2 "
                            "steps (64 problems, T=1). Measured: each student's first step "
                            f"at {FRACTION:.0%} of the teacher's held-out accuracy (256 problems, T=1, same seed). Seeds "
                            + ", ".join(map(str, seeds)) + "."]
