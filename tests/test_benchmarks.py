@@ -323,6 +323,10 @@ def test_the_distillation_report_checks_the_target_for_each_opd_grpo_pair():
     assert "- seed 0: opd_lr4x 2, grpo 6: met" in text            # 3 x 2 <= 6
     assert "- seed 0: opd_lr4x 2, grpo_lr4x 4: **not met**" in text
     assert "through the text" not in text   # no row mapped a teacher's tokens
+    never = {**run("grpo_rare", 0, 99), "reached": None}   # GRPO past its 20 steps: only o <= 6 is shown
+    for o, verdict in ((6, "met"), (8, "not decided (grpo did not reach it in 20 steps, fewer than 3 x 8)")):
+        text = report([never, run("opd_rare", 0, o)], [0], Path("/tmp/w"), {"baseline": 0.1, "trained": 0.96})
+        assert f"- seed 0: opd_rare {o}, grpo_rare >20: {verdict}" in text
     mapped = {**run("opd_own_tokenizer", 0, 4), "teacher_exact_frac": 0.9876}
     assert "(the mean over steps): seed 0: 98.8%" in report([*results, mapped], [0], Path("/tmp/w"),
                                                             {"baseline": 0.1, "trained": 0.96})
