@@ -68,45 +68,36 @@ RARE = "model.warmstart.good_fraction=0.05"   # the rarer-reward rows' warm star
 
 def rows(work: Path) -> list[Row]:
     teacher, student = work / "teacher", [*STUDENT, f"model.path={work / 'student_start'}"]
+    opd = ["algorithm.name=opd", f"reward.teacher.serve={teacher}", "reward.teacher.max_model_len=2048"]
     return [
         Row("grpo", "code_tool", "grpo", sets=student),
-        Row("opd", "code_tool", "opd", sets=[*student, "algorithm.name=opd", f"reward.teacher.serve={teacher}",
-                                              "reward.teacher.max_model_len=2048"]),
+        Row("opd", "code_tool", "opd", sets=[*student, *opd]),
         Row("sft_grpo", "code_tool", "grpo", sets=[*student, "sft.steps=60", "sft.batch_size=16", "sft.lr=0.0003"]),
         # at 4x params.yaml's learning rate: a dense per-token signal may take larger steps than a
         # group's one reward (each row against the other at the same rate, too)
         Row("grpo_lr4x", "code_tool", "grpo", sets=[*student, f"train.lr={4 * LR}"]),
-        Row("opd_lr4x", "code_tool", "opd", sets=[*student, "algorithm.name=opd", f"reward.teacher.serve={teacher}",
-                                                   "reward.teacher.max_model_len=2048", f"train.lr={4 * LR}"]),
+        Row("opd_lr4x", "code_tool", "opd", sets=[*student, *opd, f"train.lr={4 * LR}"]),
         # the teacher's signal plus GRPO's advantage of the reward, weighted equally
-        Row("opd_reward", "code_tool", "opd", sets=[*student, "algorithm.name=opd", f"reward.teacher.serve={teacher}",
-                                                     "reward.teacher.max_model_len=2048",
-                                                     "++algorithm.options.reward_weight=1.0"]),
+        Row("opd_reward", "code_tool", "opd", sets=[*student, *opd, "++algorithm.options.reward_weight=1.0"]),
         # the student a fresh warm start of its own, its byte-level BPE stopped at 330 tokens (the
         # teacher's has 371): other splits and sequence lengths, so the teacher's logprobs come
         # through the text (reward.teacher.tokenizer)
-        Row("opd_own_tokenizer", "code_tool", "opd", sets=[*STUDENT, "model.tiny.vocab_size=330", "algorithm.name=opd",
-                                                            f"reward.teacher.serve={teacher}",
-                                                            "reward.teacher.max_model_len=2048",
+        Row("opd_own_tokenizer", "code_tool", "opd", sets=[*STUDENT, "model.tiny.vocab_size=330", *opd,
                                                             f"reward.teacher.tokenizer={teacher}"]),
         # the teacher's 8 most likely tokens at every sampled position too (reward.teacher.top_k): a
         # signal on the tokens the student did not sample, such as the tool call it seldom makes
-        Row("opd_topk", "code_tool", "opd", sets=[*student, "algorithm.name=opd", f"reward.teacher.serve={teacher}",
-                                                   "reward.teacher.max_model_len=2048", "reward.teacher.top_k=8"]),
+        Row("opd_topk", "code_tool", "opd", sets=[*student, *opd, "reward.teacher.top_k=8"]),
         # four optimizer steps a step (mini-batches of a quarter of the batch, PPO's clip), each method:
         # whether the teacher's dense signal takes more updates per sample than the reward's
         Row("grpo_mb4", "code_tool", "grpo", sets=[*student, "algorithm.mini_batches=4"]),
-        Row("opd_topk_mb4", "code_tool", "opd", sets=[*student, "algorithm.name=opd", f"reward.teacher.serve={teacher}",
-                                                       "reward.teacher.max_model_len=2048", "reward.teacher.top_k=8",
+        Row("opd_topk_mb4", "code_tool", "opd", sets=[*student, *opd, "reward.teacher.top_k=8",
                                                        "algorithm.mini_batches=4"]),
         # a rarer reward: each seed's own warm start, its prior phase 5% good demonstrations (params.yaml's
         # 30%), so few of a group's samples call the tool and GRPO's groups seldom hold a success, while
         # the teacher's per-token signal needs none (its tokenizer mapped through the text, should the
         # other corpus have split differently)
         Row("grpo_rare", "code_tool", "grpo", sets=[*STUDENT, RARE]),
-        Row("opd_rare", "code_tool", "opd", sets=[*STUDENT, RARE, "algorithm.name=opd", f"reward.teacher.serve={teacher}",
-                                                   "reward.teacher.max_model_len=2048",
-                                                   f"reward.teacher.tokenizer={teacher}"]),
+        Row("opd_rare", "code_tool", "opd", sets=[*STUDENT, RARE, *opd, f"reward.teacher.tokenizer={teacher}"]),
     ]
 
 

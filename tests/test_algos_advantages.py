@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 from turnrl.algos import registry
 from turnrl.algos import (
-    top_k_distillation,
     before_first_obs,
     context_utilization_bonus,
     contiguous_group_ids,
@@ -31,6 +30,7 @@ from turnrl.algos import (
     per_turn_mean_std,
     per_turn_sum,
     rloo,
+    top_k_distillation,
     turn_rewards_to_tokens,
 )
 

@@ -167,14 +167,11 @@ def episode_view(trajs: Sequence[Trajectory]) -> tuple[list[Trajectory], list[tu
             view.loss_mask += s.loss_mask
             view.turn_ids += s.turn_ids
             view.engine_logprobs += s.engine_logprobs
-        if any(s.teacher_logprobs for s in t.samples):   # reward.teacher's, laid out like the engine's
-            view.teacher_logprobs = [lp for k, s in enumerate(t.samples)
-                                     for lp in [0.0] * bool(k) + (s.teacher_logprobs or [0.0] * len(s.response_ids))]
-        if any(s.teacher_top_ids for s in t.samples):   # reward.teacher.top_k's, laid out the same way
-            view.teacher_top_ids = [top for k, s in enumerate(t.samples)
-                                    for top in [[]] * bool(k) + (s.teacher_top_ids or [[]] * len(s.response_ids))]
-            view.teacher_top_logprobs = [top for k, s in enumerate(t.samples) for top in
-                                         [[]] * bool(k) + (s.teacher_top_logprobs or [[]] * len(s.response_ids))]
+        # reward.teacher's logprobs (and top_k's), laid out like the engine's
+        for name, none in (("teacher_logprobs", 0.0), ("teacher_top_ids", []), ("teacher_top_logprobs", [])):
+            if any(getattr(s, name) for s in t.samples):
+                setattr(view, name, [x for k, s in enumerate(t.samples)
+                                     for x in [none] * bool(k) + (getattr(s, name) or [none] * len(s.response_ids))])
         view.turn_texts, view.turn_rewards = list(t.turn_texts), list(t.turn_rewards)
         view.levels, view.turn_versions = list(t.levels), list(t.turn_versions)
         view.outcome, view.finish, view.info = t.outcome, t.finish, t.info
