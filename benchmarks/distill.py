@@ -25,6 +25,9 @@ sample each at T=1), through `dvc exp run` as a user runs it:
   (`reward.teacher.top_k=8`): the KL from its top-8 distribution to the student's joins the loss;
 - `grpo_mb4`, `opd_topk_mb4`: grpo and opd_topk with four optimizer steps a step
   (`algorithm.mini_batches=4`);
+- `grpo_mb8`, `opd_topk_mb8`: with eight (`algorithm.mini_batches=8`); `opd_topk_w4_mb4`: with four,
+  the top-k term weighted 4 (`algorithm.options.top_k_weight=4.0`); `opd_topk_mb16`: with sixteen;
+  `opd_top20_mb8`: with eight and the teacher's top 20 (`reward.teacher.top_k=20`);
 - `grpo_rare`, `opd_rare`: a rarer reward, each from a fresh warm start of its seed whose prior
   phase shows 5% good demonstrations (`model.warmstart.good_fraction=0.05`; params.yaml's 0.3), so
   the student seldom calls the tool and few of GRPO's groups hold a success.
@@ -61,9 +64,13 @@ STUDENT = [*ENGINE, f"train.steps={STEPS}", "train.eval_every=2", "train.eval_ex
 TEACHER_SEED, TEACHER_STEPS = 100, 40
 FRACTION = 0.9
 LR = 5e-4   # params.yaml's train.lr
+# (OPD row, GRPO row) for the target: every OPD row against GRPO at params.yaml's setting (its
+# quickest here), and against GRPO at the row's own setting where that was run
 PAIRS = [("opd", "grpo"), ("opd_lr4x", "grpo"), ("opd_lr4x", "grpo_lr4x"), ("opd_reward", "grpo"),
-         ("opd_topk", "grpo"), ("opd_topk_mb4", "grpo_mb4"), ("opd_rare", "grpo_rare")]
-RARE = "model.warmstart.good_fraction=0.05"   # the rarer-reward rows' warm start (params.yaml: 0.3)   # (OPD row, GRPO row) for the target
+         ("opd_topk", "grpo"), ("opd_topk_mb4", "grpo"), ("opd_topk_mb4", "grpo_mb4"),
+         ("opd_topk_mb8", "grpo"), ("opd_topk_mb8", "grpo_mb8"), ("opd_topk_mb16", "grpo"),
+         ("opd_top20_mb8", "grpo"), ("opd_topk_w4_mb4", "grpo"), ("opd_rare", "grpo_rare")]
+RARE = "model.warmstart.good_fraction=0.05"   # the rarer-reward rows' warm start (params.yaml: 0.3)
 
 
 def rows(work: Path) -> list[Row]:
@@ -92,6 +99,20 @@ def rows(work: Path) -> list[Row]:
         Row("grpo_mb4", "code_tool", "grpo", sets=[*student, "algorithm.mini_batches=4"]),
         Row("opd_topk_mb4", "code_tool", "opd", sets=[*student, *opd, "reward.teacher.top_k=8",
                                                        "algorithm.mini_batches=4"]),
+        # eight optimizer steps a step, each method; and, apart, opd's top-k term weighted 4x at four:
+        # which of the two carries the teacher's signal further per step
+        Row("grpo_mb8", "code_tool", "grpo", sets=[*student, "algorithm.mini_batches=8"]),
+        Row("opd_topk_mb8", "code_tool", "opd", sets=[*student, *opd, "reward.teacher.top_k=8",
+                                                       "algorithm.mini_batches=8"]),
+        # sixteen optimizer steps a step; and eight with the teacher's top 20 (more of its distribution
+        # than its top 8)
+        Row("opd_topk_mb16", "code_tool", "opd", sets=[*student, *opd, "reward.teacher.top_k=8",
+                                                        "algorithm.mini_batches=16"]),
+        Row("opd_top20_mb8", "code_tool", "opd", sets=[*student, *opd, "reward.teacher.top_k=20",
+                                                        "algorithm.mini_batches=8"]),
+        Row("opd_topk_w4_mb4", "code_tool", "opd", sets=[*student, *opd, "reward.teacher.top_k=8",
+                                                          "algorithm.mini_batches=4",
+                                                          "++algorithm.options.top_k_weight=4.0"]),
         # a rarer reward: each seed's own warm start, its prior phase 5% good demonstrations (params.yaml's
         # 30%), so few of a group's samples call the tool and GRPO's groups seldom hold a success, while
         # the teacher's per-token signal needs none (its tokenizer mapped through the text, should the
