@@ -30,7 +30,8 @@ sample each at T=1), through `dvc exp run` as a user runs it:
   `opd_top20_mb8`: with eight and the teacher's top 20 (`reward.teacher.top_k=20`);
 - `grpo_rare`, `opd_rare`: a rarer reward, each from a fresh warm start of its seed whose prior
   phase shows 5% good demonstrations (`model.warmstart.good_fraction=0.05`; params.yaml's 0.3), so
-  the student seldom calls the tool and few of GRPO's groups hold a success.
+  the student seldom calls the tool and few of GRPO's groups hold a success; `opd_topk_mb8_rare`:
+  opd_topk_mb8 from those warm starts.
 
     python benchmarks/distill.py                       # teacher, then rows x seeds 0 1 2 -> benchmarks/DISTILL.md
     python benchmarks/distill.py --rows grpo opd --seeds 0
@@ -69,7 +70,8 @@ LR = 5e-4   # params.yaml's train.lr
 PAIRS = [("opd", "grpo"), ("opd_lr4x", "grpo"), ("opd_lr4x", "grpo_lr4x"), ("opd_reward", "grpo"),
          ("opd_topk", "grpo"), ("opd_topk_mb4", "grpo"), ("opd_topk_mb4", "grpo_mb4"),
          ("opd_topk_mb8", "grpo"), ("opd_topk_mb8", "grpo_mb8"), ("opd_topk_mb16", "grpo"),
-         ("opd_top20_mb8", "grpo"), ("opd_topk_w4_mb4", "grpo"), ("opd_rare", "grpo_rare")]
+         ("opd_top20_mb8", "grpo"), ("opd_topk_w4_mb4", "grpo"), ("opd_rare", "grpo_rare"),
+         ("opd_topk_mb8_rare", "grpo_rare")]
 RARE = "model.warmstart.good_fraction=0.05"   # the rarer-reward rows' warm start (params.yaml: 0.3)
 
 
@@ -119,6 +121,11 @@ def rows(work: Path) -> list[Row]:
         # other corpus have split differently)
         Row("grpo_rare", "code_tool", "grpo", sets=[*STUDENT, RARE]),
         Row("opd_rare", "code_tool", "opd", sets=[*STUDENT, RARE, *opd, f"reward.teacher.tokenizer={teacher}"]),
+        # the same rarer reward for opd_topk_mb8: the teacher's top 8 reach the tool call the student
+        # seldom samples (the warm starts' tokenizer is the teacher's, so no mapping; turnrl refuses a
+        # mismatch before work)
+        Row("opd_topk_mb8_rare", "code_tool", "opd", sets=[*STUDENT, RARE, *opd, "reward.teacher.top_k=8",
+                                                            "algorithm.mini_batches=8"]),
     ]
 
 
@@ -261,7 +268,8 @@ def report(results: list[dict], seeds: list[int], work: Path, teacher: dict) -> 
                            f"its `dvc exp run -S seed={TEACHER_SEED} -S train.steps={TEACHER_STEPS}` (held-out accuracy "
                            f"{teacher['baseline']:.3f} -> {teacher['trained']:.3f}); every student starts from that "
                            "run's warm start (its models/initial, the teacher's tokenizer; opd_own_tokenizer: a warm "
-                           "start of its own, of another tokenizer; grpo_rare and opd_rare: a warm start of their "
+                           "start of its own, of another tokenizer; grpo_rare, opd_rare and opd_topk_mb8_rare: a warm "
+                           "start of their "
                            "seed's own whose prior phase shows 5% good demonstrations), seed S its data split and "
                            "sampling, 20 steps, held-out accuracy every 2 "
                            "steps (64 problems, T=1). Measured: each student's first step "
