@@ -80,7 +80,8 @@ RARE = "model.warmstart.good_fraction=0.05"   # the rarer-reward rows' warm star
 def rows(work: Path) -> list[Row]:
     teacher, student = work / "teacher", [*STUDENT, f"model.path={work / 'student_start'}"]
     opd = ["algorithm.name=opd", f"reward.teacher.serve={teacher}", "reward.teacher.max_model_len=2048"]
-    e256 = [kv.replace("eval_examples=64", "eval_examples=256") for kv in student]
+    topk = [*opd, "reward.teacher.top_k=8"]
+    e256 = ["train.eval_examples=256" if kv.startswith("train.eval_examples=") else kv for kv in student]
     return [
         Row("grpo", "code_tool", "grpo", sets=student),
         Row("opd", "code_tool", "opd", sets=[*student, *opd]),
@@ -98,30 +99,26 @@ def rows(work: Path) -> list[Row]:
                                                             f"reward.teacher.tokenizer={teacher}"]),
         # the teacher's 8 most likely tokens at every sampled position too (reward.teacher.top_k): a
         # signal on the tokens the student did not sample, such as the tool call it seldom makes
-        Row("opd_topk", "code_tool", "opd", sets=[*student, *opd, "reward.teacher.top_k=8"]),
+        Row("opd_topk", "code_tool", "opd", sets=[*student, *topk]),
         # four optimizer steps a step (mini-batches of a quarter of the batch, PPO's clip), each method:
         # whether the teacher's dense signal takes more updates per sample than the reward's
         Row("grpo_mb4", "code_tool", "grpo", sets=[*student, "algorithm.mini_batches=4"]),
-        Row("opd_topk_mb4", "code_tool", "opd", sets=[*student, *opd, "reward.teacher.top_k=8",
-                                                       "algorithm.mini_batches=4"]),
-        # eight optimizer steps a step, each method; and, apart, opd's top-k term weighted 4x at four:
-        # which of the two carries the teacher's signal further per step
+        Row("opd_topk_mb4", "code_tool", "opd", sets=[*student, *topk, "algorithm.mini_batches=4"]),
+        # eight optimizer steps a step, each method
         Row("grpo_mb8", "code_tool", "grpo", sets=[*student, "algorithm.mini_batches=8"]),
-        Row("opd_topk_mb8", "code_tool", "opd", sets=[*student, *opd, "reward.teacher.top_k=8",
-                                                       "algorithm.mini_batches=8"]),
+        Row("opd_topk_mb8", "code_tool", "opd", sets=[*student, *topk, "algorithm.mini_batches=8"]),
         # the curve on 256 held-out problems (the teacher's bar's count), not 64: a crossing at step 2
         # is then not one problem either way (GRPO at params.yaml's setting, opd_topk_mb8)
         Row("grpo_e256", "code_tool", "grpo", sets=e256),
-        Row("opd_topk_mb8_e256", "code_tool", "opd", sets=[*e256, *opd, "reward.teacher.top_k=8",
-                                                            "algorithm.mini_batches=8"]),
+        Row("opd_topk_mb8_e256", "code_tool", "opd", sets=[*e256, *topk, "algorithm.mini_batches=8"]),
         # sixteen optimizer steps a step; and eight with the teacher's top 20 (more of its distribution
         # than its top 8)
-        Row("opd_topk_mb16", "code_tool", "opd", sets=[*student, *opd, "reward.teacher.top_k=8",
-                                                        "algorithm.mini_batches=16"]),
+        Row("opd_topk_mb16", "code_tool", "opd", sets=[*student, *topk, "algorithm.mini_batches=16"]),
         Row("opd_top20_mb8", "code_tool", "opd", sets=[*student, *opd, "reward.teacher.top_k=20",
                                                         "algorithm.mini_batches=8"]),
-        Row("opd_topk_w4_mb4", "code_tool", "opd", sets=[*student, *opd, "reward.teacher.top_k=8",
-                                                          "algorithm.mini_batches=4",
+        # four optimizer steps a step, opd's top-k term weighted 4x: more of the teacher's distribution
+        # per update instead of more updates
+        Row("opd_topk_w4_mb4", "code_tool", "opd", sets=[*student, *topk, "algorithm.mini_batches=4",
                                                           "++algorithm.options.top_k_weight=4.0"]),
         # a rarer reward: each seed's own warm start, its prior phase 5% good demonstrations (params.yaml's
         # 30%), so few of a group's samples call the tool and GRPO's groups seldom hold a success, while
@@ -132,8 +129,7 @@ def rows(work: Path) -> list[Row]:
         # the same rarer reward for opd_topk_mb8: the teacher's top 8 reach the tool call the student
         # seldom samples (the warm starts' tokenizer is the teacher's, so no mapping; turnrl refuses a
         # mismatch before work)
-        Row("opd_topk_mb8_rare", "code_tool", "opd", sets=[*STUDENT, RARE, *opd, "reward.teacher.top_k=8",
-                                                            "algorithm.mini_batches=8"]),
+        Row("opd_topk_mb8_rare", "code_tool", "opd", sets=[*STUDENT, RARE, *topk, "algorithm.mini_batches=8"]),
     ]
 
 
@@ -277,10 +273,9 @@ def report(results: list[dict], seeds: list[int], work: Path, teacher: dict) -> 
                            f"{teacher['baseline']:.3f} -> {teacher['trained']:.3f}); every student starts from that "
                            "run's warm start (its models/initial, the teacher's tokenizer; opd_own_tokenizer: a warm "
                            "start of its own, of another tokenizer; grpo_rare, opd_rare and opd_topk_mb8_rare: a warm "
-                           "start of their "
-                           "seed's own whose prior phase shows 5% good demonstrations), seed S its data split and "
-                           "sampling, 20 steps, held-out accuracy every 2 "
-                           "steps (64 problems, T=1; the _e256 rows 256). Measured: each student's first step "
+                           "start of their seed's own whose prior phase shows 5% good demonstrations), seed S its data "
+                           "split and sampling, 20 steps, held-out accuracy every 2 steps (64 problems, T=1; the _e256 "
+                           "rows 256). Measured: each student's first step "
                            f"at {FRACTION:.0%} of the teacher's held-out accuracy (256 problems, T=1, same seed). Seeds "
                            + ", ".join(map(str, seeds)) + "."]
     lines += ["", "Steps to 90% of the teacher, OPD against GRPO, per seed (target: OPD <= GRPO / 3; a run that "

@@ -309,7 +309,9 @@ def test_the_judge_report_pairs_each_judge_run_with_its_programmatic_run():
 
 
 def test_the_distillation_report_checks_the_target_for_each_opd_grpo_pair():
-    from benchmarks.distill import report
+    from benchmarks.distill import PAIRS, report, rows
+    names = {r.name for r in rows(Path("/tmp/w"))}
+    assert {n for pair in PAIRS for n in pair} <= names   # a misspelt pair would print no verdict at all
 
     def run(row, seed, reached_at):
         curve = [{"step": s, "heldout_accuracy": 0.95 if s >= reached_at else 0.3, "wall_s": 10.0 * s,
