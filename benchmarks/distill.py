@@ -111,6 +111,13 @@ def rows(work: Path) -> list[Row]:
         # is then not one problem either way (GRPO at params.yaml's setting, opd_topk_mb8)
         Row("grpo_e256", "code_tool", "grpo", sets=e256),
         Row("opd_topk_mb8_e256", "code_tool", "opd", sets=[*e256, *topk, "algorithm.mini_batches=8"]),
+        # the teacher's top 8 alone, no signal on the sampled token (algorithm.options.sampled_weight 0):
+        # a supervised KL on the student's own samples, without the policy gradient's noise; and that
+        # at twice params.yaml's learning rate
+        Row("opd_topk_only_mb8_e256", "code_tool", "opd", sets=[*e256, *topk, "algorithm.mini_batches=8",
+                                                                 "++algorithm.options.sampled_weight=0"]),
+        Row("opd_topk_only_mb8_lr2x_e256", "code_tool", "opd", sets=[
+            *e256, *topk, "algorithm.mini_batches=8", "++algorithm.options.sampled_weight=0", f"train.lr={2 * LR}"]),
         # sixteen optimizer steps a step; and eight with the teacher's top 20 (more of its distribution
         # than its top 8)
         Row("opd_topk_mb16", "code_tool", "opd", sets=[*student, *topk, "algorithm.mini_batches=16"]),

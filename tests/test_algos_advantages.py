@@ -387,7 +387,8 @@ def test_gae_on_an_untrained_critic_is_unit_scale_noise_where_grpo_is_zero():
 
 
 def test_on_policy_distillation_is_the_teachers_log_ratio_on_every_sampled_token_by_hand():
-    """A_t = log pi_T(x_t) - log pi(x_t) on the mask; + w x GRPO with reward_weight."""
+    """A_t = log pi_T(x_t) - log pi(x_t) on the mask; + w x GRPO with reward_weight; x
+    sampled_weight (0: no signal on the sampled token, the reward's alone)."""
     mask = t([[1, 1, 0, 1], [1, 0, 0, 0]])
     student = t([[-1.0, -2.0, 0.0, -0.5], [-3.0, 0.0, 0.0, 0.0]])
     teacher = t([[-0.5, -2.5, -7.0, -0.5], [-1.0, -9.0, 0.0, 0.0]])   # -7, -9: off the mask, ignored
@@ -403,6 +404,10 @@ def test_on_policy_distillation_is_the_teachers_log_ratio_on_every_sampled_token
     grpo = registry.resolve("grpo").advantages(inputs, SimpleNamespace())
     assert grpo[0, 0] > 0 > grpo[1, 0]   # the right answer above its group's mean
     assert torch.allclose(mixed - adv, 0.5 * grpo) and torch.all(mixed[mask == 0] == 0)
+    halved = opd.advantages(inputs, SimpleNamespace(options={"sampled_weight": 0.5}))
+    assert torch.allclose(halved, 0.5 * adv)
+    reward_only = opd.advantages(inputs, SimpleNamespace(options={"sampled_weight": 0.0, "reward_weight": 0.5}))
+    assert torch.allclose(reward_only, 0.5 * grpo * mask)
     without = registry.AdvantageInputs(**{**inputs.__dict__, "teacher_logprobs": None})
     with pytest.raises(ValueError, match="reward.teacher.serve"):
         opd.advantages(without, SimpleNamespace(options={}))

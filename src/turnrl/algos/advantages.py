@@ -279,13 +279,14 @@ def on_policy_distillation(
     rewards: torch.Tensor | None = None,
     group_ids: torch.Tensor | None = None,
     reward_weight: float = 0.0,
+    sampled_weight: float = 1.0,
 ) -> torch.Tensor:
-    """On-policy distillation: A_t = log pi_T(x_t) - log pi(x_t) on every sampled token x_t
-    (the negative per-token reverse KL to the teacher, estimated on the policy's own sample:
-    top-1), plus `reward_weight` x GRPO's group-normalised reward. All [B, T] (rewards, group_ids
-    [B]); 0 off the mask. Not whitened: a token the teacher agrees with more than the policy
-    does is pushed up by exactly that log-ratio."""
-    out = (teacher_logprobs.double() - logprobs.double()) * mask
+    """On-policy distillation: A_t = sampled_weight x (log pi_T(x_t) - log pi(x_t)) on every
+    sampled token x_t (the negative per-token reverse KL to the teacher, estimated on the
+    policy's own sample: top-1), plus `reward_weight` x GRPO's group-normalised reward. All
+    [B, T] (rewards, group_ids [B]); 0 off the mask. Not whitened: a token the teacher agrees
+    with more than the policy does is pushed up by exactly that log-ratio."""
+    out = sampled_weight * (teacher_logprobs.double() - logprobs.double()) * mask
     if reward_weight:
         out = out + reward_weight * grpo(rewards=rewards, mask=mask, group_ids=group_ids).double()
     return out.to(logprobs.dtype)

@@ -85,6 +85,10 @@ def rae(x: AdvantageInputs, cfg) -> torch.Tensor:
 class OpdOptions(BaseModel):
     """`algorithm.options` of opd."""
     model_config = ConfigDict(extra="forbid")
+    sampled_weight: float = Field(1.0, ge=0, description=(
+        "x the teacher's signal on the sampled token (log pi_T - log pi, the per-token reverse KL): the "
+        "advantage. 0 with reward.teacher.top_k: the teacher's top-k distribution alone (a supervised "
+        "forward KL on the policy's own samples, GKD's beta 0), no policy-gradient noise"))
     reward_weight: float = Field(0.0, ge=0, description=(
         "x GRPO's group-normalised reward added to the distillation signal (0: the teacher alone)"))
     top_k_weight: float = Field(1.0, ge=0, description=(
@@ -105,14 +109,16 @@ def opd_top_k(batch: Mapping[str, torch.Tensor], cfg) -> tuple[torch.Tensor, dic
 @register("opd", options=OpdOptions, teacher=True, loss_term=opd_top_k)
 def opd(x: AdvantageInputs, cfg) -> torch.Tensor:
     """On-policy distillation (the policy samples, reward.teacher scores every sampled token):
-    A_t = log pi_T - log pi_engine per token, + reward_weight x GRPO (advantages.on_policy_distillation);
+    A_t = sampled_weight x (log pi_T - log pi_engine) per token, + reward_weight x GRPO
+    (advantages.on_policy_distillation);
     with reward.teacher.top_k, the loss also takes the KL from the teacher's top k (opd_top_k)."""
     if x.teacher_logprobs is None:
         raise ValueError("algorithm.name = opd needs the teacher's logprobs: set reward.teacher.serve (a checkpoint) "
                          "or reward.teacher.base_url (a vLLM server)")
     opts = OpdOptions.model_validate(cfg.options or {})
     return adv.on_policy_distillation(logprobs=x.logprobs, teacher_logprobs=x.teacher_logprobs, mask=x.mask,
-                                      rewards=x.rewards, group_ids=x.group_ids, reward_weight=opts.reward_weight)
+                                      rewards=x.rewards, group_ids=x.group_ids, reward_weight=opts.reward_weight,
+                                      sampled_weight=opts.sampled_weight)
 
 
 @register("ppo", critic=True, options=NoOptions)
