@@ -8,6 +8,7 @@ import torch
 from types import SimpleNamespace
 
 from turnrl.algos import registry
+from turnrl.plugins import PluginError
 from turnrl.algos import (
     before_first_obs,
     context_utilization_bonus,
@@ -450,4 +451,11 @@ def test_opds_loss_term_adds_the_weighted_top_k_kl_only_when_the_teacher_gave_it
     no_top = {k: v for k, v in batch.items() if not k.startswith("teacher_top")}
     term, info = opd.loss_term(no_top, cfg)
     assert float(term) == 0.0 and info == {}
+    silent = SimpleNamespace(options={"sampled_weight": 0.0}, loss_agg="token-mean")   # no top-k, no reward
+    with pytest.raises(ValueError, match="reward.teacher.top_k"):
+        opd.loss_term(no_top, silent)
+    only_top_k, _ = opd.loss_term(batch, silent)   # the top-k KL alone, weight 1
+    assert torch.allclose(only_top_k, per_token[0, 1:].mean()) and only_top_k > 0
+    with pytest.raises(PluginError, match="opd has no signal"):
+        registry.check_options(opd, {"sampled_weight": 0, "top_k_weight": 0}, "algorithm.options")
     assert registry.resolve("grpo").loss_term is None

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Mapping
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from turnrl.algos import advantages as adv
 from turnrl.algos import hierarchy
@@ -95,15 +95,25 @@ class OpdOptions(BaseModel):
         "with reward.teacher.top_k: x the KL from the teacher's top-k distribution to the policy's, added to the "
         "policy loss on every sampled position (losses.top_k_distillation; aggregated like the loss)"))
 
+    @model_validator(mode="after")
+    def _some_signal(self) -> "OpdOptions":
+        if not (self.sampled_weight or self.reward_weight or self.top_k_weight):
+            raise ValueError("sampled_weight, reward_weight and top_k_weight are all 0: opd has no signal")
+        return self
+
 
 def opd_top_k(batch: Mapping[str, torch.Tensor], cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """opd's loss term: top_k_weight x the top-k KL (reward.teacher.top_k; 0 without it),
     aggregated over the loss mask by algorithm.loss_agg; logged as top_k_kl."""
+    opts = OpdOptions.model_validate(cfg.options or {})
     if "teacher_top_ids" not in batch:
+        if not (opts.sampled_weight or opts.reward_weight):
+            raise ValueError("algorithm.options.sampled_weight and reward_weight are 0 without reward.teacher.top_k: "
+                             "opd has no signal; set reward.teacher.top_k (e.g. 8) or a weight above 0")
         return batch["logp"].new_zeros(()), {}
     kl = top_k_distillation(batch["logits"], batch["teacher_top_ids"], batch["teacher_top_logprobs"])
     mean = aggregate(kl, batch["mask"], cfg.loss_agg)
-    return cfg.options["top_k_weight"] * mean, {"top_k_kl": mean.detach()}
+    return opts.top_k_weight * mean, {"top_k_kl": mean.detach()}
 
 
 @register("opd", options=OpdOptions, teacher=True, loss_term=opd_top_k)
