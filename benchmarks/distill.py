@@ -118,6 +118,8 @@ def rows(work: Path) -> list[Row]:
                                                                  "++algorithm.options.sampled_weight=0"]),
         Row("opd_topk_only_mb8_lr2x_e256", "code_tool", "opd", sets=[
             *e256, *topk, "algorithm.mini_batches=8", "++algorithm.options.sampled_weight=0", f"train.lr={2 * LR}"]),
+        Row("opd_topk_only_mb16_e256", "code_tool", "opd", sets=[*e256, *topk, "algorithm.mini_batches=16",
+                                                                  "++algorithm.options.sampled_weight=0"]),
         # sixteen optimizer steps a step; and eight with the teacher's top 20 (more of its distribution
         # than its top 8)
         Row("opd_topk_mb16", "code_tool", "opd", sets=[*student, *topk, "algorithm.mini_batches=16"]),
