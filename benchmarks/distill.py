@@ -30,6 +30,9 @@ sample each at T=1), through `dvc exp run` as a user runs it:
   `opd_top20_mb8`: with eight and the teacher's top 20 (`reward.teacher.top_k=20`);
 - `grpo_e256`, `opd_topk_mb8_e256`: grpo and opd_topk_mb8 with the held-out accuracy during
   training on 256 problems (`train.eval_examples=256`, the teacher's bar's count), not 64;
+- `opd_topk_only_mb8_e256`: opd_topk_mb8_e256 with the teacher's top 8 alone, no signal on the
+  sampled token (`algorithm.options.sampled_weight=0`); `opd_topk_only_mb8_lr2x_e256` that at 2x
+  params.yaml's learning rate, `opd_topk_only_mb16_e256` at sixteen optimizer steps a step;
 - `grpo_rare`, `opd_rare`: a rarer reward, each from a fresh warm start of its seed whose prior
   phase shows 5% good demonstrations (`model.warmstart.good_fraction=0.05`; params.yaml's 0.3), so
   the student seldom calls the tool and few of GRPO's groups hold a success; `opd_topk_mb8_rare`:
@@ -72,6 +75,8 @@ LR = 5e-4   # params.yaml's train.lr
 PAIRS = [("opd", "grpo"), ("opd_lr4x", "grpo"), ("opd_lr4x", "grpo_lr4x"), ("opd_reward", "grpo"),
          ("opd_topk", "grpo"), ("opd_topk_mb4", "grpo"), ("opd_topk_mb4", "grpo_mb4"),
          ("opd_topk_mb8", "grpo"), ("opd_topk_mb8", "grpo_mb8"), ("opd_topk_mb8_e256", "grpo_e256"),
+         ("opd_topk_only_mb8_e256", "grpo_e256"), ("opd_topk_only_mb8_lr2x_e256", "grpo_e256"),
+         ("opd_topk_only_mb16_e256", "grpo_e256"),
          ("opd_topk_mb16", "grpo"), ("opd_top20_mb8", "grpo"), ("opd_topk_w4_mb4", "grpo"),
          ("opd_rare", "grpo_rare"), ("opd_topk_mb8_rare", "grpo_rare")]
 RARE = "model.warmstart.good_fraction=0.05"   # the rarer-reward rows' warm start (params.yaml: 0.3)
