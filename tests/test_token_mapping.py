@@ -30,15 +30,15 @@ def tokenizers():
             build_tokenizer(FAMILIES["llama"], 400))
 
 
-def _conversation(tokenizer) -> tuple[list[int], list[int]]:
+def _conversation(tokenizer, messages=MESSAGES) -> tuple[list[int], list[int]]:
     """The rendered conversation's ids and 1 on the assistant's turns' tokens (what the policy sampled)."""
     ids, sampled = [], []
-    for k in range(len(MESSAGES)):
-        upto = tokenizer.apply_chat_template(MESSAGES[:k + 1], tokenize=False)
+    for k in range(len(messages)):
+        upto = tokenizer.apply_chat_template(messages[:k + 1], tokenize=False)
         done = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         new = tokenizer(upto[len(done):], add_special_tokens=False)["input_ids"]
         ids += new
-        sampled += [int(MESSAGES[k]["role"] == "assistant")] * len(new)
+        sampled += [int(messages[k]["role"] == "assistant")] * len(new)
     return ids, sampled
 
 
@@ -101,6 +101,57 @@ def test_bytes_that_are_no_utf8_carry_no_signal_and_are_counted(tokenizers):
     for mine, theirs in plan.chunks:
         if not theirs:
             assert all(mapped[i] == student[i] for i in mine)   # no signal: the policy's own logprob
+
+
+def _sentencepiece(style: str):
+    """A BPE teacher tokenizer of SentencePiece's legacy kind, which puts "▁" (a space) before every
+    text it encodes: "metaspace" (a Metaspace pre-tokenizer, prepend_scheme first) or "prepend"
+    (Llama 2's tokenizer.json: a Prepend("▁") normaliser, no pre-tokenizer)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    if style == "metaspace":
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+        tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    else:
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    alphabet = [chr(c) for c in range(33, 127)] + ["▁", "\n"]
+    corpus = [m["content"] for m in ASCII_MESSAGES] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"], initial_alphabet=alphabet))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+ASCII_MESSAGES = [
+    {"role": "system", "content": "You are careful."},
+    {"role": "user", "content": "Ada has 3 apples and buys 4. How many?"},
+    {"role": "assistant", "content": "<code>print(3 + 4)</code>"},
+    {"role": "tool", "content": "<output>7</output>"},
+    {"role": "assistant", "content": "Ada has 7 apples. <answer>7</answer>"},
+]
+
+
+@pytest.mark.parametrize("style", ["metaspace", "prepend"])
+def test_a_sentencepiece_teacher_reads_each_turn_without_the_space_it_puts_before_a_text(tokenizers, style):
+    """SentencePiece's legacy prefix: the teacher encodes "<code>" as "▁<code>"; each piece after
+    the first is encoded without it, so the teacher reads the policy's text, not a space before
+    every turn and observation."""
+    policy, teacher = tokenizers[0], _sentencepiece(style)
+    assert teacher.convert_ids_to_tokens(teacher("<code>", add_special_tokens=False)["input_ids"])[0].startswith("▁")
+    ids, sampled = _conversation(policy, ASCII_MESSAGES)
+    pieces = token_texts(policy, ids)
+    mapping = TextMapping(policy, teacher)
+    anchor = teacher.convert_tokens_to_ids("a")   # decoded first, so no decoder strips the text's own leading space
+
+    def read(teacher_ids: list[int]) -> str:
+        return teacher.decode([anchor, *teacher_ids])[1:]
+
+    plan = mapping.plan(ids, sampled)
+    assert read(plan.teacher_ids) == " " + "".join(pieces)   # the first piece's space: as the whole text encoded
+    for chunk, theirs in plan.chunks:
+        assert read([plan.teacher_ids[j] for j in theirs]) == "".join(pieces[i] for i in chunk)
+    mapping.teacher_continuing = None   # each piece encoded alone, as before: a space before every one
+    assert read(mapping.plan(ids, sampled).teacher_ids).count(" ") > read(plan.teacher_ids).count(" ")
 
 
 def test_the_same_tokenizer_maps_each_token_to_itself(tokenizers):

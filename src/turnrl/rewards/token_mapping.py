@@ -21,13 +21,16 @@ How (documented in docs/post-training.md, "A teacher of another tokenizer"):
    trains on, `t_i - s_i`, sums over the chunk to the chunk's exact log-ratio.
 
 Bytes the policy sampled that are no UTF-8 decode to U+FFFD: their chunk carries no signal (its
-tokens get their own logprob), counted (Plan.counts). What it cannot fix: the teacher reads the
-policy's chat rendering (its special tokens as text the teacher's tokenizer may not know), so a
-teacher of the same chat format fits best. Needs a fast (Rust) teacher tokenizer, for its
-character offsets.
+tokens get their own logprob), counted (Plan.counts). A teacher tokenizer that puts a space before
+every text it encodes (SentencePiece's legacy prefix, "▁": Llama 2, Mistral) encodes every piece
+after the first without it (`continuing`), so a turn does not read as starting with a space. What
+it cannot fix: the teacher reads the policy's chat rendering (its special tokens as text the
+teacher's tokenizer may not know), so a teacher of the same chat format fits best. Needs a fast
+(Rust) teacher tokenizer, for its character offsets.
 """
 from __future__ import annotations
 
+import json
 from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -59,6 +62,36 @@ def token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
     return pieces
 
 
+def continuing(tokenizer: Any) -> Any:
+    """The backend (a `tokenizers.Tokenizer`) of a fast `tokenizer` for a text that continues
+    another: without SentencePiece's legacy prefix (a Prepend("▁") normaliser, a Metaspace
+    pre-tokenizer that prepends), which would put a space before it. None where the tokenizer
+    has neither (byte-level BPE: a piece is encoded as it is)."""
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    found = []
+
+    def strip(component: dict | None, kind: str) -> dict | None:
+        if component is None:
+            return None
+        if component.get("type") == "Sequence":
+            component[kind] = [c for c in (strip(c, kind) for c in component[kind]) if c is not None]
+        elif component.get("type") == "Prepend":
+            found.append(component)
+            return None
+        elif component.get("type") == "Metaspace" and component.get("prepend_scheme", "always") != "never" \
+                and component.get("add_prefix_space", True):
+            found.append(component)
+            component.update({"prepend_scheme": "never"} if "prepend_scheme" in component else {"add_prefix_space": False})
+        return component
+
+    state["normalizer"] = strip(state.get("normalizer"), "normalizers")
+    state["pre_tokenizer"] = strip(state.get("pre_tokenizer"), "pretokenizers")
+    if not found:
+        return None
+    from tokenizers import Tokenizer
+    return Tokenizer.from_str(json.dumps(state))
+
+
 @dataclass
 class Plan:
     """One sequence mapped: the teacher's ids for its text, and per sampled turn the chunks."""
@@ -81,6 +114,16 @@ class TextMapping:
             raise ValueError("reward.teacher.tokenizer: a fast (Rust) tokenizer is needed for its character "
                              "offsets; this one is a slow (Python) tokenizer")
         self.student, self.teacher = student_tokenizer, teacher_tokenizer
+        self.teacher_continuing = continuing(teacher_tokenizer)   # pieces after the first (module doc)
+
+    def _encode(self, text: str, first: bool) -> tuple[list[int], list[tuple[int, int]]]:
+        """The teacher's ids of `text` and each one's (start, end) characters; `first`: the
+        sequence's first piece (encoded as the teacher encodes a whole text)."""
+        if first or self.teacher_continuing is None:
+            enc = self.teacher(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+            return enc["input_ids"], enc["offset_mapping"]
+        enc = self.teacher_continuing.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
 
     def plan(self, ids: Sequence[int], sampled: Sequence[int]) -> Plan:
         """`ids`: the policy's whole sequence [n]; `sampled`: 1 where the policy sampled the token
@@ -94,14 +137,14 @@ class TextMapping:
             while end < len(ids) and bool(sampled[end]) == bool(sampled[k]):
                 end += 1
             text = "".join(texts[k:end])
-            enc = self.teacher(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+            ids_k, offsets = self._encode(text, first=k == 0)
             if sampled[k]:
-                for mine, theirs in _chunks(texts[k:end], enc["offset_mapping"], len(text), k, len(teacher_ids)):
+                for mine, theirs in _chunks(texts[k:end], offsets, len(text), k, len(teacher_ids)):
                     # a byte sequence that is no UTF-8 decodes to U+FFFD, which the teacher would read
                     # as another text: no signal there
                     unreadable = "\ufffd" in "".join(texts[i] for i in mine)
                     chunks.append((mine, [] if unreadable else theirs))
-            teacher_ids += enc["input_ids"]
+            teacher_ids += ids_k
             k = end
         return Plan(teacher_ids, chunks)
 
