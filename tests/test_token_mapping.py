@@ -60,11 +60,23 @@ def test_every_chunk_is_the_same_text_in_both_tokenizations_and_holds_each_sampl
     mine = [i for chunk, _ in plan.chunks for i in chunk]
     assert sorted(mine) == [i for i, s in enumerate(sampled) if s]   # every sampled token, once; nothing else
     assert len(plan.chunks) > 10 and any(len(c[0]) != len(c[1]) for c in plan.chunks)   # the vocabularies differ
+    ends = [i for i in mine if ids[i] == policy.eos_token_id]   # the end of each assistant turn, <|im_end|>
+    assert len(ends) == 2
     for chunk, theirs in plan.chunks:
         text = "".join(pieces[i] for i in chunk)
-        assert other.decode([plan.teacher_ids[j] for j in theirs], skip_special_tokens=False) == text
-    # the teacher reads the same text: the whole conversation, in its own tokens
-    assert other.decode(plan.teacher_ids, skip_special_tokens=False) == "".join(pieces)
+        read = other.decode([plan.teacher_ids[j] for j in theirs], skip_special_tokens=False)
+        if teacher == 2 and chunk[0] in ends:   # the policy's end of turn: the teacher's own
+            assert [plan.teacher_ids[j] for j in theirs] == [other.eos_token_id] and read == "<|eot_id|>"
+        elif teacher == 2 and ids[chunk[0]] == policy.convert_tokens_to_ids("<|im_start|>"):
+            assert theirs == []   # a special token llama's vocabulary lacks: no signal
+        else:
+            assert read == text
+    # the teacher reads the same text: the whole conversation, in its own tokens (llama's: its own
+    # end of turn for the policy's)
+    whole = "".join("<|eot_id|>" if teacher == 2 and i in ends else piece for i, piece in enumerate(pieces))
+    assert other.decode(plan.teacher_ids, skip_special_tokens=False) == whole
+    counts = plan.counts()
+    assert counts["unreadable"] == (2 if teacher == 2 else 0)   # the two sampled <|im_start|> llama lacks
 
 
 def test_a_chunks_teacher_logprobs_come_back_as_its_exact_log_ratio_shared_equally(tokenizers):
@@ -149,7 +161,9 @@ def test_a_sentencepiece_teacher_reads_each_turn_without_the_space_it_puts_befor
     plan = mapping.plan(ids, sampled)
     assert read(plan.teacher_ids) == " " + "".join(pieces)   # the first piece's space: as the whole text encoded
     for chunk, theirs in plan.chunks:
-        assert read([plan.teacher_ids[j] for j in theirs]) == "".join(pieces[i] for i in chunk)
+        if theirs:   # (none for the policy's special tokens this teacher lacks: <|im_start|>, <|im_end|>)
+            assert read([plan.teacher_ids[j] for j in theirs]) == "".join(pieces[i] for i in chunk)
+    assert sum(1 for _, theirs in plan.chunks if theirs) > 10
     mapping.teacher_continuing = None   # each piece encoded alone, as before: a space before every one
     assert read(mapping.plan(ids, sampled).teacher_ids).count(" ") > read(plan.teacher_ids).count(" ")
 

@@ -107,7 +107,8 @@ class Teacher:
 def teacher_metrics(trajs: Sequence[Any]) -> dict[str, float]:
     """A teacher of another tokenizer (reward.teacher.tokenizer), over a batch's sampled tokens:
     `teacher_exact_frac` (their chunk is one token each side: the teacher's own logprob) and
-    `teacher_unreadable_frac` (their text is no UTF-8: no signal). Empty when nothing was mapped."""
+    `teacher_unreadable_frac` (a special token the teacher has no counterpart of, or bytes that
+    are no UTF-8: no signal). Empty when nothing was mapped."""
     counts = [t.info[MAPPING_INFO] for t in trajs if MAPPING_INFO in (t.info or {})]
     tokens = sum(c["tokens"] for c in counts)
     if not tokens:

@@ -20,8 +20,11 @@ How (documented in docs/post-training.md, "A teacher of another tokenizer"):
    difference: `t_i = s_i + (T_chunk - S_chunk) / n_chunk`. So the per-token reverse KL that opd
    trains on, `t_i - s_i`, sums over the chunk to the chunk's exact log-ratio.
 
-Bytes the policy sampled that are no UTF-8 decode to U+FFFD: their chunk carries no signal (its
-tokens get their own logprob), counted (Plan.counts). A teacher tokenizer that puts a space before
+A special token the policy sampled is a chunk of its own: the same special token of the teacher's
+vocabulary, or, for the policy's eos (its end of turn), the teacher's eos, so the teacher scores
+ending the turn there; any other gets no signal. Bytes the policy sampled that are no UTF-8
+decode to U+FFFD: their chunk carries no signal either (its tokens get their own logprob); both
+counted (Plan.counts). A teacher tokenizer that puts a space before
 every text it encodes (SentencePiece's legacy prefix, "▁": Llama 2, Mistral) encodes every piece
 after the first without it (`continuing`), so a turn does not read as starting with a space. What
 it cannot fix: the teacher reads the policy's chat rendering (its special tokens as text the
@@ -115,6 +118,9 @@ class TextMapping:
                              "offsets; this one is a slow (Python) tokenizer")
         self.student, self.teacher = student_tokenizer, teacher_tokenizer
         self.teacher_continuing = continuing(teacher_tokenizer)   # pieces after the first (module doc)
+        self.student_specials, self.teacher_specials = (
+            set(tok.all_special_ids) | {i for i, t in getattr(tok, "added_tokens_decoder", {}).items() if t.special}
+            for tok in (student_tokenizer, teacher_tokenizer))
 
     def _encode(self, text: str, first: bool) -> tuple[list[int], list[tuple[int, int]]]:
         """The teacher's ids of `text` and each one's (start, end) characters; `first`: the
@@ -133,8 +139,13 @@ class TextMapping:
         chunks: list[tuple[list[int], list[int]]] = []
         k = 0
         while k < len(ids):   # runs of equal `sampled`: a turn, or the text between turns
+            if sampled[k] and ids[k] in self.student_specials:   # a special token sampled: a run of its own
+                teacher_ids += self._special(ids[k], texts[k], k, len(teacher_ids), chunks)
+                k += 1
+                continue
             end = k
-            while end < len(ids) and bool(sampled[end]) == bool(sampled[k]):
+            while end < len(ids) and bool(sampled[end]) == bool(sampled[k]) and not (
+                    sampled[end] and ids[end] in self.student_specials):
                 end += 1
             text = "".join(texts[k:end])
             ids_k, offsets = self._encode(text, first=k == 0)
@@ -147,6 +158,23 @@ class TextMapping:
             teacher_ids += ids_k
             k = end
         return Plan(teacher_ids, chunks)
+
+    def _special(self, token: int, text: str, position: int, teacher_position: int,
+                 chunks: list[tuple[list[int], list[int]]]) -> list[int]:
+        """A special token the policy sampled (its end of turn, say) at `position`: the teacher's
+        ids for it, its chunk appended to `chunks`. The same special token in the teacher's
+        vocabulary: that one. The policy's eos (its end of turn): the teacher's eos, so the teacher
+        says how likely it was to end the turn there. Else: its text, for the teacher to read, and
+        no signal (the teacher has no such token to score)."""
+        ids, _ = self._encode(text, first=position == 0)
+        if len(ids) == 1 and ids[0] in self.teacher_specials:
+            chunks.append(([position], [teacher_position]))
+            return ids
+        if token == self.student.eos_token_id and self.teacher.eos_token_id is not None:
+            chunks.append(([position], [teacher_position]))
+            return [self.teacher.eos_token_id]
+        chunks.append(([position], []))
+        return ids
 
     @staticmethod
     def to_student(plan: Plan, teacher_logprobs: Sequence[float], student_logprobs: Sequence[float]
