@@ -134,13 +134,8 @@ def _sentencepiece(style: str):
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
 
 
-ASCII_MESSAGES = [
-    {"role": "system", "content": "You are careful."},
-    {"role": "user", "content": "Ada has 3 apples and buys 4. How many?"},
-    {"role": "assistant", "content": "<code>print(3 + 4)</code>"},
-    {"role": "tool", "content": "<output>7</output>"},
-    {"role": "assistant", "content": "Ada has 7 apples. <answer>7</answer>"},
-]
+# the conversation without its characters beyond ASCII (the SentencePiece teachers here have no bytes)
+ASCII_MESSAGES = [{**m, "content": m["content"].encode("ascii", "ignore").decode()} for m in MESSAGES]
 
 
 @pytest.mark.parametrize("style", ["metaspace", "prepend"])
