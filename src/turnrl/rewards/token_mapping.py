@@ -24,12 +24,12 @@ A special token the policy sampled is a chunk of its own: the same special token
 vocabulary, or, for the policy's eos (its end of turn), the teacher's eos, so the teacher scores
 ending the turn there; any other gets no signal. Bytes the policy sampled that are no UTF-8
 decode to U+FFFD: their chunk carries no signal either (its tokens get their own logprob); both
-counted (Plan.counts). A teacher tokenizer that puts a space before
-every text it encodes (SentencePiece's legacy prefix, "▁": Llama 2, Mistral) encodes every piece
-after the first without it (`continuing`), so a turn does not read as starting with a space. What
-it cannot fix: the teacher reads the policy's chat rendering (its special tokens as text the
-teacher's tokenizer may not know), so a teacher of the same chat format fits best. Needs a fast
-(Rust) teacher tokenizer, for its character offsets.
+counted (Plan.counts). A teacher tokenizer that puts a space before every text it encodes
+(SentencePiece's legacy prefix, "▁": Llama 2, Mistral) encodes every piece after the first
+without it (`continuing`), so a turn does not read as starting with a space. What it cannot fix:
+the teacher reads the policy's chat rendering as context (the special tokens of the turns it did
+not sample as text the teacher's tokenizer may not know), so a teacher of the same chat format
+fits best. Needs a fast (Rust) teacher tokenizer, for its character offsets.
 """
 from __future__ import annotations
 
