@@ -152,3 +152,24 @@ def test_opd_learns_from_a_teacher_turnrl_serves_beside_a_served_judge(tiny_mode
         assert 0.0 <= h["reward_served_mean"] <= 1.0
     left = subprocess.run(["pgrep", "-f", f"api_server --model {tiny_model_dir}"], capture_output=True, text=True)
     assert not left.stdout.strip(), "a served model outlived the run"
+
+
+@pytest.mark.slow
+def test_opd_from_a_teacher_of_another_chat_format_reads_it_in_its_own_template(tiny_model_dir, tmp_path):
+    """reward.teacher.chat_template = teacher, end to end: a Llama-format miniature (its own
+    tokenizer and chat template, untrained) served by vLLM scores the tiny policy's turns inside
+    its own rendering of each conversation, mapped back through the text; no trajectory fails."""
+    from conftest import train_two_steps
+
+    from turnrl.models import miniatures
+    teacher = miniatures.build("llama", tmp_path / "teacher", warmstart_steps=0)
+    history = train_two_steps(tiny_model_dir, tmp_path, {"name": "code_tool"}, {"name": "opd"}, reward={
+        "teacher": {"serve": str(teacher), "tokenizer": str(teacher), "chat_template": "teacher",
+                    "max_model_len": 1024}})
+    assert len(history) == 2
+    for h in history:
+        assert h.get("finish_env_error_frac", 0.0) == 0.0
+        # the untrained policy samples any token, its special ones too (no signal: Llama's vocabulary
+        # has none of them), and bytes that are no UTF-8; the rest map, a third one to one
+        assert 0.0 < h["teacher_exact_frac"] and h["teacher_exact_frac"] + h["teacher_unreadable_frac"] <= 1.0
+        assert h["advantage_abs_mean"] > 0.1   # another model: log pi_T - log pi is far from 0

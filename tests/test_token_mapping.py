@@ -163,6 +163,84 @@ def test_a_sentencepiece_teacher_reads_each_turn_without_the_space_it_puts_befor
     assert read(mapping.plan(ids, sampled).teacher_ids).count(" ") > read(plan.teacher_ids).count(" ")
 
 
+def _rolled_out(tokenizer, messages=MESSAGES) -> tuple[list[int], list[int]]:
+    """The conversation as a rollout holds it: each assistant turn's header in the context (not
+    sampled), its content and the eos that ended it sampled."""
+    ids, sampled = [], []
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        context = tokenizer.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True)
+        done = tokenizer.decode(ids, skip_special_tokens=False)
+        new = tokenizer(context[len(done):], add_special_tokens=False)["input_ids"]
+        turn = tokenizer(message["content"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids, sampled = ids + new + turn, sampled + [0] * len(new) + [1] * len(turn)
+    return ids, sampled
+
+
+def test_the_teachers_chat_template_renders_the_conversation_around_the_policys_turns(tokenizers):
+    """chat_template: teacher: a llama-format teacher reads its own rendering of the conversation
+    (its headers, its system preamble, its tool role), each assistant turn the policy's sampled
+    text, and the policy's eos (<|im_end|>) maps to the token its template ends a turn with."""
+    policy, llama = tokenizers[0], tokenizers[2]
+    ids, sampled = _rolled_out(policy)
+    plan = TextMapping(policy, llama).plan_rendered(ids, sampled, MESSAGES)
+    assert llama.decode(plan.teacher_ids, skip_special_tokens=False) == llama.apply_chat_template(MESSAGES, tokenize=False)
+    assert sorted(i for chunk, _ in plan.chunks for i in chunk) == [i for i, s in enumerate(sampled) if s]
+    pieces, ends = token_texts(policy, ids), 0
+    for chunk, theirs in plan.chunks:
+        read = llama.decode([plan.teacher_ids[j] for j in theirs], skip_special_tokens=False)
+        if ids[chunk[0]] == policy.eos_token_id:
+            assert read == "<|eot_id|>"
+            ends += 1
+        else:
+            assert read == "".join(pieces[i] for i in chunk)
+    assert ends == 2 and plan.counts()["unreadable"] == 0
+    # the policy's text in the turn, not the message's: the teacher scores what was sampled
+    edited = [dict(m) for m in MESSAGES]
+    edited[2]["content"] = "something else"
+    assert TextMapping(policy, llama).plan_rendered(ids, sampled, edited).teacher_ids == plan.teacher_ids
+    with pytest.raises(ValueError, match="2 sampled turns against 1 assistant messages"):
+        TextMapping(policy, llama).plan_rendered(ids, sampled, MESSAGES[:3])
+
+
+def test_annotate_with_the_teachers_chat_template_and_without_messages(tokenizers, tmp_path):
+    """Teacher.annotate sends the teacher's rendering (chat_template: teacher); an agent program's
+    sample has no messages: its trajectory ends env_error, saying why. A teacher tokenizer with no
+    chat template is refused before any work."""
+    policy, llama = tokenizers[0], tokenizers[2]
+    llama.save_pretrained(tmp_path / "teacher_tokenizer")
+    ids, sampled = _rolled_out(policy)
+    start = sampled.index(1)
+    t = Trajectory(example={"id": "row-0"}, prompt_ids=ids[:start], messages=MESSAGES)
+    t.response_ids, t.loss_mask = ids[start:], sampled[start:]
+    t.engine_logprobs = [-0.5 if s else 0.0 for s in sampled[start:]]
+    agent = Trajectory(example={"id": "row-1"}, prompt_ids=ids[:start])
+    agent.samples = [Trajectory(example={"id": "row-1"}, prompt_ids=ids[:start], response_ids=ids[start:],
+                                loss_mask=sampled[start:], engine_logprobs=list(t.engine_logprobs))]
+    cfg = TeacherCfg(base_url="", tokenizer=str(tmp_path / "teacher_tokenizer"), chat_template="teacher")
+    server = TeacherServer()   # log p(token) = -token / 100, of the ids it is sent
+    try:
+        Teacher(cfg.model_copy(update={"base_url": server.url}), policy).annotate([t, agent])
+    finally:
+        server.close()
+    plan = TextMapping(policy, llama).plan_rendered(ids, sampled, MESSAGES)
+    expected = TextMapping.to_student(plan, [0.0] + [-tok / 100 for tok in plan.teacher_ids[1:]],
+                                      [0.0] * start + t.engine_logprobs)
+    assert t.finish != "env_error"
+    assert t.teacher_logprobs == pytest.approx([expected.get(start + i, 0.0) for i in range(len(t.response_ids))])
+    assert agent.finish == "env_error" and "chat_template = teacher needs the conversation's messages" in str(agent.info)
+    assert check_tokenizer(cfg, str(tmp_path)) is None
+    from transformers import AutoTokenizer
+    bare = AutoTokenizer.from_pretrained(tmp_path / "teacher_tokenizer")   # (the fixture's own stays as it is)
+    bare.chat_template = None
+    bare.save_pretrained(tmp_path / "no_template")
+    refused = check_tokenizer(cfg.model_copy(update={"tokenizer": str(tmp_path / "no_template")}), str(tmp_path))
+    assert refused.startswith("reward.teacher.chat_template = teacher: the tokenizer")
+    with pytest.raises(ValueError, match="chat_template = teacher renders the conversation"):
+        TeacherCfg(base_url="http://t/v1", chat_template="teacher")
+
+
 def test_the_same_tokenizer_maps_each_token_to_itself(tokenizers):
     policy = tokenizers[0]
     ids, sampled = _conversation(policy)

@@ -409,6 +409,12 @@ class TeacherCfg(_Section):
         "tokens reach the teacher through their text, and its logprobs come back per piece of text both "
         "tokenizations share (turnrl.rewards.token_mapping, docs/post-training.md); empty: the teacher must share "
         "the policy's tokenizer"))
+    chat_template: Literal["policy", "teacher"] = Field("policy", description=(
+        "with tokenizer: the conversation the teacher reads. policy: the policy's own rendering, as text (its "
+        "markup as characters where the teacher's tokenizer lacks it); teacher: the trajectory's messages "
+        "rendered by the teacher's chat template, the policy's sampled turns in place of the assistant's, so a "
+        "teacher of another chat format reads its own (an agent program's samples have no messages: refused per "
+        "trajectory)"))
     top_k: int = Field(0, ge=0, le=20, description=(
         "also read the teacher's k most likely tokens at each position the policy sampled (vLLM's prompt_logprobs "
         "k; a vLLM server gives up to 20 unless started with more --max-logprobs): opd then adds the KL from the "
@@ -428,6 +434,10 @@ class TeacherCfg(_Section):
         if self.serve and self.base_url:
             raise ValueError("give the teacher either base_url (a server already running) or serve (a checkpoint "
                              "turnrl serves), not both")
+        if self.chat_template == "teacher" and not self.tokenizer:
+            raise ValueError("chat_template = teacher renders the conversation with the teacher's own chat template, "
+                             "which needs the teacher's tokenizer: set tokenizer (its folder or hub id), or "
+                             "chat_template to policy")
         if self.top_k and self.tokenizer:
             raise ValueError(f"top_k = {self.top_k} with tokenizer = {self.tokenizer!r}: the teacher's top tokens are "
                              "ids of its own vocabulary, which the policy does not share; set top_k to 0 (the sampled "

@@ -79,9 +79,15 @@ class Teacher:
         """The row's mapping to the teacher's tokens (None: the ids go as they are), or why it has none."""
         if self.mapping is None:
             return None
+        ids, sampled = row.prompt_ids + row.response_ids, [0] * len(row.prompt_ids) + list(row.loss_mask)
         try:
-            return self.mapping.plan(row.prompt_ids + row.response_ids, [0] * len(row.prompt_ids) + list(row.loss_mask))
-        except ValueError as exc:
+            if self.cfg.chat_template == "teacher":
+                if not row.messages:
+                    return ("reward.teacher.chat_template = teacher needs the conversation's messages, which an agent "
+                            "program's samples do not keep; set it to policy")
+                return self.mapping.plan_rendered(ids, sampled, row.messages, row.tools)
+            return self.mapping.plan(ids, sampled)
+        except Exception as exc:   # noqa: BLE001 - a template's own error too: this trajectory's, said
             return f"its tokens could not be mapped to the teacher's ({exc})"
 
     def _ask_all(self, sequences: list[list[int]]) -> list[tuple[tuple | None, str]]:
@@ -165,7 +171,8 @@ def top_logprobs(body: dict, k: int) -> list[tuple[list[int], list[float]]]:
 def check_tokenizer(cfg: Any, student_dir: str) -> str | None:
     """Before any work: why the `reward.teacher` params (TeacherCfg) cannot score the policy of
     `student_dir`'s tokens, or None. A served checkpoint of another tokenizer needs `tokenizer`;
-    a `tokenizer` given must load, and be fast (token_mapping reads its offsets)."""
+    a `tokenizer` given must load, and be fast (token_mapping reads its offsets), and with
+    `chat_template: teacher` have a chat template that renders a conversation."""
     if cfg.tokenizer:
         from transformers import AutoTokenizer
         try:
@@ -175,6 +182,12 @@ def check_tokenizer(cfg: Any, student_dir: str) -> str | None:
         if not teacher.is_fast:
             return (f"reward.teacher.tokenizer = {cfg.tokenizer}: a slow (Python) tokenizer; the mapping reads a fast "
                     "(Rust) one's character offsets")
+        if cfg.chat_template == "teacher":
+            try:
+                teacher.apply_chat_template(PROBE, tokenize=False)
+            except Exception as exc:   # noqa: BLE001 - no template, or a template's own error
+                return (f"reward.teacher.chat_template = teacher: the tokenizer {cfg.tokenizer} cannot render a user "
+                        f"and an assistant message with its chat template ({exc}); set chat_template to policy")
         return None
     if cfg.serve and Path(cfg.serve).is_dir():
         return tokenizer_mismatch(cfg.serve, student_dir)

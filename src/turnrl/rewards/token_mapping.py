@@ -26,10 +26,11 @@ ending the turn there; any other gets no signal. Bytes the policy sampled that a
 decode to U+FFFD: their chunk carries no signal either (its tokens get their own logprob); both
 counted (Plan.counts). A teacher tokenizer that puts a space before every text it encodes
 (SentencePiece's legacy prefix, "▁": Llama 2, Mistral) encodes every piece after the first
-without it (`continuing`), so a turn does not read as starting with a space. What it cannot fix:
-the teacher reads the policy's chat rendering as context (the special tokens of the turns it did
-not sample as text the teacher's tokenizer may not know), so a teacher of the same chat format
-fits best. Needs a fast (Rust) teacher tokenizer, for its character offsets.
+without it (`continuing`), so a turn does not read as starting with a space. `plan` reads the
+policy's chat rendering as the context (its markup as text the teacher's tokenizer may not know:
+fine for a teacher of the same chat format); `plan_rendered` (reward.teacher.chat_template:
+teacher) renders the conversation's messages with the teacher's own template instead, the
+policy's sampled turns in it. Needs a fast (Rust) teacher tokenizer, for its character offsets.
 """
 from __future__ import annotations
 
@@ -150,14 +151,58 @@ class TextMapping:
             text = "".join(texts[k:end])
             ids_k, offsets = self._encode(text, first=k == 0)
             if sampled[k]:
-                for mine, theirs in _chunks(texts[k:end], offsets, len(text), k, len(teacher_ids)):
-                    # a byte sequence that is no UTF-8 decodes to U+FFFD, which the teacher would read
-                    # as another text: no signal there
-                    unreadable = "\ufffd" in "".join(texts[i] for i in mine)
-                    chunks.append((mine, [] if unreadable else theirs))
+                chunks += _readable(_chunks(texts[k:end], offsets, len(text), range(k, end), len(teacher_ids)), texts)
             teacher_ids += ids_k
             k = end
         return Plan(teacher_ids, chunks)
+
+    def plan_rendered(self, ids: Sequence[int], sampled: Sequence[int], messages: Sequence[dict],
+                      tools: Sequence[dict] = ()) -> Plan:
+        """`plan` for the teacher's own chat template (reward.teacher.chat_template: teacher): the
+        conversation's `messages` rendered by it, each assistant message's content replaced by
+        the text the policy sampled in that turn (its sampled tokens but special ones), so the
+        teacher scores exactly those. A sampled eos (the policy's end of turn) maps to the special
+        token the teacher's template puts right after the turn, if one; other sampled special
+        tokens get no signal. ValueError where the turns and the messages do not pair up or the
+        template does not keep a turn whole."""
+        texts = token_texts(self.student, ids)
+        turns: list[list[int]] = []   # the sampled positions of each turn (a run of sampled tokens)
+        for i, s in enumerate(sampled):
+            if s:
+                if not turns or not sampled[i - 1]:
+                    turns.append([])
+                turns[-1].append(i)
+        assistant = [k for k, m in enumerate(messages) if m.get("role") == "assistant"]
+        if len(assistant) != len(turns):
+            raise ValueError(f"{len(turns)} sampled turns against {len(assistant)} assistant messages")
+        marks = [f"TURNRLTURN{r}X" for r in range(len(turns))]   # no space, no markup: kept as they are
+        shown = [dict(m) for m in messages]
+        for k, mark in zip(assistant, marks):
+            shown[k]["content"] = mark
+        rendered = self.teacher.apply_chat_template(shown, tools=list(tools) or None, tokenize=False)
+        teacher_ids: list[int] = []
+        chunks: list[tuple[list[int], list[int]]] = []
+        at = 0
+        for r, (positions, mark) in enumerate(zip(turns, marks)):
+            start = rendered.find(mark, at)
+            if start < 0 or rendered.count(mark) != 1:
+                raise ValueError(f"the teacher's chat template does not render assistant turn {r} as one piece")
+            body = [i for i in positions if ids[i] not in self.student_specials]
+            text = "".join(texts[i] for i in body)
+            context, _ = self._encode(rendered[at:start], first=at == 0)
+            teacher_ids += context
+            if text:
+                ids_r, offsets = self._encode(text, first=not teacher_ids)
+                chunks += _readable(_chunks([texts[i] for i in body], offsets, len(text), body, len(teacher_ids)),
+                                    texts)
+                teacher_ids += ids_r
+            at = start + len(mark)
+            for i in (i for i in positions if ids[i] in self.student_specials):
+                after = self._encode(rendered[at:at + 64], first=False)[0][:1]   # what the template puts next
+                ends = ids[i] == self.student.eos_token_id and after and after[0] in self.teacher_specials
+                chunks.append(([i], [len(teacher_ids)] if ends else []))
+        teacher_ids += self._encode(rendered[at:], first=at == 0)[0]
+        return Plan(teacher_ids, sorted(chunks))
 
     def _special(self, token: int, text: str, position: int, teacher_position: int,
                  chunks: list[tuple[list[int], list[int]]]) -> list[int]:
@@ -193,12 +238,19 @@ class TextMapping:
         return out
 
 
-def _chunks(pieces: Sequence[str], teacher_spans: Sequence[tuple[int, int]], length: int, first: int,
+def _readable(chunks: list[tuple[list[int], list[int]]], texts: Sequence[str]) -> list[tuple[list[int], list[int]]]:
+    """`chunks` with no teacher positions where the policy's text is bytes that are no UTF-8: they
+    decode to U+FFFD, which the teacher would read as another text (no signal there)."""
+    return [(mine, [] if "\ufffd" in "".join(texts[i] for i in mine) else theirs) for mine, theirs in chunks]
+
+
+def _chunks(pieces: Sequence[str], teacher_spans: Sequence[tuple[int, int]], length: int, positions: Sequence[int],
             teacher_first: int) -> list[tuple[list[int], list[int]]]:
     """A turn's chunks: cut where a policy token and a teacher token end at the same character.
-    `pieces`: the policy tokens' texts; `teacher_spans`: each teacher token's (start, end)
-    characters; `first`, `teacher_first`: the turn's first position in each sequence. A token of
-    no width (a byte of a character another token completes) joins the chunk of what follows it."""
+    `pieces`: the policy tokens' texts, at `positions` in its sequence; `teacher_spans`: each
+    teacher token's (start, end) characters; `teacher_first`: the turn's first position in the
+    teacher's. A token of no width (a byte of a character another token completes) joins the
+    chunk of what follows it."""
     mine, at = [], 0
     for piece in pieces:
         mine.append((at, at + len(piece)))
@@ -215,8 +267,8 @@ def _chunks(pieces: Sequence[str], teacher_spans: Sequence[tuple[int, int]], len
         return min(bisect_right(cuts, end - 1 if end > start else end), len(cuts) - 1)
 
     chunks: list[tuple[list[int], list[int]]] = [([], []) for _ in cuts]
-    for i, span in enumerate(mine):
-        chunks[chunk_of(*span)][0].append(first + i)
+    for position, span in zip(positions, mine):
+        chunks[chunk_of(*span)][0].append(position)
     for j, span in enumerate(theirs):
         chunks[chunk_of(*span)][1].append(teacher_first + j)
     return [c for c in chunks if c[0]]
