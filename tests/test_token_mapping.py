@@ -204,6 +204,24 @@ def test_the_teachers_chat_template_renders_the_conversation_around_the_policys_
         TextMapping(policy, llama).plan_rendered(ids, sampled, MESSAGES[:3])
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_familys_template_reads_the_conversation_as_it_takes_it(tokenizers, family):
+    """chat_template: teacher with each family of the compatibility matrix as the teacher: those
+    that refuse a system message (Gemma 2) or a tool message (Mistral, Gemma: roles must alternate)
+    get them as their own chat adapts them (ChatFormat.messages_for_template); each sampled token
+    reads the same text, and the policy's end of turn maps to the one the family's template writes."""
+    from turnrl.rollout.chat import ChatFormat
+    policy, teacher = tokenizers[0], build_tokenizer(FAMILIES[family], 400)
+    ids, sampled = _rolled_out(policy)
+    plan = TextMapping(policy, teacher).plan_rendered(ids, sampled, MESSAGES)
+    read = teacher.decode(plan.teacher_ids, skip_special_tokens=False)
+    assert "You are careful." in read and "<output>7</output>" in read   # the system prompt and the tool's answer
+    pieces, end = token_texts(policy, ids), ChatFormat(teacher).end_of_turn
+    for chunk, theirs in plan.chunks:
+        text = teacher.decode([plan.teacher_ids[j] for j in theirs], skip_special_tokens=False)
+        assert text == (end if ids[chunk[0]] == policy.eos_token_id else "".join(pieces[i] for i in chunk))
+
+
 def test_annotate_with_the_teachers_chat_template_and_without_messages(tokenizers, tmp_path):
     """Teacher.annotate sends the teacher's rendering (chat_template: teacher); an agent program's
     sample has no messages: its trajectory ends env_error, saying why. A teacher tokenizer with no

@@ -21,8 +21,8 @@ How (documented in docs/post-training.md, "A teacher of another tokenizer"):
    trains on, `t_i - s_i`, sums over the chunk to the chunk's exact log-ratio.
 
 A special token the policy sampled is a chunk of its own: the same special token of the teacher's
-vocabulary, or, for the policy's eos (its end of turn), the teacher's eos, so the teacher scores
-ending the turn there; any other gets no signal. Bytes the policy sampled that are no UTF-8
+vocabulary, or, for the policy's end of turn (its eos, or the token its chat template closes a
+turn with), the teacher's, so the teacher scores ending the turn there; any other gets no signal. Bytes the policy sampled that are no UTF-8
 decode to U+FFFD: their chunk carries no signal either (its tokens get their own logprob); both
 counted (Plan.counts). A teacher tokenizer that puts a space before every text it encodes
 (SentencePiece's legacy prefix, "▁": Llama 2, Mistral) encodes every piece after the first
@@ -119,6 +119,15 @@ class TextMapping:
                              "offsets; this one is a slow (Python) tokenizer")
         self.student, self.teacher = student_tokenizer, teacher_tokenizer
         self.teacher_continuing = continuing(teacher_tokenizer)   # pieces after the first (module doc)
+        from turnrl.rollout.chat import ChatFormat
+        self.teacher_format = ChatFormat(teacher_tokenizer)
+        # the tokens that end a turn: the policy's eos and the one its chat template closes a turn
+        # with; the teacher's template's (else its eos)
+        self.student_ends = {student_tokenizer.eos_token_id,
+                             _or_none(lambda: ChatFormat(student_tokenizer).end_of_turn_id)} - {None}
+        self.teacher_end = _or_none(lambda: self.teacher_format.end_of_turn_id)
+        if self.teacher_end is None:
+            self.teacher_end = teacher_tokenizer.eos_token_id
         self.student_specials, self.teacher_specials = (
             set(tok.all_special_ids) | {i for i, t in getattr(tok, "added_tokens_decoder", {}).items() if t.special}
             for tok in (student_tokenizer, teacher_tokenizer))
@@ -160,10 +169,11 @@ class TextMapping:
                       tools: Sequence[dict] = ()) -> Plan:
         """`plan` for the teacher's own chat template (reward.teacher.chat_template: teacher): the
         conversation's `messages` rendered by it, each assistant message's content replaced by
-        the text the policy sampled in that turn (its sampled tokens but special ones), so the
-        teacher scores exactly those. A sampled eos (the policy's end of turn) maps to the special
-        token the teacher's template puts right after the turn, if one; other sampled special
-        tokens get no signal. ValueError where the turns and the messages do not pair up or the
+        the text the policy sampled in that turn (its sampled tokens but special ones; its tool
+        calls are in that text), and the roles adapted as the teacher's template takes them
+        (ChatFormat.messages_for_template), so the teacher scores exactly those tokens. The
+        policy's end of turn maps to the special token the teacher's template puts right after
+        the turn, if one; other sampled special tokens get no signal. ValueError where the turns and the messages do not pair up or the
         template does not keep a turn whole."""
         texts = token_texts(self.student, ids)
         turns: list[list[int]] = []   # the sampled positions of each turn (a run of sampled tokens)
@@ -177,8 +187,9 @@ class TextMapping:
             raise ValueError(f"{len(turns)} sampled turns against {len(assistant)} assistant messages")
         marks = [f"TURNRLTURN{r}X" for r in range(len(turns))]   # no space, no markup: kept as they are
         shown = [dict(m) for m in messages]
-        for k, mark in zip(assistant, marks):
-            shown[k]["content"] = mark
+        for k, mark in zip(assistant, marks):   # the turn as sampled: its tool calls are in its text
+            shown[k] = {"role": "assistant", "content": mark}
+        shown = self.teacher_format.messages_for_template(shown)
         rendered = self.teacher.apply_chat_template(shown, tools=list(tools) or None, tokenize=False)
         teacher_ids: list[int] = []
         chunks: list[tuple[list[int], list[int]]] = []
@@ -199,7 +210,7 @@ class TextMapping:
             at = start + len(mark)
             for i in (i for i in positions if ids[i] in self.student_specials):
                 after = self._encode(rendered[at:at + 64], first=False)[0][:1]   # what the template puts next
-                ends = ids[i] == self.student.eos_token_id and after and after[0] in self.teacher_specials
+                ends = ids[i] in self.student_ends and after and after[0] in self.teacher_specials
                 chunks.append(([i], [len(teacher_ids)] if ends else []))
         teacher_ids += self._encode(rendered[at:], first=at == 0)[0]
         return Plan(teacher_ids, sorted(chunks))
@@ -208,16 +219,17 @@ class TextMapping:
                  chunks: list[tuple[list[int], list[int]]]) -> list[int]:
         """A special token the policy sampled (its end of turn, say) at `position`: the teacher's
         ids for it, its chunk appended to `chunks`. The same special token in the teacher's
-        vocabulary: that one. The policy's eos (its end of turn): the teacher's eos, so the teacher
-        says how likely it was to end the turn there. Else: its text, for the teacher to read, and
-        no signal (the teacher has no such token to score)."""
+        vocabulary: that one. The policy's end of turn (its eos, or its template's): the
+        teacher's (its template's, else its eos), so the teacher says how likely it was to end
+        the turn there. Else: its text, for the teacher to read, and no signal (the teacher has
+        no such token to score)."""
         ids, _ = self._encode(text, first=position == 0)
         if len(ids) == 1 and ids[0] in self.teacher_specials:
             chunks.append(([position], [teacher_position]))
             return ids
-        if token == self.student.eos_token_id and self.teacher.eos_token_id is not None:
+        if token in self.student_ends and self.teacher_end is not None:
             chunks.append(([position], [teacher_position]))
-            return [self.teacher.eos_token_id]
+            return [self.teacher_end]
         chunks.append(([position], []))
         return ids
 
@@ -236,6 +248,14 @@ class TextMapping:
             for i in mine:
                 out[i] = student_logprobs[i] + gap / len(mine)
         return out
+
+
+def _or_none(read):
+    """`read()`, or None where it raises (a tokenizer with no chat template)."""
+    try:
+        return read()
+    except Exception:   # noqa: BLE001
+        return None
 
 
 def _readable(chunks: list[tuple[list[int], list[int]]], texts: Sequence[str]) -> list[tuple[list[int], list[int]]]:

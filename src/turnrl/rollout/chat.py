@@ -92,6 +92,19 @@ class ChatFormat:
             return role
         return "user"
 
+    def messages_for_template(self, messages: Sequence[dict]) -> list[dict]:
+        """`messages` as this template renders them, the way `prompt_text` and `rendered_role`
+        adapt a conversation: each observation in the role the template has for it (else user),
+        and a system message it refuses opening the first user message."""
+        out = [dict(m, role=self.rendered_role(m["role"])) if m.get("role") not in ("system", "user", "assistant")
+               else dict(m) for m in messages]
+        if out and out[0].get("role") == "system" and not _renders_system(self.tokenizer):
+            system, out = out[0], out[1:]
+            first = next((m for m in out if m.get("role") == "user"), None)
+            if first is not None:
+                first["content"] = f"{system.get('content', '')}\n\n{first.get('content', '')}"
+        return out
+
     @property
     def end_of_turn(self) -> str | None:
         """The special token the template closes an assistant message with (e.g. <|im_end|>,
