@@ -42,6 +42,18 @@ def test_a_merged_sample_trains_exactly_the_sampled_tokens():
     assert rows[0] is sample and episode_of == [0, 1]
 
 
+def test_a_sample_keeps_its_last_calls_conversation():
+    """A sample's messages: its last call's request and the answer (reward.teacher.chat_template:
+    teacher renders them); calls that sent none leave them empty."""
+    first, second = call(0, [1, 2, 3], [10, 11]), call(1, [1, 2, 3, 10, 11, 50], [12])
+    asked = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "c0"}, {"role": "tool", "content": "r"}]
+    second.messages, second.message = asked, {"role": "assistant", "content": "c1"}
+    second.tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    (sample,) = episode_trajectory({}, [first, second], outcome=1.0, finish="answer").samples
+    assert sample.messages == [*asked, {"role": "assistant", "content": "c1"}] and sample.tools == second.tools
+    assert episode_trajectory({}, [call(0, [1], [2])], outcome=0.0, finish="answer").samples[0].messages == []
+
+
 def test_the_episode_view_lays_samples_end_to_end_with_a_mark_where_the_context_was_edited():
     t = episode_trajectory({"prompt": "p"}, [call(0, [1, 2, 3], [10, 11]), call(1, [1, 2, 60], [12, 13])],
                            outcome=1.0, finish="answer")

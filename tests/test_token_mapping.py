@@ -202,6 +202,12 @@ def test_the_teachers_chat_template_renders_the_conversation_around_the_policys_
     assert TextMapping(policy, llama).plan_rendered(ids, sampled, edited).teacher_ids == plan.teacher_ids
     with pytest.raises(ValueError, match="2 sampled turns against 1 assistant messages"):
         TextMapping(policy, llama).plan_rendered(ids, sampled, MESSAGES[:3])
+    # an assistant message before the sampled ones (an agent's own, in its context) is context
+    shown = [MESSAGES[0], {"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"},
+             *MESSAGES[1:]]
+    earlier = TextMapping(policy, llama).plan_rendered(ids, sampled, shown)
+    assert llama.decode(earlier.teacher_ids, skip_special_tokens=False) == llama.apply_chat_template(shown, tokenize=False)
+    assert [c for c, _ in earlier.chunks] == [c for c, _ in plan.chunks]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -223,8 +229,9 @@ def test_every_familys_template_reads_the_conversation_as_it_takes_it(tokenizers
 
 
 def test_annotate_with_the_teachers_chat_template_and_without_messages(tokenizers, tmp_path):
-    """Teacher.annotate sends the teacher's rendering (chat_template: teacher); an agent program's
-    sample has no messages: its trajectory ends env_error, saying why. A teacher tokenizer with no
+    """Teacher.annotate sends the teacher's rendering (chat_template: teacher); a sample that
+    keeps no messages (an agent program's calls that sent none) ends its trajectory env_error,
+    saying why. A teacher tokenizer with no
     chat template is refused before any work."""
     policy, llama = tokenizers[0], tokenizers[2]
     llama.save_pretrained(tmp_path / "teacher_tokenizer")

@@ -73,7 +73,8 @@ def sample_trajectory(chain: Sequence[Call], example: dict, episode_calls: int) 
     """One sample: the first call's prompt, then each call's completion (mask 1, the engine's
     logprobs) and between two calls the tokens the program added (mask 0). Turn ids are episode
     call indices; `levels` and `turn_versions` cover all `episode_calls` calls of the episode
-    (a sample's rows index them by turn id)."""
+    (a sample's rows index them by turn id). Its `messages` and `tools`: the last call's request
+    and answer (what reward.teacher.chat_template: teacher renders)."""
     first = chain[0]
     t = Trajectory(example=example, prompt_ids=list(first.prompt_ids))
     for previous, call in zip([None, *chain[:-1]], chain):
@@ -82,6 +83,10 @@ def sample_trajectory(chain: Sequence[Call], example: dict, episode_calls: int) 
         t.add_turn(call.index, call.completion_ids, call.logprobs, call.text)
         t.turn_times.append((call.started, call.ended))
     t.levels = ["low"] * episode_calls
+    last = chain[-1]
+    if last.messages:   # its conversation: the last call's request, then the answer (its calls' turns last)
+        t.messages = [*last.messages, last.message or {"role": "assistant", "content": last.text}]
+        t.tools = list(last.tools)
     return t
 
 

@@ -83,8 +83,8 @@ class Teacher:
         try:
             if self.cfg.chat_template == "teacher":
                 if not row.messages:
-                    return ("reward.teacher.chat_template = teacher needs the conversation's messages, which an agent "
-                            "program's samples do not keep; set it to policy")
+                    return ("reward.teacher.chat_template = teacher needs the conversation's messages, which this "
+                            "trajectory does not keep (an agent program's calls sent none?); set it to policy")
                 return self.mapping.plan_rendered(ids, sampled, row.messages, row.tools)
             return self.mapping.plan(ids, sampled)
         except Exception as exc:   # noqa: BLE001 - a template's own error too: this trajectory's, said

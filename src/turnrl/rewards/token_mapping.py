@@ -172,9 +172,10 @@ class TextMapping:
         the text the policy sampled in that turn (its sampled tokens but special ones; its tool
         calls are in that text), and the roles adapted as the teacher's template takes them
         (ChatFormat.messages_for_template), so the teacher scores exactly those tokens. The
+        sampled turns are the last assistant messages (any before them are context). The
         policy's end of turn maps to the special token the teacher's template puts right after
-        the turn, if one; other sampled special tokens get no signal. ValueError where the turns and the messages do not pair up or the
-        template does not keep a turn whole."""
+        the turn, if one; other sampled special tokens get no signal. ValueError where there are
+        fewer assistant messages than turns or the template does not keep a turn whole."""
         texts = token_texts(self.student, ids)
         turns: list[list[int]] = []   # the sampled positions of each turn (a run of sampled tokens)
         for i, s in enumerate(sampled):
@@ -182,7 +183,9 @@ class TextMapping:
                 if not turns or not sampled[i - 1]:
                     turns.append([])
                 turns[-1].append(i)
-        assistant = [k for k, m in enumerate(messages) if m.get("role") == "assistant"]
+        # the last assistant messages are the sampled turns; any before them were context (an agent
+        # program's own, or a call's that started another sample)
+        assistant = [k for k, m in enumerate(messages) if m.get("role") == "assistant"][-len(turns):] if turns else []
         if len(assistant) != len(turns):
             raise ValueError(f"{len(turns)} sampled turns against {len(assistant)} assistant messages")
         marks = [f"TURNRLTURN{r}X" for r in range(len(turns))]   # no space, no markup: kept as they are

@@ -156,8 +156,9 @@ class Trajectory:
     samples: list["Trajectory"] = field(default_factory=list)
     # the conversation in the OpenAI messages format, as the step loop held it (system, user, each
     # turn's assistant message and the environment's messages after it) and its tools: a correct
-    # one is SFT data that renders back into these tokens (turnrl.gateway.conversations). Empty
-    # for an agent program's samples (their calls' messages are in info["gateway_calls"])
+    # one is SFT data that renders back into these tokens (turnrl.gateway.conversations). An agent
+    # program's sample: its last call's request messages and the answer (gateway.samples); its
+    # episode: empty (every call's messages are in info["gateway_calls"])
     messages: list[dict] = field(default_factory=list)
     tools: list[dict] = field(default_factory=list)
     # prompt tokens of its turns' requests the engine computed (prefilled), and those its prefix
