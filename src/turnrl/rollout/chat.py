@@ -101,7 +101,9 @@ class ChatFormat:
         if out and out[0].get("role") == "system" and not _renders_system(self.tokenizer):
             system, out = out[0], out[1:]
             first = next((m for m in out if m.get("role") == "user"), None)
-            if first is not None:
+            if first is None:
+                out.insert(0, {"role": "user", "content": system.get("content", "")})
+            else:
                 first["content"] = f"{system.get('content', '')}\n\n{first.get('content', '')}"
         return out
 
