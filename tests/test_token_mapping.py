@@ -219,7 +219,7 @@ def test_every_familys_template_reads_the_conversation_as_it_takes_it(tokenizers
     from turnrl.rollout.chat import ChatFormat
     policy, teacher = tokenizers[0], build_tokenizer(FAMILIES[family], 400)
     ids, sampled = _rolled_out(policy)
-    plan = TextMapping(policy, teacher).plan_rendered(ids, sampled, MESSAGES)
+    plan = TextMapping(policy, teacher, ChatFormat).plan_rendered(ids, sampled, MESSAGES)
     read = teacher.decode(plan.teacher_ids, skip_special_tokens=False)
     assert "You are careful." in read and "<output>7</output>" in read   # the system prompt and the tool's answer
     pieces, end = token_texts(policy, ids), ChatFormat(teacher).end_of_turn

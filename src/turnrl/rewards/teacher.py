@@ -30,9 +30,11 @@ MAPPING_INFO = "teacher_mapping"   # a trajectory's info: its sampled tokens' Pl
 
 
 class Teacher:
-    def __init__(self, cfg: Any, student_tokenizer: Any = None):
+    def __init__(self, cfg: Any, student_tokenizer: Any = None, chat_format: Any = None):
         """`cfg`: the checked `reward.teacher` params (turnrl.config TeacherCfg), its base_url set;
-        `student_tokenizer`: the policy's, needed when `cfg.tokenizer` names the teacher's own."""
+        `student_tokenizer`: the policy's, needed when `cfg.tokenizer` names the teacher's own;
+        `chat_format`: tokenizer -> its ChatFormat (turnrl.rollout.chat), for the mapping's ends
+        of turn and roles (TextMapping)."""
         self.cfg = cfg
         self.session = endpoint.Session.for_server(cfg, "reward.teacher")
         self.mapping = None
@@ -40,7 +42,7 @@ class Teacher:
             if student_tokenizer is None:
                 raise ValueError("reward.teacher.tokenizer: mapping to the teacher's tokens needs the policy's tokenizer")
             from transformers import AutoTokenizer
-            self.mapping = TextMapping(student_tokenizer, AutoTokenizer.from_pretrained(cfg.tokenizer))
+            self.mapping = TextMapping(student_tokenizer, AutoTokenizer.from_pretrained(cfg.tokenizer), chat_format)
 
     def annotate(self, trajs: Sequence[Any]) -> None:
         """Set `teacher_logprobs` on every trajectory (and on each sample of an agent's episode);

@@ -113,21 +113,24 @@ class Plan:
 
 
 class TextMapping:
-    def __init__(self, student_tokenizer: Any, teacher_tokenizer: Any):
+    def __init__(self, student_tokenizer: Any, teacher_tokenizer: Any, chat_format: Any = None):
+        """`chat_format`: tokenizer -> its chat format (turnrl.rollout.chat.ChatFormat, given by
+        the caller: rewards does not import rollout), for the token each template ends a turn
+        with and the roles each takes (`plan_rendered`); None: the tokenizers' eos, and the
+        messages as they are."""
         if not getattr(teacher_tokenizer, "is_fast", False):
             raise ValueError("reward.teacher.tokenizer: a fast (Rust) tokenizer is needed for its character "
                              "offsets; this one is a slow (Python) tokenizer")
         self.student, self.teacher = student_tokenizer, teacher_tokenizer
         self.teacher_continuing = continuing(teacher_tokenizer)   # pieces after the first (module doc)
-        from turnrl.rollout.chat import ChatFormat
-        self.teacher_format = ChatFormat(teacher_tokenizer)
+        self.teacher_format = chat_format(teacher_tokenizer) if chat_format else None
         # the tokens that end a turn: the policy's eos and the one its chat template closes a turn
         # with; the teacher's template's (else its eos)
-        self.student_ends = {student_tokenizer.eos_token_id,
-                             _or_none(lambda: ChatFormat(student_tokenizer).end_of_turn_id)} - {None}
-        self.teacher_end = _or_none(lambda: self.teacher_format.end_of_turn_id)
-        if self.teacher_end is None:
-            self.teacher_end = teacher_tokenizer.eos_token_id
+        self.student_ends = {student_tokenizer.eos_token_id} - {None}
+        self.teacher_end = teacher_tokenizer.eos_token_id
+        if chat_format:
+            self.student_ends |= {_or_none(lambda: chat_format(student_tokenizer).end_of_turn_id)} - {None}
+            self.teacher_end = _or_none(lambda: self.teacher_format.end_of_turn_id) or self.teacher_end
         self.student_specials, self.teacher_specials = (
             set(tok.all_special_ids) | {i for i, t in getattr(tok, "added_tokens_decoder", {}).items() if t.special}
             for tok in (student_tokenizer, teacher_tokenizer))
@@ -192,7 +195,8 @@ class TextMapping:
         shown = [dict(m) for m in messages]
         for k, mark in zip(assistant, marks):   # the turn as sampled: its tool calls are in its text
             shown[k] = {"role": "assistant", "content": mark}
-        shown = self.teacher_format.messages_for_template(shown)
+        if self.teacher_format is not None:
+            shown = self.teacher_format.messages_for_template(shown)
         rendered = self.teacher.apply_chat_template(shown, tools=list(tools) or None, tokenize=False)
         teacher_ids: list[int] = []
         chunks: list[tuple[list[int], list[int]]] = []

@@ -46,7 +46,8 @@ class RolloutWorker:
         self.runner = runner_for(envs.resolve(params.env.name), model_dir)
         self.reward_functions = reward_functions(self.params.reward, self.params.rollout)
         from turnrl.rewards.teacher import Teacher
-        self.teacher = Teacher(params.reward.teacher, self.fmt.tokenizer) if params.reward.teacher.enabled else None
+        self.teacher = (Teacher(params.reward.teacher, self.fmt.tokenizer, chat_format=ChatFormat)
+                        if params.reward.teacher.enabled else None)
         self.decode = lambda ids: self.fmt.tokenizer.decode(ids, skip_special_tokens=True)
         self.stream = None    # asynchronous training: the continuous rollouts (start_stream)
         self.pushes = 0       # weight pushes received: the policy version the engine will hold
