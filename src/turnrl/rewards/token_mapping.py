@@ -130,7 +130,8 @@ class TextMapping:
         self.teacher_end = teacher_tokenizer.eos_token_id
         if chat_format:
             self.student_ends |= {_or_none(lambda: chat_format(student_tokenizer).end_of_turn_id)} - {None}
-            self.teacher_end = _or_none(lambda: self.teacher_format.end_of_turn_id) or self.teacher_end
+            end = _or_none(lambda: self.teacher_format.end_of_turn_id)
+            self.teacher_end = self.teacher_end if end is None else end   # (an id may be 0)
         self.student_specials, self.teacher_specials = (
             set(tok.all_special_ids) | {i for i, t in getattr(tok, "added_tokens_decoder", {}).items() if t.special}
             for tok in (student_tokenizer, teacher_tokenizer))
