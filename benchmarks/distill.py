@@ -78,7 +78,8 @@ PAIRS = [("opd", "grpo"), ("opd_lr4x", "grpo"), ("opd_lr4x", "grpo_lr4x"), ("opd
          ("opd_topk_only_mb8_e256", "grpo_e256"), ("opd_topk_only_mb8_lr2x_e256", "grpo_e256"),
          ("opd_topk_only_mb16_e256", "grpo_e256"),
          ("opd_topk_mb16", "grpo"), ("opd_top20_mb8", "grpo"), ("opd_topk_w4_mb4", "grpo"),
-         ("opd_rare", "grpo_rare"), ("opd_topk_mb8_rare", "grpo_rare")]
+         ("opd_rare", "grpo_rare"), ("opd_topk_mb8_rare", "grpo_rare"),
+         ("opd_topk_mb8_rare_every1_e256", "grpo_rare_every1_e256")]
 RARE = "model.warmstart.good_fraction=0.05"   # the rarer-reward rows' warm start (params.yaml: 0.3)
 
 
@@ -87,6 +88,10 @@ def rows(work: Path) -> list[Row]:
     opd = ["algorithm.name=opd", f"reward.teacher.serve={teacher}", "reward.teacher.max_model_len=2048"]
     topk = [*opd, "reward.teacher.top_k=8"]
     e256 = ["train.eval_examples=256" if kv.startswith("train.eval_examples=") else kv for kv in student]
+    # the rare rows' curve at every step on 256 problems: a crossing between two measurements is not
+    # rounded up to the next even step, nor decided by one problem of 64
+    rare_fine = [{"train.eval_examples=64": "train.eval_examples=256", "train.eval_every=2": "train.eval_every=1"}
+                 .get(kv, kv) for kv in [*STUDENT, RARE]]
     return [
         Row("grpo", "code_tool", "grpo", sets=student),
         Row("opd", "code_tool", "opd", sets=[*student, *opd]),
@@ -144,6 +149,9 @@ def rows(work: Path) -> list[Row]:
         # seldom samples (the warm starts' tokenizer is the teacher's, so no mapping; turnrl refuses a
         # mismatch before work)
         Row("opd_topk_mb8_rare", "code_tool", "opd", sets=[*STUDENT, RARE, *topk, "algorithm.mini_batches=8"]),
+        # grpo_rare and opd_topk_mb8_rare with the curve measured at every step on 256 problems
+        Row("grpo_rare_every1_e256", "code_tool", "grpo", sets=rare_fine),
+        Row("opd_topk_mb8_rare_every1_e256", "code_tool", "opd", sets=[*rare_fine, *topk, "algorithm.mini_batches=8"]),
     ]
 
 
