@@ -210,6 +210,35 @@ def test_the_teachers_chat_template_renders_the_conversation_around_the_policys_
     assert [c for c, _ in earlier.chunks] == [c for c, _ in plan.chunks]
 
 
+def test_a_tool_result_reaches_a_teacher_with_a_tool_role_as_a_tool_message(tmp_path):
+    """A code_tool rollout of a policy whose template has no tool role (Mistral's: the tool's
+    answer goes as a user message) keeps the tool's answer as a tool message in its conversation;
+    a teacher whose template has one (qwen2's <tool_response>) reads it so, and the policy's own
+    rendering of that conversation (the sft stage's) is still its rollout's tokens."""
+    import random
+    from turnrl import envs
+    from turnrl.data.conversations import Conversation
+    from turnrl.data.synthetic import product_demonstration, product_rows
+    from turnrl.gateway.conversations import conversation_samples
+    from turnrl.rollout.chat import ChatFormat
+    from turnrl.rollout.multi_turn import replay
+    policy, teacher = build_tokenizer(FAMILIES["mistral"], 400), build_tokenizer(FAMILIES["qwen2"], 300)
+    fmt = ChatFormat(policy)
+    assert fmt.rendered_role("tool") == "user" and ChatFormat(teacher).rendered_role("tool") == "tool"
+    row = product_rows(8, seed=0, split="train", exclude=set())[0]
+    t = replay(envs.resolve("code_tool").factory(), fmt, row, product_demonstration(row, random.Random(0), True).turns)
+    assert [m["role"] for m in t.messages] == ["system", "user", "assistant", "tool", "assistant"]
+    output = t.messages[3]["content"]
+    (sample,) = conversation_samples(Conversation(t.messages, t.tools, "rollout"), fmt, 4096).samples
+    assert sample.prompt_ids == t.prompt_ids and sample.response_ids[:len(t.response_ids)] == t.response_ids
+    ids = t.prompt_ids + t.response_ids
+    sampled = [0] * len(t.prompt_ids) + t.loss_mask
+    read = teacher.decode(TextMapping(policy, teacher, ChatFormat).plan_rendered(ids, sampled, t.messages, t.tools)
+                          .teacher_ids, skip_special_tokens=False)
+    assert f"<tool_response>\n{output}\n</tool_response>" in read
+    assert f"<|im_start|>user\n{output}" not in read
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_familys_template_reads_the_conversation_as_it_takes_it(tokenizers, family):
     """chat_template: teacher with each family of the compatibility matrix as the teacher: those

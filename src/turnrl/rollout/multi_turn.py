@@ -366,9 +366,11 @@ def _said(t: Trajectory, fmt: ChatFormat, text: str) -> None:
     t.messages.append({"role": "assistant", "content": text})
 
 
-def _heard(t: Trajectory, fmt: ChatFormat, env: Env, rendered: str | list[str]) -> None:
-    """The environment's answer as the conversation's messages, in the role they are rendered in."""
-    role = fmt.rendered_role(env.observation_role)
+def _heard(t: Trajectory, env: Env, rendered: str | list[str]) -> None:
+    """The environment's answer as the conversation's messages, in the environment's role ("tool"
+    even where this template renders it as a user message: whoever renders the conversation adapts
+    it to its own template, ChatFormat.messages_for_template, as a teacher of another chat does)."""
+    role = env.observation_role
     t.messages += [{"role": role, "content": m} for m in ([rendered] if isinstance(rendered, str) else rendered)]
 
 
@@ -535,7 +537,7 @@ class TurnEngine:
         if len(t.response_ids) + len(obs_ids) >= self.budgets.max_tokens_total:
             return self.end(i, "token_budget")
         t.add_observation(turn, obs_ids, text)
-        _heard(t, self.fmt, self.envs[i], rendered)
+        _heard(t, self.envs[i], rendered)
         self.turn_of[i] += 1
         self.start_turn(i)
 
@@ -661,7 +663,7 @@ def replay(env: Env, fmt: ChatFormat, example: dict, turns: Sequence[str]) -> Tr
         rendered, shown = observation_texts(result.observation)
         t.add_observation(turn, fmt.observation_ids(rendered, env.observation_role, after_eos=fmt.ends_turn(ids)),
                           shown)
-        _heard(t, fmt, env, rendered)
+        _heard(t, env, rendered)
     return t
 
 
