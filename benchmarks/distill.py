@@ -36,7 +36,9 @@ sample each at T=1), through `dvc exp run` as a user runs it:
 - `grpo_rare`, `opd_rare`: a rarer reward, each from a fresh warm start of its seed whose prior
   phase shows 5% good demonstrations (`model.warmstart.good_fraction=0.05`; params.yaml's 0.3), so
   the student seldom calls the tool and few of GRPO's groups hold a success; `opd_topk_mb8_rare`:
-  opd_topk_mb8 from those warm starts.
+  opd_topk_mb8 from those warm starts; `grpo_rare_every1_e256`, `opd_topk_mb8_rare_every1_e256`:
+  grpo_rare and opd_topk_mb8_rare with the curve measured at every step on 256 problems
+  (`train.eval_every=1`, `train.eval_examples=256`).
 
     python benchmarks/distill.py                       # teacher, then rows x seeds 0 1 2 -> benchmarks/DISTILL.md
     python benchmarks/distill.py --rows grpo opd --seeds 0
@@ -294,10 +296,10 @@ def report(results: list[dict], seeds: list[int], work: Path, teacher: dict) -> 
                            f"its `dvc exp run -S seed={TEACHER_SEED} -S train.steps={TEACHER_STEPS}` (held-out accuracy "
                            f"{teacher['baseline']:.3f} -> {teacher['trained']:.3f}); every student starts from that "
                            "run's warm start (its models/initial, the teacher's tokenizer; opd_own_tokenizer: a warm "
-                           "start of its own, of another tokenizer; grpo_rare, opd_rare and opd_topk_mb8_rare: a warm "
-                           "start of their seed's own whose prior phase shows 5% good demonstrations), seed S its data "
-                           "split and sampling, 20 steps, held-out accuracy every 2 steps (64 problems, T=1; the _e256 "
-                           "rows 256). Measured: each student's first step "
+                           "start of its own, of another tokenizer; the _rare rows: a warm start of their seed's own "
+                           "whose prior phase shows 5% good demonstrations), seed S its data split and sampling, 20 "
+                           "steps, held-out accuracy every 2 steps (64 problems, T=1; the _e256 rows 256, the "
+                           "_every1_e256 rows every step on 256). Measured: each student's first step "
                            f"at {FRACTION:.0%} of the teacher's held-out accuracy (256 problems, T=1, same seed). Seeds "
                            + ", ".join(map(str, seeds)) + "."]
     lines += ["", "Steps to 90% of the teacher, OPD against GRPO, per seed (target: OPD <= GRPO / 3; a run that "
