@@ -210,7 +210,7 @@ def test_the_teachers_chat_template_renders_the_conversation_around_the_policys_
     assert [c for c, _ in earlier.chunks] == [c for c, _ in plan.chunks]
 
 
-def test_a_tool_result_reaches_a_teacher_with_a_tool_role_as_a_tool_message(tmp_path):
+def test_a_tool_result_reaches_a_teacher_with_a_tool_role_as_a_tool_message():
     """A code_tool rollout of a policy whose template has no tool role (Mistral's: the tool's
     answer goes as a user message) keeps the tool's answer as a tool message in its conversation;
     a teacher whose template has one (qwen2's <tool_response>) reads it so, and the policy's own
