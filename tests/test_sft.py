@@ -107,6 +107,30 @@ def test_a_file_row_with_string_arguments_renders_as_the_model_writes_a_call(fmt
     assert fmt.tokenizer.decode(first_turn).startswith('<tool_call>\n{"name": "calculator"')
 
 
+
+def test_a_parquet_file_as_pandas_writes_one_trains_what_its_jsonl_twin_trains(fmt, rows, tmp_path):
+    """Parquet of conversations as pandas or `datasets` write one: the messages a list of structs,
+    so every message has every key (a user message's tool_calls and tool_call_id are null), here
+    with each call's arguments an object. Same samples as the jsonl of the same conversations with
+    the arguments as OpenAI writes them (JSON text)."""
+    import pandas as pd
+    from turnrl.data.conversations import load_conversations
+    from turnrl.gateway.conversations import conversation_samples
+    records = [tool_conversation(row) for row in rows[:3]]
+    for record in records:
+        call = record["messages"][2]["tool_calls"][0]["function"]
+        call["arguments"] = json.loads(call["arguments"])
+    pd.DataFrame(records).to_parquet(tmp_path / "chats.parquet")
+    from_parquet = load_conversations(str(tmp_path / "chats.parquet"))
+    # the nulls a struct column brings are absent keys; an assistant call's null content stays
+    user, call = from_parquet[0].messages[1], from_parquet[0].messages[2]
+    assert "tool_calls" not in user and "tool_call_id" not in call and call["content"] is None
+    assert from_parquet[0].tools == tool_conversation(rows[0])["tools"]   # not each other's properties as nulls
+    from_jsonl = load_conversations(str(write_jsonl(tmp_path / "chats.jsonl", [tool_conversation(r) for r in rows[:3]])))
+    for a, b in zip(from_parquet, from_jsonl, strict=True):
+        (sa,), (sb,) = conversation_samples(a, fmt, 4096).samples, conversation_samples(b, fmt, 4096).samples
+        assert (sa.prompt_ids, sa.response_ids, sa.loss_mask) == (sb.prompt_ids, sb.response_ids, sb.loss_mask)
+
 def test_a_long_conversation_is_cut_at_the_right_and_counted(fmt, rows):
     from turnrl.gateway.conversations import conversation_samples
     conversation = _conversation(tool_conversation(rows[0]))

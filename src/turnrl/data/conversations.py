@@ -8,6 +8,11 @@ format, from a jsonl/parquet file or a Hugging Face dataset.
                   {"role": "assistant", "content": "<answer>6</answer>"}],
      "tools": [{"type": "function", "function": {"name": "calculator", ...}}]}
 
+Parquet files and Hugging Face datasets hold a list of messages as Arrow structs, which give
+every row every key any row has: a user message gets `tool_calls: null`, a tool's parameters get
+the other tools' property names as nulls. So in rows read from them (not in JSON text, where a
+null is written on purpose) a null key is read as absent; a message keeps its `content`.
+
 Only the shape is checked here (a row is an object with a non-empty list of messages, each an
 object with a role); whether the model's chat template can render it is checked when it is
 rendered (turnrl.gateway.conversations), which names the same file and row.
@@ -19,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from turnrl.data.files import _BLANK, _BadRow, _iter_records
+from turnrl.data.files import _BLANK, _BadRow, _is_parquet, _iter_records
 from turnrl.data.sources import DataSourceError, MalformedDataError
 
 
@@ -34,6 +39,7 @@ class Conversation:
 def load_conversations(source: str, messages_field: str = "messages", tools_field: str = "tools") -> list[Conversation]:
     """Every row of `source` (a .jsonl/.json/.parquet path, or hf:<id>[:split]) as a
     Conversation; MalformedDataError naming the file and row of the first bad one."""
+    arrow = source.startswith("hf:") or _is_parquet(Path(source))   # rows of structs: a null key is an absent one
     rows = _hf_rows(source[3:]) if source.startswith("hf:") else _file_rows(Path(source))
     out = []
     for where, record in rows:
@@ -41,7 +47,7 @@ def load_conversations(source: str, messages_field: str = "messages", tools_fiel
             raise MalformedDataError(f"{where}: {record}")
         if record is _BLANK:
             continue
-        out.append(_conversation(record, where, messages_field, tools_field))
+        out.append(_conversation(record, where, messages_field, tools_field, arrow))
     if not out:
         raise DataSourceError(f"sft.data = {source!r}: no conversations in it")
     return out
@@ -67,10 +73,12 @@ def _hf_rows(spec: str) -> Iterator[tuple[str, Any]]:
         yield f"hf:{spec} row {number}", record
 
 
-def _conversation(record: Any, where: str, messages_field: str, tools_field: str) -> Conversation:
+def _conversation(record: Any, where: str, messages_field: str, tools_field: str, arrow: bool = False) -> Conversation:
     if not isinstance(record, dict):
         raise MalformedDataError(f"{where}: a row must be an object with a {messages_field!r} list, "
                                  f"got {type(record).__name__}")
+    if arrow:
+        record = {k: v if isinstance(v, str) else _without_nulls(v, keep=("content",)) for k, v in record.items()}
     messages = _json_text(record.get(messages_field))   # a parquet column of JSON text (eval generations)
     if not isinstance(messages, list) or not messages:
         raise MalformedDataError(f"{where}: field {messages_field!r} must be a non-empty list of messages "
@@ -82,6 +90,15 @@ def _conversation(record: Any, where: str, messages_field: str, tools_field: str
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise MalformedDataError(f"{where}: field {tools_field!r} must be a list of OpenAI tool objects")
     return Conversation(messages=[dict(m) for m in messages], tools=[dict(t) for t in tools], where=where)
+
+
+def _without_nulls(value: Any, keep: tuple[str, ...] = ()) -> Any:
+    """`value` with every null-valued key of its objects dropped, at any depth (but `keep`'s)."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v, keep) for k, v in value.items() if v is not None or k in keep}
+    if isinstance(value, list):
+        return [_without_nulls(v, keep) for v in value]
+    return value
 
 
 def _json_text(value: Any) -> Any:
