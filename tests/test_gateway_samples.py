@@ -153,3 +153,22 @@ def test_a_replayed_agent_episode_is_the_built_in_tools_environments_trajectory_
                 assert agent.outcome == builtin.outcome == (1.0 if good else agent.outcome)
     finally:
         runner.close()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "phi3"])
+def test_a_request_with_a_system_message_and_tools_is_the_rollouts_prompt_in_every_family(family):
+    """What an agent program sends first (a system message, the user's task, its tools) is
+    rendered into the prompt the built-in rollouts give the same task, in every family's
+    template: tools in the system text where the template has no `tools=`, and the system text
+    opening the user's message where the template refuses a system message (Gemma 2's raises:
+    the gateway answered 400)."""
+    from turnrl.gateway.render import Renderer, normalize_messages
+    from turnrl.models import miniatures
+    from turnrl.rollout.chat import ChatFormat
+    fmt = ChatFormat(miniatures.build_tokenizer(miniatures.FAMILIES[family]))
+    tools = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate an expression.",
+              "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
+    messages = normalize_messages([{"role": "system", "content": "You compute."},
+                                   {"role": "user", "content": "What is 6 times 7?"}])
+    assert Renderer(fmt, parser=None).prompt_ids(messages, tools) == fmt.prompt_ids("You compute.", "What is 6 times 7?",
+                                                                                    tools)

@@ -393,3 +393,33 @@ def test_the_gpu_distillation_preset_places_eight_gpus_and_checks_its_teacher():
     assert cfg.model.path.startswith("Qwen/Qwen2.5-") and cfg.sft.enabled and cfg.train.zero_stage == 3
     assert stage_problems(cfg, "sft") and "sft.data = 'data/teacher_successes.jsonl': no such file" in \
         stage_problems(cfg, "sft")[0]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "phi3"])
+def test_a_tool_call_is_taught_in_every_family_even_where_the_template_drops_tool_calls(family):
+    """A conversation with a system message and an OpenAI tool call. The miniatures' templates (as
+    Qwen2's, Gemma's and Phi-3's real ones) neither render `tools=` nor an assistant's
+    `tool_calls`: the tools are described in the system text (`tools_text`, the Hermes format) and
+    the call is written into the assistant's content in that format, so the tokens taught are a
+    call the `hermes` parser reads back, not an empty turn. Gemma 2's template refuses a system
+    message: it opens the user's, as in RL's prompts."""
+    from examples.agents.calculator_agent import TOOLS
+    from turnrl.envs.tools.parsers import parse_hermes
+    from turnrl.gateway.conversations import conversation_samples
+    from turnrl.models import miniatures
+    from turnrl.rollout.chat import ChatFormat, renders_tool_calls
+    fmt = ChatFormat(miniatures.build_tokenizer(miniatures.FAMILIES[family]))
+    assert not renders_tool_calls(fmt.tokenizer)
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "calculator", "arguments": json.dumps({"expression": "6 * 7"})}}
+    messages = [{"role": "system", "content": "You compute."}, {"role": "user", "content": "What is 6 times 7?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_0", "content": "42"},
+                {"role": "assistant", "content": "<answer>42</answer>"}]
+    (s,) = conversation_samples(_conversation({"messages": messages, "tools": TOOLS}, "chat.jsonl:1"), fmt,
+                                4096).samples
+    assert s.prompt_ids == fmt.prompt_ids("You compute.", "What is 6 times 7?", TOOLS)   # RL's own prompt
+    first = fmt.tokenizer.decode([t for t, m, k in zip(s.response_ids, s.loss_mask, s.turn_ids) if m and k == 0],
+                                 skip_special_tokens=True)
+    parsed = parse_hermes(first)
+    assert not parsed.errors and [(c.name, c.arguments) for c in parsed.calls] == [("calculator", {"expression": "6 * 7"})]

@@ -50,9 +50,6 @@ def conversation_samples(conversation: Conversation, fmt: ChatFormat, max_length
         messages = normalize_messages(conversation.messages)
     except BadRequest as exc:
         raise ConversationError(f"{where}: {exc}") from None
-    tool_role = fmt.rendered_role("tool")   # a template that refuses or drops tool messages: as RL's rollouts render them
-    if tool_role != "tool":
-        messages = [{"role": tool_role, "content": m["content"]} if m["role"] == "tool" else m for m in messages]
     renderer = Renderer(fmt, parser=None)
     produced: list[Produced] = []
     calls: list[Call] = []

@@ -146,6 +146,7 @@ class Renderer:
             labels = {"system": "", "user": "User: ", "assistant": "Assistant: ", "tool": "Tool: "}
             body = "\n".join(labels[m["role"]] + m["content"] for m in messages)
             return body + "\nAssistant:"
+        messages = self.fmt.messages_for_template(messages)   # roles, system and tool calls as this template takes them
         try:
             return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                  add_generation_prompt=True)

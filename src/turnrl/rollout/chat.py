@@ -95,9 +95,13 @@ class ChatFormat:
     def messages_for_template(self, messages: Sequence[dict]) -> list[dict]:
         """`messages` as this template renders them, the way `prompt_text` and `rendered_role`
         adapt a conversation: each observation in the role the template has for it (else user),
-        and a system message it refuses opening the first user message."""
+        a system message it refuses opening the first user message, and an assistant message's
+        `tool_calls` (arguments as objects) written into its content in the Hermes format
+        `tools_text` asks for, where the template would drop them (Gemma, Phi-3, Qwen2)."""
         out = [dict(m, role=self.rendered_role(m["role"])) if m.get("role") not in ("system", "user", "assistant")
                else dict(m) for m in messages]
+        if any(m.get("tool_calls") for m in out) and not renders_tool_calls(self.tokenizer):
+            out = [_calls_as_text(m) if m.get("tool_calls") else m for m in out]
         if out and out[0].get("role") == "system" and not _renders_system(self.tokenizer):
             system, out = out[0], out[1:]
             first = next((m for m in out if m.get("role") == "user"), None)
@@ -217,6 +221,32 @@ def tools_text(tools: Sequence[dict]) -> str:
     lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     return (f"# Tools\n<tools>\n{lines}\n</tools>\n"
             'Call a tool as <tool_call>{"name": ..., "arguments": {...}}</tool_call>.')
+
+
+def renders_tool_calls(tokenizer) -> bool:
+    """Whether the chat template writes an assistant message's `tool_calls` (their names show up)."""
+    def probe() -> bool:
+        call = {"type": "function", "id": "call_0",
+                "function": {"name": "turnrl_probe_tool", "arguments": {"turnrl_probe_argument": 1}}}
+        try:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]}],
+                tokenize=False)
+        except Exception:
+            return False
+        return "turnrl_probe_tool" in text
+    return _probed(tokenizer, ("tool_calls",), probe)
+
+
+def _calls_as_text(message: dict) -> dict:
+    """An assistant message whose tool calls are written after its content, one
+    <tool_call>{"name": ..., "arguments": {...}}</tool_call> each, as a model taught by
+    `tools_text` writes them (and the `hermes` parser reads them)."""
+    import json
+    calls = [f"<tool_call>\n{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']}, ensure_ascii=False)}\n</tool_call>"
+             for c in message["tool_calls"]]
+    text = "\n".join(filter(None, [message.get("content") or "", *calls]))
+    return {k: v for k, v in message.items() if k != "tool_calls"} | {"content": text}
 
 
 def _renders_system(tokenizer) -> bool:
