@@ -423,3 +423,28 @@ def test_a_tool_call_is_taught_in_every_family_even_where_the_template_drops_too
                                  skip_special_tokens=True)
     parsed = parse_hermes(first)
     assert not parsed.errors and [(c.name, c.arguments) for c in parsed.calls] == [("calculator", {"expression": "6 * 7"})]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "phi3"])
+def test_parallel_calls_results_are_the_frame_rl_gives_them_in_every_family(family):
+    """Two calls in one assistant message, two tool results: the results are masked and are
+    exactly the tokens the `tools` environment's rollouts put after such a turn
+    (`observation_ids` of the two results). Where the template cannot render two user messages
+    in a row (Mistral, Gemma), both are one message, a line each; RL's rollouts raised there."""
+    from turnrl.gateway.conversations import conversation_samples
+    from turnrl.models import miniatures
+    from turnrl.rollout.chat import ChatFormat
+    fmt = ChatFormat(miniatures.build_tokenizer(miniatures.FAMILIES[family]))
+    calls = [{"id": f"call_{k}", "type": "function",
+              "function": {"name": "calculator", "arguments": json.dumps({"expression": e})}}
+             for k, e in enumerate(["2 * 3", "4 * 5"])]
+    messages = [{"role": "user", "content": "What are 2 times 3 and 4 times 5?"},
+                {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "call_0", "content": "6"},
+                {"role": "tool", "tool_call_id": "call_1", "content": "20"},
+                {"role": "assistant", "content": "<answer>6 and 20</answer>"}]
+    (s,) = conversation_samples(_conversation({"messages": messages}, "chat.jsonl:1"), fmt, 4096).samples
+    runs = [m for k, m in enumerate(s.loss_mask) if k == 0 or m != s.loss_mask[k - 1]]
+    assert runs == [1, 0, 1]
+    assert [t for t, m in zip(s.response_ids, s.loss_mask) if not m] == \
+        fmt.observation_ids(["6", "20"], "tool", after_eos=True)

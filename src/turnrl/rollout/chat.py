@@ -71,14 +71,18 @@ class ChatFormat:
         and the start of the next assistant message. `after_eos`: the policy ended its turn
         with the end-of-turn token itself (`ends_turn`), so the frame must not repeat it.
         A list is several messages in `role` (a tool result per call), rendered as the template
-        renders consecutive messages of that role."""
+        renders consecutive messages of that role, or as one message, a line each, where the
+        template needs the roles to alternate (Mistral's and Gemma's user turns)."""
         messages = [observation] if isinstance(observation, str) else list(observation)
         if not messages:
             messages = [""]
         if self.template_type == "base":
             label = "User" if role == "user" else "Tool"
             return "".join(f"\n{label}: {m}" for m in messages) + "\nAssistant:"
-        pieces = _observation_frame(self.tokenizer, self.rendered_role(role), len(messages))
+        rendered = self.rendered_role(role)
+        if len(messages) > 1 and _frame_or_none(self.tokenizer, rendered, len(messages)) is None:
+            messages = ["\n".join(messages)]
+        pieces = _observation_frame(self.tokenizer, rendered, len(messages))
         before = pieces[0]
         end = self.end_of_turn
         if after_eos and end and before.startswith(end):
@@ -95,11 +99,28 @@ class ChatFormat:
     def messages_for_template(self, messages: Sequence[dict]) -> list[dict]:
         """`messages` as this template renders them, the way `prompt_text` and `rendered_role`
         adapt a conversation: each observation in the role the template has for it (else user),
-        a system message it refuses opening the first user message, and an assistant message's
+        observations in a row as one message, a line each, where the template cannot render them
+        in a row (as `observation_text`), a system message it refuses opening the first user
+        message, and an assistant message's
         `tool_calls` (arguments as objects) written into its content in the Hermes format
         `tools_text` asks for, where the template would drop them (Gemma, Phi-3, Qwen2)."""
-        out = [dict(m, role=self.rendered_role(m["role"])) if m.get("role") not in ("system", "user", "assistant")
-               else dict(m) for m in messages]
+        out: list[dict] = []
+        messages, i = list(messages), 0
+        while i < len(messages):
+            if messages[i].get("role") in ("system", "user", "assistant"):
+                out.append(dict(messages[i]))
+                i += 1
+                continue
+            # observations in a row (a tool result per call): as observation_text renders them
+            j = i
+            while j < len(messages) and messages[j].get("role") == messages[i].get("role"):
+                j += 1
+            run, role = messages[i:j], self.rendered_role(messages[i]["role"])
+            if len(run) > 1 and self.template_type != "base" and _frame_or_none(self.tokenizer, role, len(run)) is None:
+                out.append(dict(run[0], role=role, content="\n".join(m.get("content") or "" for m in run)))
+            else:
+                out.extend(dict(m, role=role) for m in run)
+            i = j
         if any(m.get("tool_calls") for m in out) and not renders_tool_calls(self.tokenizer):
             out = [_calls_as_text(m) if m.get("tool_calls") else m for m in out]
         if out and out[0].get("role") == "system" and not _renders_system(self.tokenizer):
