@@ -101,9 +101,9 @@ class ChatFormat:
         adapt a conversation: each observation in the role the template has for it (else user),
         observations in a row as one message, a line each, where the template cannot render them
         in a row (as `observation_text`), a system message it refuses opening the first user
-        message, and an assistant message's
-        `tool_calls` (arguments as objects) written into its content in the Hermes format
-        `tools_text` asks for, where the template would drop them (Gemma, Phi-3, Qwen2)."""
+        message, and an assistant message's `tool_calls` (arguments as objects) written into its
+        content in the Hermes format `tools_text` asks for, where the template would drop them
+        (Gemma, Phi-3, Qwen2)."""
         out: list[dict] = []
         messages, i = list(messages), 0
         while i < len(messages):
@@ -246,8 +246,8 @@ def tools_text(tools: Sequence[dict]) -> str:
 
 def renders_tool_calls(tokenizer) -> bool:
     """Whether the chat template writes an assistant message's `tool_calls` (their names show up)."""
-    def probe() -> bool:
-        call = {"type": "function", "id": "call_0",
+    def probe() -> bool:   # the id: nine alphanumerics, as Mistral's template demands (it raises on others)
+        call = {"type": "function", "id": "turnrl001",
                 "function": {"name": "turnrl_probe_tool", "arguments": {"turnrl_probe_argument": 1}}}
         try:
             text = tokenizer.apply_chat_template(
@@ -264,8 +264,9 @@ def _calls_as_text(message: dict) -> dict:
     <tool_call>{"name": ..., "arguments": {...}}</tool_call> each, as a model taught by
     `tools_text` writes them (and the `hermes` parser reads them)."""
     import json
-    calls = [f"<tool_call>\n{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']}, ensure_ascii=False)}\n</tool_call>"
+    calls = [json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]}, ensure_ascii=False)
              for c in message["tool_calls"]]
+    calls = [f"<tool_call>\n{call}\n</tool_call>" for call in calls]
     text = "\n".join(filter(None, [message.get("content") or "", *calls]))
     return {k: v for k, v in message.items() if k != "tool_calls"} | {"content": text}
 
