@@ -145,3 +145,19 @@ def test_turnrl_doctor_checks_a_checkpoint_folder(base, tmp_path, monkeypatch, c
     for name in ("template", "end_of_turn", "trajectory", "vllm", "hf", "logprobs", "zero2", "save", "rollout"):
         assert any(line.split()[:3] == ["OK", "model", name] for line in out.splitlines()), (name, out)
     assert "largest logprob gap" in out and "all checks passed" in out
+
+
+def test_the_template_check_says_how_tools_and_tool_calls_reach_the_template(base, tmp_path):
+    """A template with neither `tools=` nor `tool_calls` (the qwen2 miniature's) is told so; one
+    that renders both (the same template writing them the Hermes way) is told that instead."""
+    detail = _template_checks(base["qwen2"])["template"].detail
+    assert "no tools=: tools described in the system text" in detail and "no tool_calls: calls written" in detail
+    with_tools = CHATML.replace(
+        "{%- for message in messages %}",
+        "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- for t in tools %}{{- t | tojson }}{%- endfor %}"
+        "{{- '<|im_end|>\\n' }}{%- endif %}{%- for message in messages %}{%- if message.tool_calls %}"
+        "{%- for c in message.tool_calls %}{{- '<tool_call>' + c.function.name + '</tool_call>' }}{%- endfor %}"
+        "{%- endif %}", 1)
+    assert with_tools != CHATML
+    detail = _template_checks(_variant(base["qwen2"], tmp_path, template=with_tools))["template"].detail
+    assert "tools= rendered" in detail and "tool_calls rendered" in detail

@@ -54,6 +54,11 @@ def template_checks(tokenizer) -> tuple[list[Result], dict]:
         details.append("no tool role: tool observations go as user messages")
         status = "WARN"
         notes.append("tool results (code_tool, search) reach the model as user messages")
+    # informational: how an agent's or a conversation file's tools and calls reach this template
+    from turnrl.rollout.chat import renders_tool_calls, renders_tools
+    details.append("tools= rendered" if renders_tools(tokenizer) else "no tools=: tools described in the system text")
+    details.append("tool_calls rendered" if renders_tool_calls(tokenizer) else
+                   "no tool_calls: calls written into the content as <tool_call>{...}</tool_call> (hermes)")
     out.append(Result("template", status, "; ".join(details),
                       "" if status == "OK" else "nothing to do if this is how the model was trained (" +
                       "; ".join(notes) + "); otherwise give the template those roles"))
