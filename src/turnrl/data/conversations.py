@@ -77,27 +77,35 @@ def _conversation(record: Any, where: str, messages_field: str, tools_field: str
     if not isinstance(record, dict):
         raise MalformedDataError(f"{where}: a row must be an object with a {messages_field!r} list, "
                                  f"got {type(record).__name__}")
-    if arrow:
-        record = {k: v if isinstance(v, str) else _without_nulls(v, keep=("content",)) for k, v in record.items()}
     messages = _json_text(record.get(messages_field))   # a parquet column of JSON text (eval generations)
+    tools = _json_text(record.get(tools_field)) or []
+    if arrow and not isinstance(record.get(messages_field), str) and isinstance(messages, list):
+        messages = [_struct_message(m) if isinstance(m, dict) else m for m in messages]
+    if arrow and not isinstance(record.get(tools_field), str):
+        tools = _without_nulls(tools)
     if not isinstance(messages, list) or not messages:
         raise MalformedDataError(f"{where}: field {messages_field!r} must be a non-empty list of messages "
                                  f"(set sft.messages_field to the field that holds them); row keys: {sorted(record)[:8]}")
     for k, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise MalformedDataError(f"{where}: {messages_field}[{k}] must be an object with a role, got {m!r:.80}")
-    tools = _json_text(record.get(tools_field)) or []
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise MalformedDataError(f"{where}: field {tools_field!r} must be a list of OpenAI tool objects")
     return Conversation(messages=[dict(m) for m in messages], tools=[dict(t) for t in tools], where=where)
 
 
-def _without_nulls(value: Any, keep: tuple[str, ...] = ()) -> Any:
-    """`value` with every null-valued key of its objects dropped, at any depth (but `keep`'s)."""
+def _struct_message(message: dict) -> dict:
+    """A message read from Arrow structs: its null keys dropped at any depth, but its `content`
+    (an assistant's tool-call message has a null one, and templates read it)."""
+    return {k: v if k == "content" else _without_nulls(v) for k, v in message.items() if v is not None or k == "content"}
+
+
+def _without_nulls(value: Any) -> Any:
+    """`value` with every null-valued key of its objects dropped, at any depth."""
     if isinstance(value, dict):
-        return {k: _without_nulls(v, keep) for k, v in value.items() if v is not None or k in keep}
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
     if isinstance(value, list):
-        return [_without_nulls(v, keep) for v in value]
+        return [_without_nulls(v) for v in value]
     return value
 
 
