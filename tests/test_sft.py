@@ -107,7 +107,6 @@ def test_a_file_row_with_string_arguments_renders_as_the_model_writes_a_call(fmt
     assert fmt.tokenizer.decode(first_turn).startswith('<tool_call>\n{"name": "calculator"')
 
 
-
 def test_a_parquet_file_as_pandas_writes_one_trains_what_its_jsonl_twin_trains(fmt, rows, tmp_path):
     """Parquet of conversations as pandas or `datasets` write one: the messages a list of structs,
     so every message has every key (a user message's tool_calls and tool_call_id are null), here
@@ -130,6 +129,7 @@ def test_a_parquet_file_as_pandas_writes_one_trains_what_its_jsonl_twin_trains(f
     for a, b in zip(from_parquet, from_jsonl, strict=True):
         (sa,), (sb,) = conversation_samples(a, fmt, 4096).samples, conversation_samples(b, fmt, 4096).samples
         assert (sa.prompt_ids, sa.response_ids, sa.loss_mask) == (sb.prompt_ids, sb.response_ids, sb.loss_mask)
+
 
 def test_a_long_conversation_is_cut_at_the_right_and_counted(fmt, rows):
     from turnrl.gateway.conversations import conversation_samples
