@@ -26,7 +26,7 @@ def _template_error(exc: Exception) -> str:
 def template_checks(tokenizer) -> tuple[list[Result], dict]:
     """The chat template's static checks: generation prompt, system role, observation roles,
     end-of-turn token. Returns the results and what they found (for the later checks)."""
-    from turnrl.rollout.chat import ChatFormat
+    from turnrl.rollout.chat import ChatFormat, renders_tool_calls, renders_tools
     found: dict[str, Any] = {}
     out: list[Result] = []
     if not getattr(tokenizer, "chat_template", None):
@@ -55,7 +55,6 @@ def template_checks(tokenizer) -> tuple[list[Result], dict]:
         status = "WARN"
         notes.append("tool results (code_tool, search) reach the model as user messages")
     # informational: how an agent's or a conversation file's tools and calls reach this template
-    from turnrl.rollout.chat import renders_tool_calls, renders_tools
     details.append("tools= rendered" if renders_tools(tokenizer) else "no tools=: tools described in the system text")
     details.append("tool_calls rendered" if renders_tool_calls(tokenizer) else
                    "no tool_calls: calls written into the content as <tool_call>{...}</tool_call> (hermes)")
