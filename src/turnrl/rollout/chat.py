@@ -32,6 +32,7 @@ the frame around one, so consecutive tool messages render as the template groups
 from __future__ import annotations
 
 import weakref
+from itertools import groupby
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -80,8 +81,7 @@ class ChatFormat:
             label = "User" if role == "user" else "Tool"
             return "".join(f"\n{label}: {m}" for m in messages) + "\nAssistant:"
         rendered = self.rendered_role(role)
-        if len(messages) > 1 and _frame_or_none(self.tokenizer, rendered, len(messages)) is None:
-            messages = ["\n".join(messages)]
+        messages = _in_a_row(self.tokenizer, rendered, messages)
         pieces = _observation_frame(self.tokenizer, rendered, len(messages))
         before = pieces[0]
         end = self.end_of_turn
@@ -105,22 +105,20 @@ class ChatFormat:
         content in the Hermes format `tools_text` asks for, where the template would drop them
         (Gemma, Phi-3, Qwen2)."""
         out: list[dict] = []
-        messages, i = list(messages), 0
-        while i < len(messages):
-            if messages[i].get("role") in ("system", "user", "assistant"):
-                out.append(dict(messages[i]))
-                i += 1
+        for role, run in groupby(messages, key=lambda m: m.get("role")):
+            run = [dict(m) for m in run]
+            if role in ("system", "user", "assistant"):
+                out += run
                 continue
             # observations in a row (a tool result per call): as observation_text renders them
-            j = i
-            while j < len(messages) and messages[j].get("role") == messages[i].get("role"):
-                j += 1
-            run, role = messages[i:j], self.rendered_role(messages[i]["role"])
-            if len(run) > 1 and self.template_type != "base" and _frame_or_none(self.tokenizer, role, len(run)) is None:
-                out.append(dict(run[0], role=role, content="\n".join(m.get("content") or "" for m in run)))
+            rendered = self.rendered_role(role)
+            contents = [m.get("content") or "" for m in run]
+            if self.template_type != "base":
+                contents = _in_a_row(self.tokenizer, rendered, contents)
+            if len(contents) < len(run):
+                out.append(dict(run[0], role=rendered, content=contents[0]))
             else:
-                out.extend(dict(m, role=role) for m in run)
-            i = j
+                out += [dict(m, role=rendered) for m in run]
         if any(m.get("tool_calls") for m in out) and not renders_tool_calls(self.tokenizer):
             out = [_calls_as_text(m) if m.get("tool_calls") else m for m in out]
         if out and out[0].get("role") == "system" and not _renders_system(self.tokenizer):
@@ -211,6 +209,14 @@ def _probe_frame(tokenizer, role: str, count: int) -> tuple[str, ...] | None:
         piece, tail = tail.split(m, 1)
         pieces.append(piece)
     return tuple(pieces) + (tail,) if pieces else None
+
+
+def _in_a_row(tokenizer, role: str, contents: list[str]) -> list[str]:
+    """Observations meant to follow each other in `role`: as they are, or one message, a line
+    each, where the template cannot render them in a row (it needs the roles to alternate)."""
+    if len(contents) > 1 and _frame_or_none(tokenizer, role, len(contents)) is None:
+        return ["\n".join(contents)]
+    return contents
 
 
 def _observation_frame(tokenizer, role: str, count: int = 1) -> tuple[str, ...]:
