@@ -222,6 +222,7 @@ def test_fine_tuning_on_a_conversation_file_lowers_the_loss_and_the_model_loads(
     from turnrl.training.loop import collate
     data = write_jsonl(tmp_path / "chat.jsonl", [tool_conversation(r) for r in rows[:60]])
     cfg = Config.model_validate({"sft": {"data": str(data), "steps": 20, "batch_size": 8, "lr": 3e-3,
+                                         "warmup_steps": 2, "lr_schedule": "cosine", "min_lr_ratio": 0.1,
                                          "heldout_fraction": 0.05, "eval_every": 10},
                                  "cluster": {"num_cpus": 2}})
     out = tmp_path / "sft"
@@ -236,6 +237,8 @@ def test_fine_tuning_on_a_conversation_file_lowers_the_loss_and_the_model_loads(
     assert summary["heldout_loss_last"] < 0.5 * summary["heldout_loss_start"], summary
     assert [m["step"] for m in logged if "heldout_loss" in m] == [0, 10, 20]   # 0: before the first update
     assert all(m["tokens_per_s"] > 0 for m in logged[1:])
+    from turnrl.training.workers import lr_factor   # sft's own schedule over its 20 steps
+    assert [m["lr"] for m in logged[1:]] == pytest.approx([3e-3 * lr_factor(k, 2, 20, "cosine", 0.1) for k in range(20)])
 
     from transformers import AutoTokenizer
     from turnrl.gateway.conversations import conversation_samples

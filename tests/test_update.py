@@ -45,6 +45,17 @@ def test_packed_weights_come_back_bit_identical_whatever_the_dtype_and_shape():
         assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
 
 
+def test_the_learning_rate_warms_up_then_follows_its_schedule_to_the_floor():
+    from turnrl.training.workers import lr_factor
+    assert [lr_factor(k, 2, 10, "constant", 0.0) for k in range(4)] == pytest.approx([1 / 3, 2 / 3, 1, 1])
+    assert [lr_factor(k, 0, 4, "linear", 0.0) for k in range(4)] == pytest.approx([1, 0.75, 0.5, 0.25])
+    # cosine to a floor of 0.1 over 4 steps after a warmup of 2: halfway down at its third step
+    cosine = [lr_factor(k, 2, 6, "cosine", 0.1) for k in range(6)]
+    assert cosine[:3] == pytest.approx([1 / 3, 2 / 3, 1.0])
+    assert cosine[4] == pytest.approx(0.1 + 0.9 * 0.5) and cosine[5] == pytest.approx(0.1 + 0.9 * (1 + math.cos(0.75 * math.pi)) / 2)
+    assert lr_factor(99, 2, 6, "cosine", 0.1) == pytest.approx(0.1)   # a resume with more steps stays at the floor
+
+
 class Counting:
     """Counts calls of a worker's no-grad scoring methods."""
 
@@ -69,7 +80,8 @@ def workers(tiny_model_dir):
     takes the on-policy shortcut, the other is handed the old and reference logprobs of the
     whole batch (what a separate forward returns: the path of several epochs or mini-batches)."""
     from turnrl.training.workers import PolicyWorker, TrainerParams, combine_rank_stats
-    cfg = Config.model_validate({"train": {"lr": 1e-2}, "algorithm": {"kl_coef": 0.05, "entropy_coef": 0.01}})
+    cfg = Config.model_validate({"train": {"lr": 1e-2, "steps": 4, "lr_schedule": "linear"},
+                                 "algorithm": {"kl_coef": 0.05, "entropy_coef": 0.01}})
     out = {}
     for name in ("shortcut", "handed_in"):
         worker = PolicyWorker(str(tiny_model_dir), TrainerParams.of(cfg), master_port=_port())
@@ -106,6 +118,15 @@ def test_shortcut_and_handed_in_logprobs_give_the_same_update_and_stats(workers,
             assert sa[key] == pytest.approx(sb[key], rel=1e-5, abs=1e-7), key
         assert sa["logp_gap_max"] == pytest.approx(0.01, abs=1e-5)    # the gap put into engine_logprobs
     assert abs(a["stats"][0]["kl_ref"]) < 1e-7 < a["stats"][1]["kl_ref"]
+    # train.lr_schedule linear over train.steps 4: DeepSpeed stepped the schedule at each update
+    assert [st["lr"] for st in a["stats"]] == pytest.approx([1e-2, 0.75e-2])
+
+
+def test_a_run_s_optimizer_steps_are_its_steps_epochs_and_mini_batches():
+    """What a decaying learning rate spreads over (sft: one optimizer step per sft step)."""
+    from turnrl.training.workers import TrainerParams
+    cfg = Config.model_validate({"train": {"steps": 3}, "algorithm": {"epochs": 2, "mini_batches": 4}})
+    assert TrainerParams.of(cfg).optimizer_steps == 24
 
 
 @pytest.mark.slow

@@ -15,6 +15,10 @@ class ConfigError(ValueError):
     """A params.yaml problem; the message says which key and how to fix it."""
 
 
+# The learning rate after its warmup (train.lr_schedule, sft.lr_schedule).
+LrSchedule = Literal["constant", "linear", "cosine"]
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(),
                               allow_inf_nan=False)  # .inf / .nan are never a sensible value here
@@ -135,6 +139,9 @@ class SftCfg(_Section):
     batch_size: int = Field(16, gt=0, description="conversation samples per optimizer step (drawn with replacement)")
     lr: float = Field(1e-5, gt=0, description="learning rate (AdamW, linear warmup over warmup_steps)")
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warmup over N optimizer steps; 0: none")
+    lr_schedule: LrSchedule = Field("constant", description=(
+        "after the warmup: constant, or a linear or cosine decay to min_lr_ratio x lr at the last of sft.steps"))
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="lr_schedule linear/cosine: the floor, a fraction of lr")
     max_length: int = Field(4096, gt=0, description=(
         "the most tokens of one sample: a longer conversation is cut at the right (its later turns dropped, counted "
         "as truncated); an assistant message that alone does not fit is an error naming its row"))
@@ -668,6 +675,10 @@ class TrainCfg(_Section):
         "instead of their sum, and the update is one step off-policy (its batch was sampled by the weights "
         "before the previous update; the importance ratio is taken to the engine's sampling logprobs)"))
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warmup over N optimizer steps; 0: none")
+    lr_schedule: LrSchedule = Field("constant", description=(
+        "after the warmup: constant, or a linear or cosine decay to min_lr_ratio x lr at the last optimizer step "
+        "(train.steps x algorithm.epochs x algorithm.mini_batches); the critic's too"))
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="lr_schedule linear/cosine: the floor, a fraction of lr")
     mask_truncated: bool = Field(False, description=(
         "leave trajectories a token budget cut (finish truncated or token_budget) out of the loss: a cut-off "
         "answer is not trained on as a wrong one. They still count in their group's reward statistics; counted "

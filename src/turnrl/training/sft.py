@@ -30,13 +30,16 @@ def fine_tune(cfg: Config, model_dir: str, train: list[Trajectory], heldout: lis
     """`cfg.sft.steps` optimizer steps of `cfg.sft.batch_size` samples drawn (seeded, with
     replacement) from `train`, the held-out loss on all of `heldout` every sft.eval_every steps
     and at the last; the model saved to `out_dir` (an HF folder; with LoRA the merged model and
-    its adapter/ folder). Returns every step's metrics: loss, tokens_per_s, grad_norm, and
+    its adapter/ folder). Returns every step's metrics: loss, tokens_per_s, grad_norm, lr, and
     heldout_loss where it was measured (and at step 0, before the first update)."""
     from turnrl.training.cluster import start_ray, start_trainer_ranks
     from turnrl.training.workers import TrainerParams
     spec = cfg.sft
-    params = TrainerParams(seed=cfg.seed, model=cfg.model, algorithm=cfg.algorithm,
-                           train=cfg.train.model_copy(update={"lr": spec.lr, "warmup_steps": spec.warmup_steps}))
+    # One optimizer step per sft step, at sft's own rate and schedule.
+    params = TrainerParams(
+        seed=cfg.seed, model=cfg.model, algorithm=cfg.algorithm.model_copy(update={"epochs": 1, "mini_batches": 1}),
+        train=cfg.train.model_copy(update={"steps": spec.steps, "lr": spec.lr, "warmup_steps": spec.warmup_steps,
+                                           "lr_schedule": spec.lr_schedule, "min_lr_ratio": spec.min_lr_ratio}))
     start_ray(cfg)
     group, placement = start_trainer_ranks(cfg, model_dir, params, reference=False)
     rng = random.Random(f"{cfg.seed}:sft")
@@ -55,7 +58,7 @@ def fine_tune(cfg: Config, model_dir: str, train: list[Trajectory], heldout: lis
             seconds = time.perf_counter() - start
             metrics = {"step": step, "loss": sum(s["loss"] for s in shares),
                        "tokens_per_s": sum(s["tokens"] for s in shares) / seconds,
-                       "grad_norm": max(s["grad_norm"] for s in shares), "step_s": seconds}
+                       "grad_norm": max(s["grad_norm"] for s in shares), "lr": shares[0]["lr"], "step_s": seconds}
             if heldout and (step == spec.steps or (spec.eval_every and step % spec.eval_every == 0)):
                 metrics["heldout_loss"] = heldout_loss(group, heldout, spec.batch_size, pad_id)
             history.append(metrics)

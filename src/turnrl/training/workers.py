@@ -22,6 +22,7 @@ are built from live beside this module, and their names stay importable from her
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import random
@@ -71,6 +72,11 @@ class TrainerParams:
     def of(cls, cfg: Config) -> "TrainerParams":
         return cls(seed=cfg.seed, model=cfg.model, algorithm=cfg.algorithm, train=cfg.train)
 
+    @property
+    def optimizer_steps(self) -> int:
+        """The run's optimizer steps: each training step's epochs x mini-batches."""
+        return self.train.steps * self.algorithm.epochs * self.algorithm.mini_batches
+
 
 @dataclass(frozen=True)
 class RolloutParams:
@@ -87,8 +93,20 @@ class RolloutParams:
 
 
 # --------------------------------------------------------------------------- DeepSpeed ranks
+def lr_factor(k: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
+    """The learning rate's multiple at optimizer step `k` (0-based) of `total`: a linear warmup
+    over the first `warmup` steps, then `schedule` (constant; linear or cosine from 1 down
+    towards `min_ratio`, which the step after the last would reach)."""
+    ramp = min(1.0, (k + 1) / (warmup + 1))
+    if schedule == "constant":
+        return ramp
+    progress = min(1.0, max(0.0, (k - warmup) / max(1, total - warmup)))
+    decay = 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return ramp * (min_ratio + (1.0 - min_ratio) * decay)
+
+
 def _deepspeed_engine(model: torch.nn.Module, train: TrainCfg, dtype: str, lr: float, rank: int, world_size: int,
-                      master_addr: str, master_port: int):
+                      master_addr: str, master_port: int, optimizer_steps: int):
     """`model` wrapped in a DeepSpeed engine (ZeRO stage from params) in this process's group:
     gloo on CPU, NCCL on GPUs (each rank's actor sees its own GPU as device 0)."""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size),
@@ -100,10 +118,11 @@ def _deepspeed_engine(model: torch.nn.Module, train: TrainCfg, dtype: str, lr: f
     # what trains (with LoRA: the adapters; the base weights are frozen and get no optimizer state).
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
                                   weight_decay=train.weight_decay, betas=(0.9, 0.99))
-    # Linear warmup over optimizer steps (a factor of 1 throughout with warmup_steps 0); its
-    # state is part of every checkpoint.
-    warmup = train.warmup_steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / (warmup + 1)))
+    # Warmup, then train.lr_schedule over the run's `optimizer_steps`; the scheduler's state is
+    # part of every checkpoint.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
+        lr_factor, warmup=train.warmup_steps, total=optimizer_steps, schedule=train.lr_schedule,
+        min_ratio=train.min_lr_ratio))
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,   # we pass whole mini-batches; see train()
         "gradient_accumulation_steps": 1,
@@ -276,7 +295,7 @@ class PolicyWorker(_TrainerRank):
             model = lora_model(model, self.lora, self.params.seed)
             self.frozen_base = True
         self.engine = _deepspeed_engine(model, params.train, params.model.dtype, params.train.lr, rank, world_size,
-                                        master_addr, master_port)
+                                        master_addr, master_port, params.optimizer_steps)
         self.zero_stage = self.params.train.zero_stage
         # The frozen starting policy: KL to it is reported every step and, with
         # algorithm.kl_coef > 0, added to the loss. Loaded once; it only computes logprobs.
@@ -370,7 +389,7 @@ class PolicyWorker(_TrainerRank):
             mb = {k: v[mine] for k, v in {**batch, **scored}.items()}
             # this mini-batch's stats: its micro-batches' (weighted by their share) add up, maxima are taken
             mb_sums: dict[str, float] = {}
-            mb_maxes: dict[str, float] = {}
+            mb_maxes: dict[str, float] = {"lr": self.engine.get_lr()[0]}   # this optimizer step's rate
             for micro, weight, token_weight, last in self._micro_steps(mb, mask[chunk], alg.loss_agg):
                 logits = self._forward(micro)
                 logp = token_logprobs(logits, micro["input_ids"])
@@ -421,6 +440,7 @@ class PolicyWorker(_TrainerRank):
                              "raise sft.batch_size")
         rows = {k: v[mine] for k, v in batch.items()}
         self.engine.train(update)
+        lr = self.engine.get_lr()[0]   # the rate this step updates at
         total = 0.0
         with torch.set_grad_enabled(update):
             for micro, weight, _, last in self._micro_steps(rows, mask, "token-mean"):
@@ -429,7 +449,7 @@ class PolicyWorker(_TrainerRank):
                     self._accumulate(loss, last)
                 total += loss.item()
         grad_norm = float(self.engine.get_global_grad_norm() or 0.0) if update else 0.0
-        return {"loss": total, "tokens": float(rows["loss_mask"].sum()), "grad_norm": grad_norm}
+        return {"loss": total, "tokens": float(rows["loss_mask"].sum()), "grad_norm": grad_norm, "lr": lr}
 
     def _sampling_stats(self, logp: torch.Tensor, ref_logp: torch.Tensor, engine_logp: torch.Tensor,
                         mask: torch.Tensor, gap_mask: torch.Tensor | None = None,
@@ -568,7 +588,7 @@ class CriticWorker(_TrainerRank):
         model = AutoModelForTokenClassification.from_pretrained(
             model_dir, num_labels=1, dtype=getattr(torch, self.params.model.dtype))
         self.engine = _deepspeed_engine(model, params.train, params.model.dtype, params.algorithm.critic_lr, rank,
-                                        world_size, master_addr, master_port)
+                                        world_size, master_addr, master_port, params.optimizer_steps)
 
     def _values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         out = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[..., 0]
