@@ -38,7 +38,8 @@ sample each at T=1), through `dvc exp run` as a user runs it:
   the student seldom calls the tool and few of GRPO's groups hold a success; `opd_topk_mb8_rare`:
   opd_topk_mb8 from those warm starts; `grpo_rare_every1_e256`, `opd_topk_mb8_rare_every1_e256`:
   grpo_rare and opd_topk_mb8_rare with the curve measured at every step on 256 problems
-  (`train.eval_every=1`, `train.eval_examples=256`).
+  (`train.eval_every=1`, `train.eval_examples=256`); `opd_topk_mb8_cosine_rare_every1_e256`: the latter
+  with its rate decaying (`train.lr_schedule=cosine`, `train.min_lr_ratio=0.1`).
 
     python benchmarks/distill.py                       # teacher, then rows x seeds 0 1 2 -> benchmarks/DISTILL.md
     python benchmarks/distill.py --rows grpo opd --seeds 0
@@ -81,7 +82,8 @@ PAIRS = [("opd", "grpo"), ("opd_lr4x", "grpo"), ("opd_lr4x", "grpo_lr4x"), ("opd
          ("opd_topk_only_mb16_e256", "grpo_e256"),
          ("opd_topk_mb16", "grpo"), ("opd_top20_mb8", "grpo"), ("opd_topk_w4_mb4", "grpo"),
          ("opd_rare", "grpo_rare"), ("opd_topk_mb8_rare", "grpo_rare"),
-         ("opd_topk_mb8_rare_every1_e256", "grpo_rare_every1_e256")]
+         ("opd_topk_mb8_rare_every1_e256", "grpo_rare_every1_e256"),
+         ("opd_topk_mb8_cosine_rare_every1_e256", "grpo_rare_every1_e256")]
 RARE = "model.warmstart.good_fraction=0.05"   # the rarer-reward rows' warm start (params.yaml: 0.3)
 
 
@@ -154,6 +156,10 @@ def rows(work: Path) -> list[Row]:
         # grpo_rare and opd_topk_mb8_rare with the curve measured at every step on 256 problems
         Row("grpo_rare_every1_e256", "code_tool", "grpo", sets=rare_fine),
         Row("opd_topk_mb8_rare_every1_e256", "code_tool", "opd", sets=[*rare_fine, *topk, "algorithm.mini_batches=8"]),
+        # that with the rate decaying (cosine, to a tenth over the run's 160 optimizer steps): whether the
+        # eight-step rows' swings after the bar are the rate's
+        Row("opd_topk_mb8_cosine_rare_every1_e256", "code_tool", "opd", sets=[
+            *rare_fine, *topk, "algorithm.mini_batches=8", "train.lr_schedule=cosine", "train.min_lr_ratio=0.1"]),
     ]
 
 
