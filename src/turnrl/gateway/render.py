@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 from turnrl.envs.tools.parsers import ParsedTurn
 from turnrl.rollout.chat import ChatFormat, renders_tools, tools_text
@@ -55,8 +55,9 @@ def text_of(content: Any) -> str:
     raise BadRequest(f"content must be a string or a list of content parts, not {type(content).__name__}")
 
 
-def _template_call(call: Any) -> dict:
-    """An OpenAI tool call as chat templates take it: arguments as an object, not a JSON string."""
+def _template_call(call: Any, default_id: str) -> dict:
+    """An OpenAI tool call as chat templates take it: arguments as an object, not a JSON string;
+    `default_id` where it has none."""
     if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
         raise BadRequest(f"a tool call must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}, "
                          f"got {call!r:.120}")
@@ -70,15 +71,18 @@ def _template_call(call: Any) -> dict:
             function["arguments"] = json.loads(arguments) if arguments.strip() else {}
         except json.JSONDecodeError as exc:
             raise BadRequest(f"tool call {function.get('name')!r}: arguments are not valid JSON ({exc.msg})") from None
-    return {"type": "function", "id": call.get("id"), "function": function}
+    return {"type": "function", "id": str(call["id"]) if call.get("id") is not None else default_id, "function": function}
 
 
 def normalize_messages(messages: Any) -> list[dict]:
     """The request's messages checked and in the shape chat templates take (string content,
-    tool calls with object arguments); BadRequest naming the message that is wrong."""
+    tool calls with object arguments); BadRequest naming the message that is wrong. A call
+    without an id gets one from its place (`call_<message>_<k>`), a tool result without a
+    `tool_call_id` the id of the call it answers: the last assistant message's calls, in order."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("`messages` must be a non-empty list of {role, content} objects")
     out = []
+    unanswered: list[str] = []
     for k, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
             raise BadRequest(f"messages[{k}]: must be an object whose role is system, developer, user, assistant "
@@ -86,9 +90,12 @@ def normalize_messages(messages: Any) -> list[dict]:
         role = "system" if m["role"] == "developer" else m["role"]
         message = {"role": role, "content": text_of(m.get("content"))}
         if role == "assistant" and m.get("tool_calls"):
-            message["tool_calls"] = [_template_call(c) for c in m["tool_calls"]]
-        if role == "tool" and m.get("tool_call_id") is not None:
-            message["tool_call_id"] = m["tool_call_id"]
+            message["tool_calls"] = [_template_call(c, f"call_{k}_{j}") for j, c in enumerate(m["tool_calls"])]
+            unanswered = [c["id"] for c in message["tool_calls"]]
+        if role == "tool":
+            given = m.get("tool_call_id")
+            message["tool_call_id"] = str(given) if given is not None else (unanswered[0] if unanswered else f"call_{k}")
+            unanswered = [i for i in unanswered if i != message["tool_call_id"]]
         if m.get("name"):
             message["name"] = m["name"]
         out.append(message)
@@ -124,16 +131,26 @@ class Renderer:
             if match is None:
                 marked.append(m)
             else:
-                marked.append({"role": "assistant", "content": _MARK.format(len(spliced))})
-                spliced.append(match)
+                spliced.append((match, len(marked)))
+                marked.append({"role": "assistant", "content": _MARK.format(len(spliced) - 1)})
         text = self.render(marked, tools)
         ids: list[int] = []
-        for k, p in enumerate(spliced):
+        seen = ""   # the rendered text up to here, marks included
+        for k, (p, at) in enumerate(spliced):
             before, _, text = text.partition(_MARK.format(k))
+            seen += before
+            if before[-1:].isspace():
+                # a template that writes a space before an assistant's content (Mistral v0.3, Llama 2):
+                # the sampled ids followed the generation prompt, which has none
+                asked = self.render(marked[:at], tools)
+                if len(seen) > len(asked) and seen.rstrip() == asked.rstrip():
+                    before = before[:len(before) - (len(seen) - len(asked))]
+            seen += _MARK.format(k)
             ids += self.fmt.encode(before) + list(p.completion_ids)
             end = self.fmt.end_of_turn
             if self.fmt.ends_turn(p.completion_ids) and end and text.startswith(end):
                 text = text[len(end):]   # the sampled ids already close the message
+                seen += end
         return ids + self.fmt.encode(text)
 
     def render(self, messages: list[dict], tools: Sequence[dict] | None) -> str:
@@ -153,18 +170,31 @@ class Renderer:
         except Exception as exc:   # jinja2's TemplateError: roles out of order, a role it refuses
             raise BadRequest(f"the model's chat template cannot render these messages: {exc}") from None
 
-    def answer(self, completion_ids: Sequence[int], *, parse_tools: bool, call_id: Callable[[int], str]) -> dict:
+    def answer(self, completion_ids: Sequence[int], *, parse_tools: bool, call_id: Callable[[int], str],
+               taken_ids: Collection[str] = ()) -> dict:
         """The assistant message of sampled ids: content, and `tool_calls` parsed from the
-        model's own format when the request offered tools (a botched call stays in the content)."""
-        text = self.fmt.tokenizer.decode(list(completion_ids), skip_special_tokens=True)
+        model's own format when the request offered tools (a botched call stays in the content).
+        A call's id is the one the model wrote (Mistral v0.3's format) unless it is missing or
+        in `taken_ids` (the episode's earlier calls'), else `call_id(k)` for the turn's k-th call."""
+        tokenizer = self.fmt.tokenizer
+        text = tokenizer.decode(list(completion_ids), skip_special_tokens=True)
         if not parse_tools:
             return {"role": "assistant", "content": text}
-        turn = self.parser(text)
+        # the parser reads the turn with its special tokens (Mistral's [TOOL_CALLS] is one), not
+        # the ones that close it (eos, end of turn), as the `tools` environment's rollouts read it
+        ids, specials = list(completion_ids), set(getattr(tokenizer, "all_special_ids", []))
+        while ids and ids[-1] in specials:
+            ids.pop()
+        turn = self.parser(tokenizer.decode(ids, skip_special_tokens=False))
         if not turn.calls or turn.errors:
             return {"role": "assistant", "content": text}
-        calls = [{"id": call_id(k), "type": "function",
-                  "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
-                 for k, c in enumerate(turn.calls)]
+        taken = set(taken_ids)
+        calls = []
+        for k, c in enumerate(turn.calls):
+            own = c.id if c.id and c.id not in taken else call_id(k)
+            taken.add(own)
+            calls.append({"id": own, "type": "function",
+                          "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}})
         return {"role": "assistant", "content": turn.content or None, "tool_calls": calls}
 
 

@@ -411,8 +411,10 @@ class Gateway:
             for k, (sample, version) in enumerate(results):
                 index = len(episode.calls)
                 call_ref = f"{completion_id}-{k}" if k else completion_id   # choice k > 0 of n: the id + "-k"
+                taken = [c["id"] for p in episode.produced for c in p.message.get("tool_calls") or []]
                 message = self.renderer.answer(sample.token_ids, parse_tools=meta["parse_tools"],
-                                               call_id=lambda j, i=index: f"call_{episode.key[-8:]}_{i}_{j}")
+                                               call_id=lambda j, i=index: f"call_{episode.key[-8:]}_{i}_{j}",
+                                               taken_ids=taken)
                 finish = "length" if sample.finish == "length" else ("tool_calls" if message.get("tool_calls") else "stop")
                 text = self.renderer.fmt.tokenizer.decode(sample.token_ids, skip_special_tokens=False)
                 episode.calls.append(Call(index=index, prompt_ids=list(prompt_ids), completion_ids=list(sample.token_ids),

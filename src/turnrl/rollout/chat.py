@@ -31,6 +31,9 @@ the frame around one, so consecutive tool messages render as the template groups
 """
 from __future__ import annotations
 
+import hashlib
+import re
+import string
 import weakref
 from itertools import groupby
 from dataclasses import dataclass
@@ -103,7 +106,8 @@ class ChatFormat:
         in a row (as `observation_text`), a system message it refuses opening the first user
         message, and an assistant message's `tool_calls` (arguments as objects) written into its
         content in the Hermes format `tools_text` asks for, where the template would drop them
-        (Gemma, Phi-3, Qwen2)."""
+        (Gemma, Phi-3, Qwen2); tool-call ids rewritten to nine alphanumerics where the template
+        refuses others (Mistral v0.3), the same id for a call and its result."""
         out: list[dict] = []
         for role, run in groupby(messages, key=lambda m: m.get("role")):
             run = [dict(m) for m in run]
@@ -121,6 +125,8 @@ class ChatFormat:
                 out += [dict(m, role=rendered) for m in run]
         if any(m.get("tool_calls") for m in out) and not renders_tool_calls(self.tokenizer):
             out = [_calls_as_text(m) if m.get("tool_calls") else m for m in out]
+        if any(m.get("tool_calls") or m.get("role") == "tool" for m in out) and _wants_nine_char_ids(self.tokenizer):
+            out = _with_nine_char_ids(out)
         if out and out[0].get("role") == "system" and not _renders_system(self.tokenizer):
             system, out = out[0], out[1:]
             first = next((m for m in out if m.get("role") == "user"), None)
@@ -196,7 +202,10 @@ def _frame_or_none(tokenizer, role: str, count: int = 1) -> tuple[str, ...] | No
 def _probe_frame(tokenizer, role: str, count: int) -> tuple[str, ...] | None:
     marks = [_obs_mark(k) for k in range(count)]
     base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _ASSISTANT}]
-    with_obs = base + [{"role": role, "content": m} for m in marks]
+    # a tool result answers a call: an id as every template takes it (Mistral v0.3's refuses none
+    # or any but nine alphanumerics)
+    answers = {"tool_call_id": "turnrl001"} if role == "tool" else {}
+    with_obs = base + [{"role": role, "content": m, **answers} for m in marks]
     try:
         full = tokenizer.apply_chat_template(with_obs, tokenize=False, add_generation_prompt=True)
     except Exception:   # jinja2's TemplateError from raise_exception(...), or the template's own bug
@@ -275,6 +284,46 @@ def _calls_as_text(message: dict) -> dict:
     calls = [f"<tool_call>\n{call}\n</tool_call>" for call in calls]
     text = "\n".join(filter(None, [message.get("content") or "", *calls]))
     return {k: v for k, v in message.items() if k != "tool_calls"} | {"content": text}
+
+
+def _wants_nine_char_ids(tokenizer) -> bool:
+    """Whether the template renders a call and its result with a nine-alphanumeric id but
+    refuses another id (Mistral v0.3's raises "Tool call IDs should be alphanumeric strings
+    with length 9!")."""
+    def renders(call_id: str) -> bool:
+        call = {"type": "function", "id": call_id, "function": {"name": "turnrl_probe_tool", "arguments": {}}}
+        try:
+            tokenizer.apply_chat_template([{"role": "user", "content": "q"},
+                                           {"role": "assistant", "content": "", "tool_calls": [call]},
+                                           {"role": "tool", "tool_call_id": call_id, "content": "r"}], tokenize=False)
+        except Exception:
+            return False
+        return True
+    return _probed(tokenizer, ("call_ids",), lambda: renders("turnrl001") and not renders("call_turnrl_probe"))
+
+
+_NINE_ALNUM = re.compile(r"[A-Za-z0-9]{9}")
+_ALNUM = string.ascii_letters + string.digits
+
+
+def nine_char_id(call_id: str) -> str:
+    """`call_id` as nine alphanumerics: itself if it is, else a digest of it (the same id gives
+    the same digest in every render, so a conversation's prefix renders alike call after call)."""
+    if _NINE_ALNUM.fullmatch(call_id):
+        return call_id
+    return "".join(_ALNUM[b % len(_ALNUM)] for b in hashlib.sha256(call_id.encode()).digest()[:9])
+
+
+def _with_nine_char_ids(messages: list[dict]) -> list[dict]:
+    """Every call's id and every result's `tool_call_id` as nine alphanumerics (`nine_char_id`)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = dict(m, tool_calls=[dict(c, id=nine_char_id(str(c.get("id")))) for c in m["tool_calls"]])
+        elif m.get("role") == "tool":
+            m = dict(m, tool_call_id=nine_char_id(str(m.get("tool_call_id"))))
+        out.append(m)
+    return out
 
 
 def _renders_system(tokenizer) -> bool:

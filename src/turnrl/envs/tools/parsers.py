@@ -4,7 +4,7 @@
              (Qwen 2.5 / 3, Hermes, the embedded tiny model)
     llama3   the turn is a JSON object {"name": ..., "parameters": {...}} (after an optional
              <|python_tag|>), several separated by ";" (Llama 3.1 / 3.2 JSON tool calling)
-    mistral  [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...] or [TOOL_CALLS]name[ARGS]{...}
+    mistral  [TOOL_CALLS][{"name": ..., "arguments": {...}, "id": ...}, ...] or [TOOL_CALLS]name[ARGS]{...}
     module:function   your own: text -> ParsedTurn (or a list of {"name", "arguments"} dicts)
 
 A botched call is never an exception: it becomes a string saying why it is not a call, which
@@ -24,6 +24,7 @@ from turnrl.plugins import PluginError, is_import_path, load_object
 class ToolCall:
     name: str
     arguments: dict
+    id: str | None = None   # the call's id where the model writes one (Mistral v0.3's format)
 
 
 @dataclass
@@ -63,7 +64,8 @@ def _as_call(obj: Any, arguments_key: str = "arguments") -> ToolCall | str:
         args = {}
     if not isinstance(args, dict):
         return f"the arguments of {name} must be a JSON object, not {type(args).__name__}"
-    return ToolCall(name.strip(), args)
+    call_id = obj.get("id")
+    return ToolCall(name.strip(), args, call_id if isinstance(call_id, str) and call_id else None)
 
 
 def _loads(body: str) -> tuple[Any, str | None]:
