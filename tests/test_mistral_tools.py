@@ -133,3 +133,11 @@ def test_a_tools_rollout_s_results_are_rendered_in_the_tool_format(fmt):
     assert fmt.rendered_role("tool") == "tool"
     text = fmt.observation_text(["42", "6"], "tool", after_eos=True)
     assert text.count("[TOOL_RESULTS]") == 2 and "[INST]" not in text and '"42"' in text
+
+
+def test_the_doctor_says_how_call_ids_reach_the_template(fmt):
+    from turnrl.models.template_checks import template_checks
+    results, _ = template_checks(fmt.tokenizer)
+    (template,) = [r for r in results if r.name == "template"]
+    assert "tool observations in the tool role" in template.detail and "tool_calls rendered" in template.detail
+    assert "call ids of nine alphanumerics only" in template.detail

@@ -26,7 +26,7 @@ def _template_error(exc: Exception) -> str:
 def template_checks(tokenizer) -> tuple[list[Result], dict]:
     """The chat template's static checks: generation prompt, system role, observation roles,
     end-of-turn token. Returns the results and what they found (for the later checks)."""
-    from turnrl.rollout.chat import ChatFormat, renders_tool_calls, renders_tools
+    from turnrl.rollout.chat import ChatFormat, renders_tool_calls, renders_tools, wants_nine_char_ids
     found: dict[str, Any] = {}
     out: list[Result] = []
     if not getattr(tokenizer, "chat_template", None):
@@ -58,6 +58,8 @@ def template_checks(tokenizer) -> tuple[list[Result], dict]:
     details.append("tools= rendered" if renders_tools(tokenizer) else "no tools=: tools described in the system text")
     details.append("tool_calls rendered" if renders_tool_calls(tokenizer) else
                    "no tool_calls: calls written into the content as <tool_call>{...}</tool_call> (hermes)")
+    if wants_nine_char_ids(tokenizer):
+        details.append("call ids of nine alphanumerics only: other ids rendered as a nine-character digest")
     out.append(Result("template", status, "; ".join(details),
                       "" if status == "OK" else "nothing to do if this is how the model was trained (" +
                       "; ".join(notes) + "); otherwise give the template those roles"))

@@ -125,7 +125,7 @@ class ChatFormat:
                 out += [dict(m, role=rendered) for m in run]
         if any(m.get("tool_calls") for m in out) and not renders_tool_calls(self.tokenizer):
             out = [_calls_as_text(m) if m.get("tool_calls") else m for m in out]
-        if any(m.get("tool_calls") or m.get("role") == "tool" for m in out) and _wants_nine_char_ids(self.tokenizer):
+        if any(m.get("tool_calls") or m.get("role") == "tool" for m in out) and wants_nine_char_ids(self.tokenizer):
             out = _with_nine_char_ids(out)
         if out and out[0].get("role") == "system" and not _renders_system(self.tokenizer):
             system, out = out[0], out[1:]
@@ -286,7 +286,7 @@ def _calls_as_text(message: dict) -> dict:
     return {k: v for k, v in message.items() if k != "tool_calls"} | {"content": text}
 
 
-def _wants_nine_char_ids(tokenizer) -> bool:
+def wants_nine_char_ids(tokenizer) -> bool:
     """Whether the template renders a call and its result with a nine-alphanumeric id but
     refuses another id (Mistral v0.3's raises "Tool call IDs should be alphanumeric strings
     with length 9!")."""
