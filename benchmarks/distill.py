@@ -39,7 +39,9 @@ sample each at T=1), through `dvc exp run` as a user runs it:
   opd_topk_mb8 from those warm starts; `grpo_rare_every1_e256`, `opd_topk_mb8_rare_every1_e256`:
   grpo_rare and opd_topk_mb8_rare with the curve measured at every step on 256 problems
   (`train.eval_every=1`, `train.eval_examples=256`); `opd_topk_mb8_cosine_rare_every1_e256`: the latter
-  with its rate decaying (`train.lr_schedule=cosine`, `train.min_lr_ratio=0.1`).
+  with its rate decaying (`train.lr_schedule=cosine`, `train.min_lr_ratio=0.1`); it ran on a teacher
+  rebuilt at a later commit, with GRPO and the constant-rate row again beside it
+  (benchmarks/results/distill-rebuilt-teacher.json), since a rebuilt teacher is not the earlier one.
 
     python benchmarks/distill.py                       # teacher, then rows x seeds 0 1 2 -> benchmarks/DISTILL.md
     python benchmarks/distill.py --rows grpo opd --seeds 0
