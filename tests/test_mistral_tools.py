@@ -82,7 +82,8 @@ def test_a_conversation_with_openai_call_ids_trains_with_nine_character_ids(fmt)
     from turnrl.gateway.conversations import conversation_samples
     from turnrl.rollout.chat import nine_char_id, renders_tool_calls
     assert renders_tool_calls(fmt.tokenizer)   # the calls are the template's own, not Hermes text
-    messages = [{"role": "system", "content": "You compute."}, {"role": "user", "content": "What is 6 times 7, 2 times 3?"},
+    messages = [{"role": "system", "content": "You compute."},
+                {"role": "user", "content": "What is 6 times 7, 2 times 3?"},
                 {"role": "assistant", "content": None, "tool_calls": [_call("call_0"), _call(None, "2 * 3")]},
                 {"role": "tool", "tool_call_id": "call_0", "content": "42"},
                 {"role": "tool", "content": "6"},

@@ -52,7 +52,8 @@ def test_the_learning_rate_warms_up_then_follows_its_schedule_to_the_floor():
     # cosine to a floor of 0.1 over 4 steps after a warmup of 2: halfway down at its third step
     cosine = [lr_factor(k, 2, 6, "cosine", 0.1) for k in range(6)]
     assert cosine[:3] == pytest.approx([1 / 3, 2 / 3, 1.0])
-    assert cosine[4] == pytest.approx(0.1 + 0.9 * 0.5) and cosine[5] == pytest.approx(0.1 + 0.9 * (1 + math.cos(0.75 * math.pi)) / 2)
+    assert cosine[4] == pytest.approx(0.1 + 0.9 * 0.5)
+    assert cosine[5] == pytest.approx(0.1 + 0.9 * (1 + math.cos(0.75 * math.pi)) / 2)
     assert lr_factor(99, 2, 6, "cosine", 0.1) == pytest.approx(0.1)   # a resume with more steps stays at the floor
 
 

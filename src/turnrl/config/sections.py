@@ -141,7 +141,8 @@ class SftCfg(_Section):
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warmup over N optimizer steps; 0: none")
     lr_schedule: LrSchedule = Field("constant", description=(
         "after the warmup: constant, or a linear or cosine decay to min_lr_ratio x lr at the last of sft.steps"))
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="lr_schedule linear/cosine: the floor, a fraction of lr")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0,
+                                description="lr_schedule linear/cosine: the floor, a fraction of lr")
     max_length: int = Field(4096, gt=0, description=(
         "the most tokens of one sample: a longer conversation is cut at the right (its later turns dropped, counted "
         "as truncated); an assistant message that alone does not fit is an error naming its row"))
@@ -678,7 +679,8 @@ class TrainCfg(_Section):
     lr_schedule: LrSchedule = Field("constant", description=(
         "after the warmup: constant, or a linear or cosine decay to min_lr_ratio x lr at the last optimizer step "
         "(train.steps x algorithm.epochs x algorithm.mini_batches); the critic's too"))
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="lr_schedule linear/cosine: the floor, a fraction of lr")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0,
+                                description="lr_schedule linear/cosine: the floor, a fraction of lr")
     mask_truncated: bool = Field(False, description=(
         "leave trajectories a token budget cut (finish truncated or token_budget) out of the loss: a cut-off "
         "answer is not trained on as a wrong one. They still count in their group's reward statistics; counted "

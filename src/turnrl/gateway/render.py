@@ -71,7 +71,8 @@ def _template_call(call: Any, default_id: str) -> dict:
             function["arguments"] = json.loads(arguments) if arguments.strip() else {}
         except json.JSONDecodeError as exc:
             raise BadRequest(f"tool call {function.get('name')!r}: arguments are not valid JSON ({exc.msg})") from None
-    return {"type": "function", "id": str(call["id"]) if call.get("id") is not None else default_id, "function": function}
+    call_id = str(call["id"]) if call.get("id") is not None else default_id
+    return {"type": "function", "id": call_id, "function": function}
 
 
 def normalize_messages(messages: Any) -> list[dict]:
@@ -94,7 +95,8 @@ def normalize_messages(messages: Any) -> list[dict]:
             unanswered = [c["id"] for c in message["tool_calls"]]
         if role == "tool":
             given = m.get("tool_call_id")
-            message["tool_call_id"] = str(given) if given is not None else (unanswered[0] if unanswered else f"call_{k}")
+            answered = unanswered[0] if unanswered else f"call_{k}"
+            message["tool_call_id"] = str(given) if given is not None else answered
             unanswered = [i for i in unanswered if i != message["tool_call_id"]]
         if m.get("name"):
             message["name"] = m["name"]
