@@ -41,6 +41,13 @@ from typing import Any, Callable, Sequence
 
 _ASSISTANT = "\u2063ASSISTANT_MARK\u2063"
 _OBS = "\u2063OBSERVATION_MARK\u2063"
+# The probes' tool-call id: nine alphanumerics, the only ids Mistral v0.3's template takes (it raises on others)
+_PROBE_CALL_ID = "turnrl001"
+
+
+def _probe_call(call_id: str = _PROBE_CALL_ID) -> dict:
+    return {"type": "function", "id": call_id,
+            "function": {"name": "turnrl_probe_tool", "arguments": {"turnrl_probe_argument": 1}}}
 
 
 @dataclass(frozen=True)
@@ -202,9 +209,7 @@ def _frame_or_none(tokenizer, role: str, count: int = 1) -> tuple[str, ...] | No
 def _probe_frame(tokenizer, role: str, count: int) -> tuple[str, ...] | None:
     marks = [_obs_mark(k) for k in range(count)]
     base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _ASSISTANT}]
-    # a tool result answers a call: an id as every template takes it (Mistral v0.3's refuses none
-    # or any but nine alphanumerics)
-    answers = {"tool_call_id": "turnrl001"} if role == "tool" else {}
+    answers = {"tool_call_id": _PROBE_CALL_ID} if role == "tool" else {}   # a tool result answers a call
     with_obs = base + [{"role": role, "content": m, **answers} for m in marks]
     try:
         full = tokenizer.apply_chat_template(with_obs, tokenize=False, add_generation_prompt=True)
@@ -261,12 +266,10 @@ def tools_text(tools: Sequence[dict]) -> str:
 
 def renders_tool_calls(tokenizer) -> bool:
     """Whether the chat template writes an assistant message's `tool_calls` (their names show up)."""
-    def probe() -> bool:   # the id: nine alphanumerics, as Mistral's template demands (it raises on others)
-        call = {"type": "function", "id": "turnrl001",
-                "function": {"name": "turnrl_probe_tool", "arguments": {"turnrl_probe_argument": 1}}}
+    def probe() -> bool:
         try:
             text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]}],
+                [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [_probe_call()]}],
                 tokenize=False)
         except Exception:
             return False
@@ -291,15 +294,14 @@ def wants_nine_char_ids(tokenizer) -> bool:
     refuses another id (Mistral v0.3's raises "Tool call IDs should be alphanumeric strings
     with length 9!")."""
     def renders(call_id: str) -> bool:
-        call = {"type": "function", "id": call_id, "function": {"name": "turnrl_probe_tool", "arguments": {}}}
         try:
             tokenizer.apply_chat_template([{"role": "user", "content": "q"},
-                                           {"role": "assistant", "content": "", "tool_calls": [call]},
+                                           {"role": "assistant", "content": "", "tool_calls": [_probe_call(call_id)]},
                                            {"role": "tool", "tool_call_id": call_id, "content": "r"}], tokenize=False)
         except Exception:
             return False
         return True
-    return _probed(tokenizer, ("call_ids",), lambda: renders("turnrl001") and not renders("call_turnrl_probe"))
+    return _probed(tokenizer, ("call_ids",), lambda: renders(_PROBE_CALL_ID) and not renders("call_turnrl_probe"))
 
 
 _NINE_ALNUM = re.compile(r"[A-Za-z0-9]{9}")
