@@ -9,6 +9,8 @@ import json
 
 import pytest
 
+from turnrl.rollout.chat import nine_char_id
+
 # Written here to Mistral v0.3's documented format (a miniature of it, not the checkpoint's file):
 # the tools before the last user message, the system text opening it, the call's id inside the
 # call, the result naming it, and the id check the real template raises on.
@@ -134,6 +136,46 @@ def test_a_tools_rollout_s_results_are_rendered_in_the_tool_format(fmt):
     assert fmt.rendered_role("tool") == "tool"
     text = fmt.observation_text(["42", "6"], "tool", after_eos=True)
     assert text.count("[TOOL_RESULTS]") == 2 and "[INST]" not in text and '"42"' in text
+
+
+def test_each_result_names_the_id_of_the_call_it_answers(fmt):
+    """Given the calls' ids, the frame writes each in its result's place (as nine alphanumerics,
+    in one pass: an id that looks like a probe's is not rewritten again); an unknown one stays
+    the probe's, and a template that names no ids is untouched."""
+    text = fmt.observation_text(["42", "6", "1"], "tool", after_eos=True,
+                                call_ids=["turnrl003", "call_0", None])
+    results = text.split("[/TOOL_RESULTS]")[:3]
+    assert '"call_id": "turnrl003"' in results[0]
+    assert f'"call_id": "{nine_char_id("call_0")}"' in results[1]
+    assert '"call_id": "turnrl003"' in results[2]   # the third's own probe id, kept
+    assert fmt.observation_text(["42"], "tool", True, ["Kx7Qp2mZ9"]).count("Kx7Qp2mZ9") == 1
+
+
+def test_a_tools_rollout_s_results_name_the_model_s_call_ids(fmt):
+    """A `tools` rollout on the v0.3 format: the model's own call id reaches its result, in the
+    tokens the policy is trained on and in the conversation's messages, and the results' tokens
+    are the template's own render of the same calls and results."""
+    from turnrl.envs.tools import make_tools_env
+    from turnrl.rollout.multi_turn import replay
+    env = make_tools_env(parser="mistral")
+    call = ('[TOOL_CALLS] [{"name": "calculator", "arguments": {"expression": "6 * 7"}, "id": "Kx7Qp2mZ9"}, '
+            '{"name": "calculator", "arguments": {"expression": "2 + 4"}}]')
+    # each turn closed, as a model's, by the end-of-turn token
+    t = replay(env, fmt, {"prompt": "What is 6 * 7?", "answer": "42"}, [call, "<answer>42</answer>"])
+    assert t.reward == 1.0
+    start = t.first_observation
+    end = t.loss_mask.index(1, start)
+    observation = _decoded(fmt, t.response_ids[start:end])
+    assert observation == ('[TOOL_RESULTS] {"content": "42", "call_id": "Kx7Qp2mZ9"}[/TOOL_RESULTS]'
+                           '[TOOL_RESULTS] {"content": "6", "call_id": "turnrl002"}[/TOOL_RESULTS]')
+    assert [m.get("tool_call_id") for m in t.messages if m["role"] == "tool"] == ["Kx7Qp2mZ9", None]
+    # the template's render of that call and its results, from the end of the call on
+    rendered = fmt.tokenizer.apply_chat_template([
+        {"role": "user", "content": "What is 6 * 7?"},
+        {"role": "assistant", "content": "", "tool_calls": [_call("Kx7Qp2mZ9"), _call("turnrl002", "2 + 4")]},
+        {"role": "tool", "tool_call_id": "Kx7Qp2mZ9", "content": "42"},
+        {"role": "tool", "tool_call_id": "turnrl002", "content": "6"}], tokenize=False)
+    assert rendered.endswith(observation)
 
 
 def test_the_doctor_says_how_call_ids_reach_the_template(fmt):

@@ -45,6 +45,12 @@ _OBS = "\u2063OBSERVATION_MARK\u2063"
 _PROBE_CALL_ID = "turnrl001"
 
 
+def _probe_result_id(k: int) -> str:
+    """The id the probed frame's k-th tool result answers (distinct, so `observation_text` can
+    put each result's own call id in its place)."""
+    return f"turnrl{k + 1:03d}"
+
+
 def _probe_call(call_id: str = _PROBE_CALL_ID) -> dict:
     return {"type": "function", "id": call_id,
             "function": {"name": "turnrl_probe_tool", "arguments": {"turnrl_probe_argument": 1}}}
@@ -76,14 +82,17 @@ class ChatFormat:
     def prompt_ids(self, system: str, user: str, tools: Sequence[dict] | None = None) -> list[int]:
         return self.encode(self.prompt_text(system, user, tools))
 
-    def observation_text(self, observation: str | Sequence[str], role: str, after_eos: bool = False) -> str:
+    def observation_text(self, observation: str | Sequence[str], role: str, after_eos: bool = False,
+                         call_ids: Sequence[str | None] | None = None) -> str:
         """Text that follows a policy turn: end of the assistant message, the observation
         message in `role` (or in `rendered_role(role)`, when the template has no such role),
         and the start of the next assistant message. `after_eos`: the policy ended its turn
         with the end-of-turn token itself (`ends_turn`), so the frame must not repeat it.
         A list is several messages in `role` (a tool result per call), rendered as the template
         renders consecutive messages of that role, or as one message, a line each, where the
-        template needs the roles to alternate (Mistral's and Gemma's user turns)."""
+        template needs the roles to alternate (Mistral's and Gemma's user turns).
+        `call_ids`: the id of the call each result answers (None: not known), written where the
+        template names it (Mistral v0.3's [TOOL_RESULTS]); an unknown one stays the probe's."""
         messages = [observation] if isinstance(observation, str) else list(observation)
         if not messages:
             messages = [""]
@@ -93,6 +102,8 @@ class ChatFormat:
         rendered = self.rendered_role(role)
         messages = _in_a_row(self.tokenizer, rendered, messages)
         pieces = _observation_frame(self.tokenizer, rendered, len(messages))
+        if call_ids and rendered == "tool" and len(messages) == len(call_ids):
+            pieces = _naming_calls(self.tokenizer, pieces, call_ids)
         before = pieces[0]
         end = self.end_of_turn
         if after_eos and end and before.startswith(end):
@@ -159,8 +170,9 @@ class ChatFormat:
         token, token_id = _end_of_turn(self.tokenizer)
         return token_id if token is not None else self.eos_id
 
-    def observation_ids(self, observation: str | Sequence[str], role: str, after_eos: bool = False) -> list[int]:
-        return self.encode(self.observation_text(observation, role, after_eos))
+    def observation_ids(self, observation: str | Sequence[str], role: str, after_eos: bool = False,
+                        call_ids: Sequence[str | None] | None = None) -> list[int]:
+        return self.encode(self.observation_text(observation, role, after_eos, call_ids))
 
     @property
     def eos_token(self) -> str | None:
@@ -209,8 +221,9 @@ def _frame_or_none(tokenizer, role: str, count: int = 1) -> tuple[str, ...] | No
 def _probe_frame(tokenizer, role: str, count: int) -> tuple[str, ...] | None:
     marks = [_obs_mark(k) for k in range(count)]
     base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _ASSISTANT}]
-    answers = {"tool_call_id": _PROBE_CALL_ID} if role == "tool" else {}   # a tool result answers a call
-    with_obs = base + [{"role": role, "content": m, **answers} for m in marks]
+    # a tool result answers a call: each its own id, so its place in the frame can be found
+    answers = [{"tool_call_id": _probe_result_id(k)} if role == "tool" else {} for k in range(count)]
+    with_obs = base + [{"role": role, "content": m, **a} for m, a in zip(marks, answers)]
     try:
         full = tokenizer.apply_chat_template(with_obs, tokenize=False, add_generation_prompt=True)
     except Exception:   # jinja2's TemplateError from raise_exception(...), or the template's own bug
@@ -223,6 +236,17 @@ def _probe_frame(tokenizer, role: str, count: int) -> tuple[str, ...] | None:
         piece, tail = tail.split(m, 1)
         pieces.append(piece)
     return tuple(pieces) + (tail,) if pieces else None
+
+
+def _naming_calls(tokenizer, pieces: tuple[str, ...], call_ids: Sequence[str | None]) -> tuple[str, ...]:
+    """The frame's pieces with each probed result's id replaced by the id of the call it answers
+    (as nine alphanumerics where the template takes no other, as `messages_for_template` writes it)."""
+    nine = wants_nine_char_ids(tokenizer)
+    names = {_probe_result_id(k): nine_char_id(str(c)) if nine else str(c) for k, c in enumerate(call_ids) if c}
+    if not names:
+        return pieces
+    probed = re.compile("|".join(map(re.escape, names)))   # in one pass: a call's id may look like a probe's
+    return tuple(probed.sub(lambda m: names[m.group(0)], piece) for piece in pieces)
 
 
 def _in_a_row(tokenizer, role: str, contents: list[str]) -> list[str]:

@@ -366,12 +366,23 @@ def _said(t: Trajectory, fmt: ChatFormat, text: str) -> None:
     t.messages.append({"role": "assistant", "content": text})
 
 
-def _heard(t: Trajectory, env: Env, rendered: str | list[str]) -> None:
+def answered_calls(result: StepResult) -> list[str | None] | None:
+    """The ids of the calls an observation's results answer, one per result (None: not known),
+    where the environment names them (`info["tool_call_ids"]`, as the `tools` environment does
+    for a model that writes ids, Mistral v0.3's format); else None."""
+    ids = result.info.get("tool_call_ids") if isinstance(result.info, dict) else None
+    return [None if i is None else str(i) for i in ids] if isinstance(ids, (list, tuple)) else None
+
+
+def _heard(t: Trajectory, env: Env, rendered: str | list[str], call_ids: Sequence[str | None] | None = None) -> None:
     """The environment's answer as the conversation's messages, in the environment's role ("tool"
     even where this template renders it as a user message: whoever renders the conversation adapts
-    it to its own template, ChatFormat.messages_for_template, as a teacher of another chat does)."""
+    it to its own template, ChatFormat.messages_for_template, as a teacher of another chat does),
+    each naming the call it answers where that is known."""
     role = env.observation_role
-    t.messages += [{"role": role, "content": m} for m in ([rendered] if isinstance(rendered, str) else rendered)]
+    messages = [rendered] if isinstance(rendered, str) else rendered
+    ids = list(call_ids) if call_ids and len(call_ids) == len(messages) else [None] * len(messages)
+    t.messages += [{"role": role, "content": m, **({"tool_call_id": i} if i else {})} for m, i in zip(messages, ids)]
 
 
 def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict], make_env: Callable[[], Env],
@@ -532,12 +543,13 @@ class TurnEngine:
         if turn == self.budgets.max_turns - 1:
             return self.end(i, "max_turns")
         rendered, text = observation_texts(result.observation)
+        calls = answered_calls(result)
         obs_ids = self.fmt.observation_ids(rendered, self.envs[i].observation_role,
-                                           after_eos=self.fmt.ends_turn(sample.token_ids))
+                                           after_eos=self.fmt.ends_turn(sample.token_ids), call_ids=calls)
         if len(t.response_ids) + len(obs_ids) >= self.budgets.max_tokens_total:
             return self.end(i, "token_budget")
         t.add_observation(turn, obs_ids, text)
-        _heard(t, self.envs[i], rendered)
+        _heard(t, self.envs[i], rendered, calls)
         self.turn_of[i] += 1
         self.start_turn(i)
 
@@ -661,9 +673,10 @@ def replay(env: Env, fmt: ChatFormat, example: dict, turns: Sequence[str]) -> Tr
         if t.record(result):
             break
         rendered, shown = observation_texts(result.observation)
-        t.add_observation(turn, fmt.observation_ids(rendered, env.observation_role, after_eos=fmt.ends_turn(ids)),
-                          shown)
-        _heard(t, env, rendered)
+        calls = answered_calls(result)
+        t.add_observation(turn, fmt.observation_ids(rendered, env.observation_role, after_eos=fmt.ends_turn(ids),
+                                                    call_ids=calls), shown)
+        _heard(t, env, rendered, calls)
     return t
 
 

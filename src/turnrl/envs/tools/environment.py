@@ -88,7 +88,9 @@ class ToolsEnv:
         ok = sum(o.ok for o in outcomes)
         errors = [o.error for o in outcomes if not o.ok]
         info = {**self._info(), "tool_ok": ok == len(outcomes), "tool_error": errors[0] if errors else None,
-                "tool_seconds": max(o.seconds for o in outcomes)}
+                "tool_seconds": max(o.seconds for o in outcomes),
+                # the id each result answers, where the model wrote one: the frame names it (Mistral v0.3)
+                "tool_call_ids": [item.id if isinstance(item, ToolCall) else None for item in turn.items]}
         return StepResult([o.text for o in outcomes], ok / len(outcomes), False, info)
 
 
