@@ -41,7 +41,8 @@ sample each at T=1), through `dvc exp run` as a user runs it:
   (`train.eval_every=1`, `train.eval_examples=256`); `opd_topk_mb8_cosine_rare_every1_e256`: the latter
   with its rate decaying (`train.lr_schedule=cosine`, `train.min_lr_ratio=0.1`); it ran on a teacher
   rebuilt at a later commit, with GRPO and the constant-rate row again beside it
-  (benchmarks/results/distill-rebuilt-teacher.json), since a rebuilt teacher is not the earlier one.
+  (benchmarks/results/distill-rebuilt-teacher.json), since a rebuilt teacher is not the earlier one;
+  `opd_topk_mb8_cosine_lr2x_rare_every1_e256`: that at twice the peak rate, on the rebuilt teacher.
 
     python benchmarks/distill.py                       # teacher, then rows x seeds 0 1 2 -> benchmarks/DISTILL.md
     python benchmarks/distill.py --rows grpo opd --seeds 0
@@ -85,7 +86,8 @@ PAIRS = [("opd", "grpo"), ("opd_lr4x", "grpo"), ("opd_lr4x", "grpo_lr4x"), ("opd
          ("opd_topk_mb16", "grpo"), ("opd_top20_mb8", "grpo"), ("opd_topk_w4_mb4", "grpo"),
          ("opd_rare", "grpo_rare"), ("opd_topk_mb8_rare", "grpo_rare"),
          ("opd_topk_mb8_rare_every1_e256", "grpo_rare_every1_e256"),
-         ("opd_topk_mb8_cosine_rare_every1_e256", "grpo_rare_every1_e256")]
+         ("opd_topk_mb8_cosine_rare_every1_e256", "grpo_rare_every1_e256"),
+         ("opd_topk_mb8_cosine_lr2x_rare_every1_e256", "grpo_rare_every1_e256")]
 RARE = "model.warmstart.good_fraction=0.05"   # the rarer-reward rows' warm start (params.yaml: 0.3)
 
 
@@ -162,6 +164,11 @@ def rows(work: Path) -> list[Row]:
         # eight-step rows' swings after the bar are the rate's
         Row("opd_topk_mb8_cosine_rare_every1_e256", "code_tool", "opd", sets=[
             *rare_fine, *topk, "algorithm.mini_batches=8", "train.lr_schedule=cosine", "train.min_lr_ratio=0.1"]),
+        # and at twice the peak rate: the decay held the constant row's swings, so whether it also lets
+        # the first steps move further (the constant rate at 2x swung, at 4x collapsed)
+        Row("opd_topk_mb8_cosine_lr2x_rare_every1_e256", "code_tool", "opd", sets=[
+            *rare_fine, *topk, "algorithm.mini_batches=8", "train.lr_schedule=cosine", "train.min_lr_ratio=0.1",
+            f"train.lr={2 * LR}"]),
     ]
 
 
