@@ -1,6 +1,6 @@
 """Agents written with frameworks, trained unmodified through the agent gateway (docs/agents.md):
-the calculator agent with the OpenAI Agents SDK (examples/agents/agents_sdk_agent.py) and with
-LangGraph (examples/agents/langgraph_agent.py).
+the calculator agent with the OpenAI Agents SDK (examples/agents/agents_sdk_agent.py), on Chat
+Completions and on the Responses API, and with LangGraph (examples/agents/langgraph_agent.py).
 
     replay: the warm start's path. calculator_agent's good demonstration (call the calculator,
             then answer with its result) answers the framework's own calls, on the tiny model's
@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))   # examples.agents, as turnrl imports env.options
 
 FRAMEWORKS = {
     "agents_sdk": ("examples.agents.agents_sdk_agent:run", ("agents",)),
+    "agents_sdk_responses": ("examples.agents.agents_sdk_agent:run_responses", ("agents",)),
     "langgraph": ("examples.agents.langgraph_agent:run", ("langgraph", "langchain_openai", "langchain_core")),
 }
 
@@ -91,6 +92,8 @@ def test_a_demonstration_replayed_through_the_framework_earns_the_reward_in_one_
     assert t.info["calls"] == 2 and t.num_turns == 2
 
     first, second = recorded[-1].calls
+    # each through its API: a Response's id is its completion's (call_rewards names it)
+    assert first.completion_id.startswith("resp_" if program.endswith(":run_responses") else "chatcmpl-")
     # The framework sent back the assistant message it was answered (the gateway's tool-call id)
     # and the calculator's result, in the message list of its second call ...
     assert first.message["tool_calls"][0]["function"]["name"] == "calculator"

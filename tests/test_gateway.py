@@ -440,6 +440,90 @@ def test_a_spent_budget_is_400(scripted):
     assert "token budget is spent (1 sampled tokens" in str(exc)
 
 
+# --------------------------------------------------------------------------- the Responses API
+def test_a_responses_request_is_the_chat_request_of_its_items():
+    """Responses items to chat messages: instructions the system message, a turn's text and its
+    function calls one assistant message (as the gateway answered them), outputs tool results,
+    reasoning dropped; function tools in the chat shape."""
+    from turnrl.gateway.responses import chat_request
+    chat = chat_request({
+        "instructions": "Be brief.", "max_output_tokens": 20, "temperature": 0.5, "tool_choice": "required",
+        "tools": [{"type": "function", "name": "calculator", "description": "Evaluate.",
+                   "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}],
+        "input": [
+            {"role": "developer", "content": "Use the tool."},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Compute 12 * 34."}]},
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me."}]},
+            {"type": "function_call", "call_id": "call_a", "name": "calculator", "arguments": '{"expression": "12*34"}'},
+            {"type": "function_call", "call_id": "call_b", "name": "calculator", "arguments": '{"expression": "1"}'},
+            {"type": "function_call_output", "call_id": "call_a", "output": "408"},
+            {"type": "function_call_output", "call_id": "call_b", "output": [{"type": "input_text", "text": "1"}]},
+            {"type": "function_call", "call_id": "call_c", "name": "calculator", "arguments": "{}"}]})
+    assert chat["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "developer", "content": "Use the tool."},
+        {"role": "user", "content": "Compute 12 * 34."},
+        {"role": "assistant", "content": "Let me.", "tool_calls": [
+            {"id": "call_a", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "12*34"}'}},
+            {"id": "call_b", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "1"}'}}]},
+        {"role": "tool", "tool_call_id": "call_a", "content": "408"},
+        {"role": "tool", "tool_call_id": "call_b", "content": "1"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_c", "type": "function", "function": {"name": "calculator", "arguments": "{}"}}]}]
+    assert chat["tools"] == [{"type": "function", "function": {
+        "name": "calculator", "description": "Evaluate.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
+    assert (chat["max_tokens"], chat["temperature"], chat["tool_choice"]) == (20, 0.5, "auto")
+    assert chat_request({"input": "hi", "tool_choice": "none"})["messages"] == [{"role": "user", "content": "hi"}]
+    assert chat_request({"input": "hi", "tool_choice": "none"})["tool_choice"] == "none"
+
+
+def test_a_response_answers_with_the_recorded_call(scripted, fmt):
+    """Through the openai client: the prompt is the chat path's for the same messages, the
+    Response's id is the recorded call's, its text what was sampled; streamed, the same."""
+    ep, client = _episode(scripted.gateway)
+    reply = client.responses.create(model="policy", instructions="Be brief.", input="Compute 12 * 34.")
+    (call,) = ep.calls
+    assert call.prompt_ids == fmt.prompt_ids("Be brief.", "Compute 12 * 34.")
+    assert reply.id == call.completion_id and reply.id.startswith("resp_") and reply.status == "completed"
+    assert reply.output_text == fmt.tokenizer.decode(call.completion_ids, skip_special_tokens=True)
+    assert (reply.usage.input_tokens, reply.usage.output_tokens) == (len(call.prompt_ids), len(call.completion_ids))
+    events = list(client.responses.create(model="policy", input=[{"role": "user", "content": "Compute 1 + 1."}],
+                                          stream=True))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].response.id == ep.calls[1].completion_id
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
+        fmt.tokenizer.decode(ep.calls[1].completion_ids, skip_special_tokens=True)
+
+
+RESPONSES_MALFORMED = [
+    pytest.param({"model": "policy"}, "missing `input`", id="no-input"),
+    pytest.param({"input": "hi", "previous_response_id": "resp_1"}, "stores no responses", id="previous-response"),
+    pytest.param({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]: 'web_search' is not served",
+                 id="hosted-tool"),
+    pytest.param({"input": ["hi", {"type": "item_reference", "id": "msg_1"}]}, "input[0]: an item must be an object",
+                 id="item-not-an-object"),
+    pytest.param({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]: items of type 'item_reference'",
+                 id="item-reference"),
+    pytest.param({"input": [{"role": "user", "content": "hi"}, {"type": "function_call", "name": "f"}]},
+                 "input[1]: a function_call item needs 'call_id'", id="call-without-id"),
+    pytest.param({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+                 "input[0]: content part", id="image-part"),
+]
+
+
+@pytest.mark.parametrize("body, problem", RESPONSES_MALFORMED)
+def test_a_malformed_responses_request_is_400_naming_the_problem(scripted, body, problem):
+    import httpx
+    ep, _ = _episode(scripted.gateway)
+    answer = httpx.post(scripted.gateway.base_url + "/responses", json=body,
+                        headers={"Authorization": f"Bearer {ep.key}"})
+    assert answer.status_code == 400 and problem in answer.json()["error"]["message"], answer.text
+    assert ep.calls == [] and ep.started_calls == 0
+
+
 def test_a_bad_reward_post_is_400_and_changes_nothing(scripted):
     import httpx
     ep, client = _episode(scripted.gateway)
@@ -747,6 +831,26 @@ def test_a_streamed_answer_reassembles_to_the_recorded_call(request, fmt):
     assert streamed == (call.logprobs if joined else [])   # they come with the content chunk
     assert chunks[-1].usage.completion_tokens == len(call.completion_ids)
     assert chunks[-1].usage.prompt_tokens == len(call.prompt_ids)
+
+
+@pytest.mark.slow
+def test_a_streamed_response_reassembles_to_the_recorded_call(request, fmt):
+    """The Responses API's events on the engine's own answer: the text deltas join to what was
+    sampled, the final Response is the recorded call's, its usage the call's token counts."""
+    real = on_engine(request)
+    if real is None:
+        return
+    ep, client = _episode(real.gateway, max_tokens_per_call=10, context=1024)
+    events = list(client.responses.create(model="policy", instructions="Be brief.", input="Compute 12 * 34.",
+                                          stream=True, max_output_tokens=10))
+    (call,) = ep.calls
+    sampled = fmt.tokenizer.decode(call.completion_ids, skip_special_tokens=True)
+    assert call.prompt_ids == fmt.prompt_ids("Be brief.", "Compute 12 * 34.")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == sampled
+    final = events[-1].response
+    assert final.id == call.completion_id and final.output_text == sampled
+    assert events[-1].type == ("response.incomplete" if call.finish == "length" else "response.completed")
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (len(call.prompt_ids), len(call.completion_ids))
 
 
 @pytest.mark.slow

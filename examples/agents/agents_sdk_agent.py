@@ -1,6 +1,6 @@
 """The calculator agent of `calculator_agent` written with the OpenAI Agents SDK (openai-agents,
 the `agents` extra): an `Agent` with two `@function_tool`s, run by `Runner.run` on a Chat
-Completions model. Nothing here knows turnrl; turnrl trains it unmodified through its gateway
+Completions model (`run`) or on the Responses API, the SDK's default (`run_responses`). Nothing here knows turnrl; turnrl trains it unmodified through its gateway
 (docs/agents.md):
 
     dvc exp run -S env.name=agent -S '++env.options.program=examples.agents.agents_sdk_agent:run' \
@@ -22,13 +22,13 @@ tools and the answer format are the same, so the same assistant turns drive this
 """
 from __future__ import annotations
 
-from agents import (Agent, MaxTurnsExceeded, ModelBehaviorError, OpenAIChatCompletionsModel, Runner, function_tool,
-                    set_tracing_disabled)
+from agents import (Agent, MaxTurnsExceeded, ModelBehaviorError, OpenAIChatCompletionsModel, OpenAIResponsesModel,
+                    Runner, function_tool, set_tracing_disabled)
 from openai import AsyncOpenAI
 
 from examples.agents import calculator_agent
 
-__all__ = ["run"]
+__all__ = ["run", "run_responses"]
 
 MAX_TURNS = 3           # model calls per episode, as in calculator_agent
 set_tracing_disabled(True)   # the SDK would otherwise export traces to OpenAI's servers
@@ -50,9 +50,19 @@ async def run(task: dict, base_url: str, api_key: str) -> float:
     reply with no tool call (the final output) or after MAX_TURNS calls. Returns the reward:
     1.0 for the right product, 0.0 otherwise. What the model gets wrong is a reward of 0, not
     an exception: an exception would end the episode as an environment error."""
+    return await _episode(task, base_url, api_key, OpenAIChatCompletionsModel)
+
+
+async def run_responses(task: dict, base_url: str, api_key: str) -> float:
+    """The same episode on the Responses API (`OpenAIResponsesModel`, the SDK's default model):
+    `env.options.program=examples.agents.agents_sdk_agent:run_responses`."""
+    return await _episode(task, base_url, api_key, OpenAIResponsesModel)
+
+
+async def _episode(task: dict, base_url: str, api_key: str, model_class) -> float:
     async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
         agent = Agent(name="calculator", instructions=calculator_agent.SYSTEM, tools=[calculator, count_digits],
-                      model=OpenAIChatCompletionsModel(model="policy", openai_client=client))
+                      model=model_class(model="policy", openai_client=client))
         try:
             result = await Runner.run(agent, task["prompt"], max_turns=MAX_TURNS)
         except (MaxTurnsExceeded, ModelBehaviorError):

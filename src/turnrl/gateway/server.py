@@ -1,6 +1,7 @@
 """The OpenAI-compatible gateway in front of a rollout engine.
 
     program --HTTP--> /v1/chat/completions --> render (exact ids) --> EngineLoop --> the engine
+                      /v1/responses (as a chat completion: turnrl.gateway.responses)
                       /v1/models                 record the Call <-- sampled ids, logprobs, version
                       /turnrl/reward (or /v1/turnrl/reward): the episode's reward
 
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from turnrl.gateway.render import BadRequest, Produced, Renderer, normalize_messages
+from turnrl.gateway.responses import chat_request, response_events, response_of
 from turnrl.gateway.samples import Call
 from turnrl.rollout.multi_turn import BatchStepper, Sample
 
@@ -226,6 +228,7 @@ class Gateway:
         from starlette.routing import Route
         app = Starlette(routes=[
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/v1/responses", self._responses, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/turnrl/reward", self._reward, methods=["POST"]),
             Route("/v1/turnrl/reward", self._reward, methods=["POST"]),
@@ -314,18 +317,7 @@ class Gateway:
         try:
             episode = self._episode_of(request)
             body = await self._json(request)
-            prompt_ids, max_tokens, options, n, meta = self._prepare(episode, body)
-            futures = [self.loop.submit(prompt_ids, max_tokens, options) for _ in range(n)]
-            started = time.time()
-            try:
-                results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
-            except RuntimeError as exc:
-                raise HTTPError(503, str(exc), "engine_error") from None
-            finally:
-                with episode.lock:
-                    episode.reserved_tokens -= max_tokens * n
-            meta["traceparent"] = request.headers.get("traceparent", "")[:128]
-            response = self._record(episode, prompt_ids, results, meta, started)
+            response = await self._complete(request, episode, body, "chatcmpl-")
         except HTTPError as exc:
             return self._error(exc)
         if body.get("stream"):
@@ -334,6 +326,40 @@ class Gateway:
                                      media_type="text/event-stream")
         from starlette.responses import JSONResponse
         return JSONResponse(response)
+
+    async def _responses(self, request):
+        """The Responses API: the request as a chat completion's (turnrl.gateway.responses)."""
+        try:
+            episode = self._episode_of(request)
+            body = await self._json(request)
+            try:
+                chat = chat_request(body)
+            except BadRequest as exc:
+                raise HTTPError(400, str(exc)) from None
+            response = response_of(await self._complete(request, episode, chat, "resp_"), body)
+        except HTTPError as exc:
+            return self._error(exc)
+        if body.get("stream"):
+            from starlette.responses import StreamingResponse
+            return StreamingResponse(response_events(response), media_type="text/event-stream")
+        from starlette.responses import JSONResponse
+        return JSONResponse(response)
+
+    async def _complete(self, request, episode: Episode, body: dict, id_prefix: str) -> dict:
+        """A Chat Completions request answered: sampled on the engine, recorded as the
+        episode's calls; the chat completion (its id starting with `id_prefix`)."""
+        prompt_ids, max_tokens, options, n, meta = self._prepare(episode, body)
+        futures = [self.loop.submit(prompt_ids, max_tokens, options) for _ in range(n)]
+        started = time.time()
+        try:
+            results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        except RuntimeError as exc:
+            raise HTTPError(503, str(exc), "engine_error") from None
+        finally:
+            with episode.lock:
+                episode.reserved_tokens -= max_tokens * n
+        meta["traceparent"] = request.headers.get("traceparent", "")[:128]
+        return self._record(episode, prompt_ids, results, meta, started, id_prefix)
 
     def _prepare(self, episode: Episode, body: dict):
         """The request checked against the episode's budgets: (prompt ids, max tokens, sampling
@@ -400,9 +426,9 @@ class Gateway:
         return prompt_ids, max_tokens, options, n, meta
 
     def _record(self, episode: Episode, prompt_ids: list[int], results: list[tuple[Sample, int]], meta: dict,
-                started: float) -> dict:
+                started: float, id_prefix: str = "chatcmpl-") -> dict:
         """Record each completion as a Call of the episode; the Chat Completions answer."""
-        completion_id = "chatcmpl-" + secrets.token_hex(12)
+        completion_id = id_prefix + secrets.token_hex(12)
         ended = time.time()
         choices = []
         with episode.lock:
