@@ -1,6 +1,7 @@
 """Agents written with frameworks, trained unmodified through the agent gateway (docs/agents.md):
 the calculator agent with the OpenAI Agents SDK (examples/agents/agents_sdk_agent.py), on Chat
-Completions and on the Responses API, and with LangGraph (examples/agents/langgraph_agent.py).
+Completions and on the Responses API, and with LangGraph (examples/agents/langgraph_agent.py), on
+both too.
 
     replay: the warm start's path. calculator_agent's good demonstration (call the calculator,
             then answer with its result) answers the framework's own calls, on the tiny model's
@@ -34,6 +35,8 @@ FRAMEWORKS = {
     "agents_sdk": ("examples.agents.agents_sdk_agent:run", ("agents",)),
     "agents_sdk_responses": ("examples.agents.agents_sdk_agent:run_responses", ("agents",)),
     "langgraph": ("examples.agents.langgraph_agent:run", ("langgraph", "langchain_openai", "langchain_core")),
+    "langgraph_responses": ("examples.agents.langgraph_agent:run_responses",
+                            ("langgraph", "langchain_openai", "langchain_core")),
 }
 
 

@@ -1,7 +1,7 @@
 """The calculator agent of `calculator_agent` written with LangGraph (langgraph and
 langchain-openai, the `agents` extra): a `ChatOpenAI` model bound to two tools, in a two-node
 `StateGraph` (model -> tools -> model ...) that stops at a reply with no tool call or after
-MAX_TURNS model calls. Nothing here knows turnrl; turnrl trains it unmodified through its
+MAX_TURNS model calls; `run` on Chat Completions, `run_responses` on the Responses API. Nothing here knows turnrl; turnrl trains it unmodified through its
 gateway (docs/agents.md):
 
     dvc exp run -S env.name=agent -S '++env.options.program=examples.agents.langgraph_agent:run' \
@@ -30,7 +30,7 @@ from langgraph.prebuilt import ToolNode
 
 from examples.agents import calculator_agent
 
-__all__ = ["run"]
+__all__ = ["run", "run_responses"]
 
 MAX_TURNS = 3   # model calls per episode, as in calculator_agent
 
@@ -68,7 +68,16 @@ def build_graph(model: ChatOpenAI):
 def run(task: dict, base_url: str, api_key: str) -> float:
     """One episode of the graph. Returns the reward: 1.0 for the right product, 0.0 otherwise
     (a wrong answer, or still calling tools after MAX_TURNS model calls)."""
-    model = ChatOpenAI(base_url=base_url, api_key=api_key, model="policy", max_retries=0)
+    return _episode(task, ChatOpenAI(base_url=base_url, api_key=api_key, model="policy", max_retries=0))
+
+
+def run_responses(task: dict, base_url: str, api_key: str) -> float:
+    """The same episode with the model on the Responses API (`use_responses_api=True`)."""
+    return _episode(task, ChatOpenAI(base_url=base_url, api_key=api_key, model="policy", max_retries=0,
+                                     use_responses_api=True))
+
+
+def _episode(task: dict, model: ChatOpenAI) -> float:
     state = build_graph(model).invoke(
         {"messages": [SystemMessage(calculator_agent.SYSTEM), HumanMessage(task["prompt"])]})
     last = state["messages"][-1]
