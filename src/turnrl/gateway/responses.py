@@ -39,6 +39,9 @@ def chat_request(body: dict) -> dict:
         messages.append({"role": "system", "content": instructions})
     messages += _messages(body["input"])
     chat: dict[str, Any] = {"messages": messages, "tools": _tools(body.get("tools") or [])}
+    asked = body.get("max_output_tokens")
+    if asked is not None and (not isinstance(asked, int) or isinstance(asked, bool) or asked < 1):
+        raise BadRequest(f"max_output_tokens = {asked!r}: must be a positive integer")
     choice = body.get("tool_choice", "auto")
     chat["tool_choice"] = "none" if choice == "none" else "auto"
     for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
