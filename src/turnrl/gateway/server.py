@@ -304,7 +304,7 @@ class Gateway:
                 missing = sorted(set(per_call) - ids)
                 if missing:
                     raise HTTPError(400, f"call_rewards names {missing[:3]}, which this episode did not answer; "
-                                         "use the `id` of a chat completion it returned")
+                                         "use the `id` of a chat completion or Response it returned")
                 if reward is not None:
                     episode.reward = reward
                 episode.components.update(components)
