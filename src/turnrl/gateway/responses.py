@@ -1,6 +1,6 @@
 """OpenAI's Responses API (`POST /v1/responses`) on the gateway, as a translation of the Chat
-Completions path it already serves (the OpenAI Agents SDK's default model, Codex and others
-call only this API):
+Completions path it already serves (the OpenAI Agents SDK's default model calls this API, and
+LangChain's ChatOpenAI with `use_responses_api`):
 
     Responses request --chat_request--> Chat Completions request --> the gateway's one path
     Response (or its events) <--response_of / response_events-- the chat completion
