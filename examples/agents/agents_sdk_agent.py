@@ -1,7 +1,7 @@
 """The calculator agent of `calculator_agent` written with the OpenAI Agents SDK (openai-agents,
 the `agents` extra): an `Agent` with two `@function_tool`s, run by `Runner.run` on a Chat
-Completions model (`run`) or on the Responses API, the SDK's default (`run_responses`). Nothing here knows turnrl; turnrl trains it unmodified through its gateway
-(docs/agents.md):
+Completions model (`run`) or on the Responses API, the SDK's default (`run_responses`). Nothing
+here knows turnrl; turnrl trains it unmodified through its gateway (docs/agents.md):
 
     dvc exp run -S env.name=agent -S '++env.options.program=examples.agents.agents_sdk_agent:run' \
                 -S '++env.options.demonstration=examples.agents.calculator_agent:demonstrate' \

@@ -1,8 +1,8 @@
 """The calculator agent of `calculator_agent` written with LangGraph (langgraph and
 langchain-openai, the `agents` extra): a `ChatOpenAI` model bound to two tools, in a two-node
 `StateGraph` (model -> tools -> model ...) that stops at a reply with no tool call or after
-MAX_TURNS model calls; `run` on Chat Completions, `run_responses` on the Responses API. Nothing here knows turnrl; turnrl trains it unmodified through its
-gateway (docs/agents.md):
+MAX_TURNS model calls; `run` on Chat Completions, `run_responses` on the Responses API. Nothing
+here knows turnrl; turnrl trains it unmodified through its gateway (docs/agents.md):
 
     dvc exp run -S env.name=agent -S '++env.options.program=examples.agents.langgraph_agent:run' \
                 -S '++env.options.demonstration=examples.agents.calculator_agent:demonstrate' \
