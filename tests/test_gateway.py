@@ -511,6 +511,8 @@ RESPONSES_MALFORMED = [
                  "input[1]: a function_call item needs 'call_id'", id="call-without-id"),
     pytest.param({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
                  "input[0]: content part", id="image-part"),
+    pytest.param({"input": "hi", "tools": [{"type": "function", "parameters": {}}]},
+                 "tools[0]: a function tool needs `name`", id="tool-without-name"),
     pytest.param({"input": "hi", "max_output_tokens": 0}, "max_output_tokens = 0: must be a positive integer",
                  id="max-output-tokens-0"),
 ]

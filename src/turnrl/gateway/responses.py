@@ -23,6 +23,7 @@ from typing import Any, Iterator
 
 from turnrl.gateway.render import BadRequest, text_of
 
+
 def chat_request(body: dict) -> dict:
     """The Chat Completions request that asks what the Responses request `body` asks;
     BadRequest naming the key or `input[k]` that cannot be served."""
@@ -105,7 +106,9 @@ def _tools(tools: Any) -> list[dict]:
         raise BadRequest("`tools` must be a list of {type: function, name, parameters} objects")
     out = []
     for k, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not tool.get("name"):
+        if isinstance(tool, dict) and tool.get("type") == "function" and not tool.get("name"):
+            raise BadRequest(f"tools[{k}]: a function tool needs `name` (and `parameters`, a JSON schema)")
+        if not isinstance(tool, dict) or tool.get("type") != "function":
             kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
             raise BadRequest(f"tools[{k}]: {kind!r} is not served: only function tools ({{type: function, name, "
                              "parameters}}); give the agent a function that does the work of a hosted tool")
