@@ -89,6 +89,10 @@ PAIRS = [("opd", "grpo"), ("opd_lr4x", "grpo"), ("opd_lr4x", "grpo_lr4x"), ("opd
          ("opd_topk_mb8_cosine_rare_every1_e256", "grpo_rare_every1_e256"),
          ("opd_topk_mb8_cosine_lr2x_rare_every1_e256", "grpo_rare_every1_e256")]
 RARE = "model.warmstart.good_fraction=0.05"   # the rarer-reward rows' warm start (params.yaml: 0.3)
+# The teachers, by name: the default (ChatML, the students' format), and the same run of a tiny
+# model built in Llama 3.1's chat format (model.tiny.chat_format): a teacher of another chat format
+TEACHERS = {"teacher": [], "teacher_llama3": ["++model.tiny.chat_format=llama3"]}
+ROW_TEACHER = {"opd_llama3_teacher": "teacher_llama3"}   # a row's teacher, where it is not the default
 
 
 def rows(work: Path) -> list[Row]:
@@ -169,35 +173,46 @@ def rows(work: Path) -> list[Row]:
         Row("opd_topk_mb8_cosine_lr2x_rare_every1_e256", "code_tool", "opd", sets=[
             *rare_fine, *topk, "algorithm.mini_batches=8", "train.lr_schedule=cosine", "train.min_lr_ratio=0.1",
             f"train.lr={2 * LR}"]),
+        # a teacher of another chat format: the ChatML student's conversation rendered by the Llama-3
+        # teacher's own template (reward.teacher.chat_template=teacher), its tokens mapped through the
+        # text (the two tokenizers learned from differently rendered corpora); top-1, as a mapping allows
+        Row("opd_llama3_teacher", "code_tool", "opd", sets=[
+            *student, "algorithm.name=opd", f"reward.teacher.serve={work / 'teacher_llama3'}",
+            "reward.teacher.max_model_len=2048", f"reward.teacher.tokenizer={work / 'teacher_llama3'}",
+            "reward.teacher.chat_template=teacher"]),
     ]
 
 
-def make_teacher(project: Path, work: Path) -> dict:
-    """The teacher (trained once, kept in work/teacher) and its run's numbers."""
-    info_path = work / "teacher.json"
+def make_teacher(project: Path, work: Path, name: str = "teacher") -> dict:
+    """The teacher `name` of TEACHERS (trained once, kept in work/NAME) and its run's numbers; the
+    default teacher's warm start is the students' (work/student_start)."""
+    info_path = work / f"{name}.json"
     if info_path.exists():
         return json.loads(info_path.read_text())
-    print(f"teacher: seed {TEACHER_SEED}, {TEACHER_STEPS} steps ...", flush=True)
-    result = run_one(project, Row("teacher", "code_tool", "grpo", sets=[*ENGINE, f"train.steps={TEACHER_STEPS}"]),
-                     TEACHER_SEED, [])
+    print(f"{name}: seed {TEACHER_SEED}, {TEACHER_STEPS} steps ...", flush=True)
+    result = run_one(project, Row(name, "code_tool", "grpo",
+                                  sets=[*ENGINE, f"train.steps={TEACHER_STEPS}", *TEACHERS[name]]), TEACHER_SEED, [])
     if "failed" in result:
         raise RuntimeError(f"the teacher's run failed: {result['failed']}")
-    for name, folder in (("teacher", "models/final"), ("student_start", "models/initial")):
-        shutil.rmtree(work / name, ignore_errors=True)
-        shutil.copytree(project / folder, work / name)
+    copies = (("teacher", "models/final"), ("student_start", "models/initial")) if name == "teacher" else \
+        ((name, "models/final"),)
+    for folder_name, folder in copies:
+        shutil.rmtree(work / folder_name, ignore_errors=True)
+        shutil.copytree(project / folder, work / folder_name)
     info = {k: result[k] for k in ("baseline", "trained", "trained_greedy", "wall_s", "command", "commit")}
     info_path.write_text(json.dumps(info, indent=1) + "\n")
     return info
 
 
-def evaluate_teacher(project: Path, work: Path, seed: int, data: Path | None = None, extra: tuple = ()) -> dict:
-    """`turnrl evaluate` of the teacher in `project` (whose data/processed is `seed`'s): its
-    metrics, once per seed; with `data` (a folder whose held-out split is other rows) under
+def evaluate_teacher(project: Path, work: Path, seed: int, data: Path | None = None, extra: tuple = (),
+                     teacher: str = "teacher") -> dict:
+    """`turnrl evaluate` of the teacher `teacher` in `project` (whose data/processed is `seed`'s):
+    its metrics, once per seed; with `data` (a folder whose held-out split is other rows) under
     another name."""
-    name = f"teacher_eval_seed{seed}" + ("_train" if data else "")
+    name = f"{teacher}_eval_seed{seed}" + ("_train" if data else "")
     out = work / name
     if not (out / "metrics.json").exists():
-        cmd = [sys.executable, "-m", "turnrl.pipeline.evaluate", str(work / "teacher"), "--out", str(out),
+        cmd = [sys.executable, "-m", "turnrl.pipeline.evaluate", str(work / teacher), "--out", str(out),
                "-S", f"seed={seed}", "-S", "eval.benchmarks=[]", *extra, *(["--data", str(data)] if data else [])]
         proc = subprocess.run(cmd, cwd=project, env=_environ(project), capture_output=True, text=True)
         if proc.returncode != 0:
@@ -251,10 +266,11 @@ def run(project: Path, row: Row, seed: int, extra: list[str], work: Path) -> dic
     points = [{"step": int(r["step"]), "heldout_accuracy": float(r["heldout_accuracy"]), "wall_s": float(r["wall_s"]),
                "trajectories": int(r["step"]) * per_step}
               for _, r in curve.iterrows() if pd.notna(r.get("heldout_accuracy"))]
-    teacher = evaluate_teacher(project, work, seed)["task"]["accuracy"]
+    teacher_name = ROW_TEACHER.get(row.name, "teacher")
+    teacher = evaluate_teacher(project, work, seed, teacher=teacher_name)["task"]["accuracy"]
     reached = first_reaching(points, FRACTION * teacher)
     sft = json.loads((project / "metrics/sft.json").read_text()) if (project / "metrics/sft.json").exists() else {}
-    return {**result, "teacher_accuracy": teacher, "curve": points, "reached": reached,
+    return {**result, "teacher": teacher_name, "teacher_accuracy": teacher, "curve": points, "reached": reached,
             "step_s": round(float(curve["step_s"].mean()), 2),
             # a teacher of another tokenizer: the share of sampled tokens mapped one to one
             "teacher_exact_frac": round(float(curve["teacher_exact_frac"].mean()), 4)
@@ -374,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         copy_project(project)
     teacher = make_teacher(project, work)
     chosen = [r for r in rows(work) if not args.rows or r.name in args.rows]
+    for name in sorted({ROW_TEACHER[r.name] for r in chosen if r.name in ROW_TEACHER}):
+        make_teacher(project, work, name)
     run_rows(chosen, args.seeds, lambda row: project, args.results,
              lambda p, row, seed, extra: run(p, row, seed, extra, work), args.set,
              lambda done: args.report.write_text(with_notes(report(done, args.seeds, work, teacher), args.report)))

@@ -33,6 +33,9 @@ class TinyModel(_Section):
     num_kv_heads: int = Field(2, gt=0, description="key/value heads (grouped-query attention)")
     vocab_size: int = Field(1024, ge=300, description="byte-level BPE target size")
     max_position_embeddings: int = Field(2048, ge=128, description="the longest sequence the tiny model takes")
+    chat_format: Literal["chatml", "llama3"] = Field("chatml", description=(
+        "its tokenizer's chat template and special tokens: chatml (Qwen's <|im_start|>role ... <|im_end|>) or "
+        "llama3 (Llama 3.1's role headers, <|eot_id|>, tool results as ipython)"))
 
     @model_validator(mode="after")
     def _heads(self) -> "TinyModel":

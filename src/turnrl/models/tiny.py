@@ -7,6 +7,7 @@ ordinary Hugging Face folder: transformers and vLLM load it like any hub checkpo
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -40,26 +41,74 @@ CHAT_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
+# Llama 3.1's layout, with its special tokens: a begin-of-text token, role headers, <|eot_id|> after
+# every message, tool results in the `ipython` role, tools listed in the system message and a
+# call written as {"name": ..., "parameters": {...}}. A teacher or student of another chat format
+# than the default's, for measuring distillation across formats on CPU.
+LLAMA3_TEMPLATE = (
+    "{{- '<|begin_of_text|>' -}}"
+    "{%- if tools -%}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\n\n' -}}"
+    "{%- if messages[0]['role'] == 'system' -%}{{- messages[0]['content'] + '\n\n' -}}{%- endif -%}"
+    "{{- 'You may call these functions, as {\"name\": ..., \"parameters\": {...}}:\n' -}}"
+    "{%- for tool in tools -%}{{- (tool | tojson) + '\n' -}}{%- endfor -%}"
+    "{{- '<|eot_id|>' -}}"
+    "{%- endif -%}"
+    "{% for message in messages %}"
+    "{%- if not (tools and loop.first and message['role'] == 'system') -%}"
+    "{{- '<|start_header_id|>' + ('ipython' if message['role'] == 'tool' else message['role'])"
+    " + '<|end_header_id|>\n\n' + (message['content'] or '') -}}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{%- set fn = call['function'] if call['function'] is defined else call -%}"
+    "{{- {'name': fn['name'], 'parameters': fn['arguments']} | tojson -}}"
+    "{%- endfor -%}"
+    "{{- '<|eot_id|>' -}}"
+    "{%- endif -%}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
 
-def build_tokenizer(corpus: Iterable[str], vocab_size: int):
-    """Byte-level BPE trained on `corpus`; digits are always single tokens, which makes
-    copying numbers (the skill the tiny task needs) easy to learn."""
+
+@dataclass(frozen=True)
+class TinyChatFormat:
+    """A chat format the tiny model can be built with (model.tiny.chat_format): its template and
+    special tokens (`bos`: the model config's begin-of-sequence token)."""
+    template: str
+    special_tokens: tuple[str, ...]
+    eos: str
+    pad: str
+    bos: str
+
+
+CHAT_FORMATS = {
+    "chatml": TinyChatFormat(CHAT_TEMPLATE, tuple(SPECIAL_TOKENS), eos="<|im_end|>", pad="<|endoftext|>",
+                             bos="<|endoftext|>"),
+    "llama3": TinyChatFormat(LLAMA3_TEMPLATE, ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                                               "<|end_header_id|>", "<|eot_id|>"),
+                             eos="<|eot_id|>", pad="<|end_of_text|>", bos="<|begin_of_text|>"),
+}
+
+
+def build_tokenizer(corpus: Iterable[str], vocab_size: int, chat_format: str = "chatml"):
+    """Byte-level BPE trained on `corpus`, with the special tokens and chat template of
+    `chat_format` (CHAT_FORMATS); digits are always single tokens, which makes copying numbers
+    (the skill the tiny task needs) easy to learn."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    fmt = CHAT_FORMATS[chat_format]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     ])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(fmt.special_tokens),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(corpus, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE,
-                                   model_max_length=4096)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=fmt.eos, pad_token=fmt.pad,
+                                   chat_template=fmt.template, model_max_length=4096)
 
 
 def tiny_config(spec: TinyModel, vocab_size: int, **special_token_ids: int | None):
@@ -81,7 +130,7 @@ def build_model(tokenizer, spec: TinyModel, seed: int):
 
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(tiny_config(
-        spec, len(tokenizer), bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        spec, len(tokenizer), bos_token_id=tokenizer.convert_tokens_to_ids(CHAT_FORMATS[spec.chat_format].bos),
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
 
 

@@ -147,11 +147,12 @@ def _build_tiny(cfg: Config, out_dir: Path, data_dir: Path, log_metrics) -> dict
                            cfg.env.name)
 
     # The tokenizer learns from the conversations as the model will see them.
-    bytes_only = ChatFormat(build_tokenizer([""], 300), cfg.model.template_type)
+    chat_format = cfg.model.tiny.chat_format
+    bytes_only = ChatFormat(build_tokenizer([""], 300, chat_format), cfg.model.template_type)
     sample = skill[:1000] + prior[:500]
     corpus_text = [bytes_only.tokenizer.decode(s.prompt_ids + s.response_ids)
                    for t in replays(bytes_only, sample) for s in t.samples or [t]]
-    tokenizer = build_tokenizer(corpus_text, cfg.model.tiny.vocab_size)
+    tokenizer = build_tokenizer(corpus_text, cfg.model.tiny.vocab_size, chat_format)
     fmt = ChatFormat(tokenizer, cfg.model.template_type)
 
     def sequences(demos, phase: str):
