@@ -15,6 +15,7 @@ Agent programs written here are passed by import path as pytest imported this mo
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import shutil
@@ -396,6 +397,22 @@ MALFORMED = [
     pytest.param({"max_tokens": 0}, "max_tokens = 0: must be a positive integer", id="max-tokens-0"),
     pytest.param({"tools": "calculator"}, "`tools` must be a list", id="tools-not-a-list"),
     pytest.param({"stop": 5}, "stop must be a string or a list", id="stop-not-strings"),
+    # sampling values out of range are refused whether the episode uses them or not (sampling: policy)
+    pytest.param({"top_p": 1.5}, "top_p = 1.5: must be above 0 and at most 1", id="top-p-above-1"),
+    pytest.param({"top_p": 0}, "top_p = 0: must be above 0", id="top-p-0"),
+    pytest.param({"temperature": -1}, "temperature = -1: must be 0 or more", id="temperature-negative"),
+    pytest.param({"temperature": "hot"}, "temperature must be a finite number", id="temperature-string"),
+    pytest.param({"functions": [{"name": "f", "parameters": {}}]}, "give `tools`", id="legacy-functions"),
+    pytest.param({"messages": [*ASK, {"role": "assistant", "content": None,
+                                      "function_call": {"name": "f", "arguments": "{}"}}]},
+                 "messages[2]: `function_call`", id="legacy-function-call-message"),
+    pytest.param({"tools": [{"type": "function", "name": "calculator", "parameters": {}}]},
+                 "tools[0] must be {type: function, function: {name", id="tool-flat-as-in-responses"),
+    pytest.param({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools[0] must be",
+                 id="tool-without-name"),
+    pytest.param({"messages": [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "", "arguments": "{}"}}]}]},
+        "messages[2]: a tool call's function needs a name", id="tool-call-without-name"),
 ]
 
 
@@ -415,6 +432,8 @@ def test_a_request_past_the_context_is_400_saying_so(scripted, fmt):
     ep, client = _episode(scripted.gateway, context=prompt + 10)
     exc = _raises(openai.BadRequestError, client.chat.completions.create, model="policy", messages=ASK, max_tokens=11)
     assert exc.status_code == 400 and "context holds" in str(exc) and "at most 10 more" in str(exc)
+    # OpenAI's error shape: what a context-trimming agent tests
+    assert exc.code == "context_length_exceeded" and exc.type == "invalid_request_error"
     client.chat.completions.create(model="policy", messages=ASK, max_tokens=10)   # exactly what fits
     assert len(ep.calls) == 1
     # a prompt the context cannot hold at all
@@ -429,7 +448,8 @@ def test_a_spent_budget_is_400(scripted):
     ep, client = _episode(scripted.gateway, max_calls=2)
     client.chat.completions.create(model="policy", messages=ASK)
     exc = _raises(openai.BadRequestError, client.chat.completions.create, model="policy", messages=ASK, n=2)
-    assert "call budget is spent" in str(exc)   # n counts: 2 more do not fit, 1 does
+    assert "n = 2 asks for more completions than this episode has left (1 of 2" in str(exc)   # 2 do not fit, 1 does
+    assert exc.code == "budget_exceeded" and ep.started_calls == 1
     client.chat.completions.create(model="policy", messages=ASK)
     exc = _raises(openai.BadRequestError, client.chat.completions.create, model="policy", messages=ASK)
     assert exc.status_code == 400 and "call budget is spent (2 completions" in str(exc)
@@ -870,3 +890,72 @@ def test_the_node_agent_runs_against_the_engine(request, fmt, rows):
     assert t.info["calls"] >= 1 and len(t.samples) >= 1
     assert t.outcome in (0.0, 1.0)
     assert t.turn_texts[0] and len(t.samples[0].response_ids) >= 1
+
+
+def test_a_request_the_engine_refuses_fails_alone(fmt):
+    """One request whose sampling options the engine rejects gets its own error; the engine loop
+    goes on serving every other request (it used to stop, failing every episode)."""
+    from turnrl.gateway.runner import ScriptedEngine
+    from turnrl.gateway.server import EngineLoop
+
+    class Picky(ScriptedEngine):
+        def stepper(self, **_):
+            inner = super().stepper()
+
+            class Stepper:
+                def add(self, key, prompt, max_tokens, seed, options=None):
+                    if (options or {}).get("top_p") == -1:
+                        raise ValueError("top_p has to be a float > 0 and <= 1")
+                    inner.add(key, prompt, max_tokens, seed, options)
+
+                def __getattr__(self, name):
+                    return getattr(inner, name)
+            return Stepper()
+
+    loop = EngineLoop(Picky(fmt))
+    try:
+        bad = loop.submit([1, 2], 4, {"top_p": -1, "script": "x"})
+        with pytest.raises(RuntimeError, match="refused this request: ValueError"):
+            bad.result(timeout=30)
+        sample, version = loop.submit([1, 2], 4, {"script": "42"}).result(timeout=30)
+        assert fmt.tokenizer.decode(sample.token_ids).startswith("42") and loop.error is None
+    finally:
+        loop.stop()
+
+
+def test_a_streamed_turn_of_tool_calls_only_keeps_its_logprobs():
+    """Chat Completions chunks: the sampled tokens' logprobs ride on the content chunk, or on the
+    first chunk when the turn is tool calls alone (they were dropped)."""
+    from turnrl.gateway.server import _chunks
+    logprobs = {"content": [{"token": "<", "logprob": -0.5, "bytes": [60], "top_logprobs": [], "token_id": 9}]}
+    call = {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": "{}"}}
+    for message in ({"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "assistant", "content": "Let me compute.", "tool_calls": [call]}):
+        response = {"id": "chatcmpl-1", "created": 0, "model": "policy", "system_fingerprint": "turnrl-v0",
+                    "usage": {}, "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls",
+                                              "logprobs": logprobs}]}
+        chunks = [json.loads(e[len("data: "):]) for e in _chunks(response, False) if e != "data: [DONE]\n\n"]
+        carried = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0].get("logprobs")]
+        assert carried == [logprobs], message   # once, whether or not the turn has text
+
+
+def test_a_model_is_described_by_its_id(scripted):
+    import httpx
+    base = scripted.gateway.base_url
+    listed = httpx.get(base + "/models").json()["data"][0]["id"]
+    assert httpx.get(f"{base}/models/{listed}").json()["id"] == listed
+    missing = httpx.get(f"{base}/models/gpt-4o")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_half_an_emoji_is_400_naming_the_message(scripted):
+    """A lone surrogate (a JavaScript client that cut an emoji in two; Python's openai client cannot
+    send one) is a 400 naming the message, not a 500 from the tokenizer."""
+    import httpx
+    ep, _ = _episode(scripted.gateway)
+    body = b'{"model": "policy", "messages": [{"role": "user", "content": "half an emoji \\ud83d"}]}'
+    answer = httpx.post(scripted.gateway.base_url + "/chat/completions", content=body,
+                        headers={"Authorization": f"Bearer {ep.key}", "Content-Type": "application/json"})
+    assert answer.status_code == 400
+    assert "messages[0]: content is not valid Unicode" in answer.json()["error"]["message"]
+    assert ep.started_calls == 0

@@ -169,6 +169,15 @@ def test_rows_a_template_cannot_train_on_name_the_row(fmt, rows):
             {"role": "narrator", "content": "hi"}, {"role": "assistant", "content": "ok"}],
         "arguments are not valid JSON": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
             "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{x"}}]}],
+        "messages[1]: a tool call's function needs a name": [{"role": "user", "content": "hi"}, {
+            "role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+                                                                  "function": {"arguments": "{}"}}]}],
+        "messages[1]: tool_calls must be a list": [{"role": "user", "content": "hi"}, {
+            "role": "assistant", "content": None, "tool_calls": {"id": "c", "type": "function"}}],
+        "messages[1]: content must be a string or a list of content parts, not int": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": 6}],
+        "messages[1]: weight = 0.5": [{"role": "user", "content": "hi"},
+                                      {"role": "assistant", "content": "ok", "weight": 0.5}],
     }
     for problem, messages in cases.items():
         with pytest.raises(ConversationError) as caught:
@@ -178,6 +187,82 @@ def test_rows_a_template_cannot_train_on_name_the_row(fmt, rows):
     with pytest.raises(ConversationError, match=r"data/chat.jsonl:7: messages\[1\], an assistant message of \d+ "
                                                 r"tokens, does not fit in sft.max_length = 64"):
         conversation_samples(_conversation(long, "data/chat.jsonl:7"), fmt, 64)
+
+
+def test_tool_call_ids_a_file_reuses_in_every_turn_train_the_conversation_as_written(fmt, rows):
+    """Files often number each turn's calls from call_0: every assistant message is its own turn
+    (found by its place), so the conversation is one sample, each turn's call in its place."""
+    row = rows[3]
+    record = tool_conversation(row)
+    calls = record["messages"][2]["tool_calls"]
+    second = {"id": "call_0", "type": "function",
+              "function": {"name": "calculator", "arguments": json.dumps({"expression": f"{row['answer']} + 1"})}}
+    record["messages"][4:4] = [{"role": "assistant", "content": None, "tool_calls": [second]},
+                               {"role": "tool", "tool_call_id": "call_0", "content": str(int(row["answer"]) + 1)}]
+    distinct = json.loads(json.dumps(record))
+    distinct["messages"][4]["tool_calls"][0]["id"] = distinct["messages"][5]["tool_call_id"] = "call_1"
+    from turnrl.gateway.conversations import conversation_samples
+    (reused,) = conversation_samples(_conversation(record), fmt, 4096).samples
+    (as_distinct,) = conversation_samples(_conversation(distinct), fmt, 4096).samples
+    assert reused.response_ids == as_distinct.response_ids and reused.loss_mask == as_distinct.loss_mask
+    taught = fmt.tokenizer.decode([t for t, m in zip(reused.response_ids, reused.loss_mask) if m])
+    assert taught.index(calls[0]["function"]["arguments"][-12:-2]) < taught.index(f"{row['answer']} + 1")
+
+
+def test_an_assistant_message_of_weight_0_is_context_not_taught(fmt, rows):
+    """OpenAI's fine-tuning `weight`: an assistant message of weight 0 stays in the conversation
+    (the later turns see it) and carries no loss; weight 1 is the default."""
+    from turnrl.gateway.conversations import conversation_samples
+    record = tool_conversation(rows[4])
+    (whole,) = conversation_samples(_conversation(record), fmt, 4096).samples
+    record["messages"][2]["weight"] = 0   # the tool call: context only
+    (weighted,) = conversation_samples(_conversation(record), fmt, 4096).samples
+    assert weighted.response_ids == whole.response_ids
+    assert [m for m, k in zip(weighted.loss_mask, weighted.turn_ids) if k == 0] == \
+        [0] * whole.turn_ids.count(0)
+    assert [m for m, k in zip(weighted.loss_mask, weighted.turn_ids) if k == 1] == \
+        [m for m, k in zip(whole.loss_mask, whole.turn_ids) if k == 1] and any(weighted.loss_mask)
+    record["messages"][4]["weight"] = 0   # nothing left to teach: no sample
+    assert conversation_samples(_conversation(record), fmt, 4096).samples == []
+
+
+def test_reasoning_content_goes_to_a_template_that_renders_it(fmt):
+    """An assistant message's reasoning_content reaches the chat template: a template with a place
+    for it (as Qwen3's <think>) teaches it; the tiny model's ChatML has none and drops it."""
+    import copy
+    from turnrl.gateway.conversations import conversation_samples
+    from turnrl.rollout.chat import ChatFormat
+    record = {"messages": [{"role": "user", "content": "Compute 2*3"},
+                           {"role": "assistant", "content": "6", "reasoning_content": "2 times 3 is 6."}]}
+    thinking = copy.copy(fmt.tokenizer)
+    thinking.chat_template = fmt.tokenizer.chat_template.replace(
+        "'\n' + (message['content'] or '') }}",
+        "'\n' + ('<think>' + message['reasoning_content'] + '</think>' if message.get('reasoning_content') else '')"
+        " + (message['content'] or '') }}")
+    assert thinking.chat_template != fmt.tokenizer.chat_template
+    for tokenizer, taught in ((thinking, "<think>2 times 3 is 6.</think>6"), (fmt.tokenizer, "6")):
+        (sample,) = conversation_samples(_conversation(record), ChatFormat(tokenizer), 4096).samples
+        text = tokenizer.decode([t for t, m in zip(sample.response_ids, sample.loss_mask) if m])
+        assert text == taught + fmt.end_of_turn
+
+
+@pytest.mark.parametrize("name, write", [
+    ("bom.jsonl", lambda p, rec: p.write_bytes(b"\xef\xbb\xbf" + (json.dumps(rec) + "\n").encode())),
+    ("bom_list.json", lambda p, rec: p.write_bytes(b"\xef\xbb\xbf" + json.dumps([rec]).encode())),
+    ("pretty.json", lambda p, rec: p.write_text(json.dumps(rec, indent=2))),
+    ("upper.PARQUET", lambda p, rec: __import__("pandas").DataFrame([rec]).to_parquet(p)),
+    ("no_suffix", lambda p, rec: __import__("pandas").DataFrame([rec]).to_parquet(p)),
+])
+def test_files_as_editors_and_tools_write_them_load(tmp_path, rows, name, write):
+    """A UTF-8 byte-order mark (Notepad, PowerShell), one pretty-printed object in a .json file,
+    a parquet file named in capitals or without a suffix (its magic bytes say what it is)."""
+    from turnrl.data.conversations import load_conversations
+    record = tool_conversation(rows[0])
+    write(tmp_path / name, record)
+    (conversation,) = load_conversations(str(tmp_path / name))
+    assert [m["role"] for m in conversation.messages] == [m["role"] for m in record["messages"]]
+    assert conversation.messages[-1]["content"] == record["messages"][-1]["content"]
+    assert conversation.where == f"{tmp_path / name}:1"
 
 
 def test_a_missing_file_or_unreachable_dataset_says_what_to_give(tmp_path):

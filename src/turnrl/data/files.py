@@ -11,6 +11,7 @@ shows the JSON text.
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import json
 import os
@@ -41,7 +42,13 @@ class _BadRow(ValueError):
 
 # --------------------------------------------------------------------------- reading files
 def _is_parquet(path: Path) -> bool:
-    return path.suffix == ".parquet"
+    """By its name (.parquet, .pq, any case), or by parquet's magic bytes where the name says nothing."""
+    if path.suffix.lower() in (".parquet", ".pq"):
+        return True
+    if path.suffix.lower() in (".jsonl", ".json", ".gz", ".ndjson") or not path.is_file():
+        return False
+    with path.open("rb") as fh:
+        return fh.read(4) == b"PAR1"
 
 
 def _iter_records(path: Path) -> Iterator[tuple[int, Any]]:
@@ -56,9 +63,16 @@ def _iter_records(path: Path) -> Iterator[tuple[int, Any]]:
         for i, rec in enumerate(records, start=1):
             yield i, rec
         return
-    if path.suffix == ".json":
-        raw = path.read_bytes()
-        if raw.lstrip().startswith(b"["):
+    if path.suffix.lower() == ".json":
+        raw = path.read_bytes().removeprefix(codecs.BOM_UTF8)   # Notepad's and PowerShell's UTF-8
+        whole = raw.lstrip().startswith(b"[")
+        if not whole and raw.lstrip().startswith(b"{"):   # one object, perhaps written over several lines
+            try:
+                json.loads(raw.decode("utf-8"))
+                whole = True
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+                pass   # JSON lines, read line by line below
+        if whole:
             try:
                 data = json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError as exc:
@@ -92,6 +106,7 @@ def _decode_line(raw: bytes) -> Any:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         return _BadRow(f"not UTF-8 text (byte {exc.start} of the line)")
+    line = line.removeprefix("\ufeff")   # a byte-order mark opening the file
     if not line.strip():
         return _BLANK
     try:

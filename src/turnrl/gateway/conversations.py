@@ -7,7 +7,9 @@ messages spliced in as the ids they were "sampled" as) and whose completion is t
 message as the template writes it, up to and including the token that closes the turn. The
 calls are then merged into samples by the gateway's own `chains` and `sample_trajectory`. So
 SFT trains exactly the tokens, and the masks, that RL trains when the same conversation happens
-in a rollout: assistant tokens 1; system, user, tool results and the template's framing 0.
+in a rollout: assistant tokens 1; system, user, tool results and the template's framing 0 (and
+an assistant message of `"weight": 0`, OpenAI's fine-tuning key for context the model is not
+taught).
 
     user U, assistant A1 (tool call), tool T, assistant A2
     calls    [P(U) -> A1]  [P(U) A1 T' -> A2]            (T': the tool message's frame and text)
@@ -51,8 +53,9 @@ def conversation_samples(conversation: Conversation, fmt: ChatFormat, max_length
     except BadRequest as exc:
         raise ConversationError(f"{where}: {exc}") from None
     renderer = Renderer(fmt, parser=None)
-    produced: list[Produced] = []
-    calls: list[Call] = []
+    produced: dict[int, Produced] = {}   # by message index: each earlier assistant message is its own call's
+    calls: list[Call] = []               # ids (found by place, not by tool-call ids a file may reuse)
+    untrained: set[int] = set()          # calls of assistant messages of `weight` 0
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -60,7 +63,7 @@ def conversation_samples(conversation: Conversation, fmt: ChatFormat, max_length
             raise ConversationError(f"{where}: messages[{i}] is an assistant message before any user message; "
                                     "a conversation to learn from starts with a user's request")
         try:
-            prompt = renderer.prompt_ids(messages[:i], conversation.tools, produced)
+            prompt = renderer.spliced_prompt_ids(messages[:i], conversation.tools, produced)
             text = assistant_text(renderer, messages[:i + 1], conversation.tools)
         except BadRequest as exc:
             raise ConversationError(f"{where}: messages[{i}]: {exc}") from None
@@ -68,15 +71,24 @@ def conversation_samples(conversation: Conversation, fmt: ChatFormat, max_length
         if len(completion) > max_length:
             raise ConversationError(f"{where}: messages[{i}], an assistant message of {len(completion)} tokens, does "
                                     f"not fit in sft.max_length = {max_length}; raise it or shorten the message")
+        weight = conversation.messages[i].get("weight", 1)
+        if weight not in (0, 1):
+            raise ConversationError(f"{where}: messages[{i}]: weight = {weight!r}; an assistant message's weight is "
+                                    "1 (trained on) or 0 (context only), as in OpenAI's fine-tuning format")
+        if weight == 0:
+            untrained.add(len(calls))
         calls.append(Call(index=len(calls), prompt_ids=prompt, completion_ids=completion,
                           logprobs=[0.0] * len(completion), version=0, finish="stop", text=text))
-        produced.append(Produced(completion, message))
+        produced[i] = Produced(completion, message)
     if not calls:
         raise ConversationError(f"{where}: no assistant message, nothing to learn")
     example = {"id": where, "prompt": next(m["content"] for m in messages if m["role"] == "user")}
     out = Rendered([])
     for chain in chains(calls):
         sample = sample_trajectory(chain, example, len(calls))
+        sample.loss_mask = [0 if turn in untrained else m for m, turn in zip(sample.loss_mask, sample.turn_ids)]
+        if not any(sample.loss_mask):   # every assistant message of it weight 0: context for later samples only
+            continue
         full = len(sample.prompt_ids) + len(sample.response_ids)
         kept = fit(sample, max_length)
         if kept is None:

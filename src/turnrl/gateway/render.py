@@ -41,14 +41,19 @@ def text_of(content: Any) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError as exc:   # a lone surrogate (a client that cut an emoji in half)
+            raise BadRequest(f"content is not valid Unicode (a lone surrogate at character {exc.start}: "
+                             f"{content[max(0, exc.start - 20):exc.start]!r} ...)") from None
         return content
     if isinstance(content, list):
         parts = []
         for part in content:
             if isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text"):
-                parts.append(str(part.get("text", "")))
+                parts.append(text_of(str(part.get("text", ""))))
             elif isinstance(part, str):
-                parts.append(part)
+                parts.append(text_of(part))
             else:
                 raise BadRequest(f"content part {part!r:.80} is not text; the gateway serves text models")
         return "".join(parts)
@@ -61,6 +66,10 @@ def _template_call(call: Any, default_id: str) -> dict:
     if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
         raise BadRequest(f"a tool call must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}, "
                          f"got {call!r:.120}")
+    name = call["function"].get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise BadRequest(f"a tool call's function needs a name (a non-empty string), got {name!r:.60} in "
+                         f"{call!r:.120}")
     # name first, as models write their calls and OpenAI sends them (a client's own dump may sort the
     # keys): a template that dumps the function object then renders what the model would have sampled
     function = {"name": call["function"].get("name"), "arguments": call["function"].get("arguments"),
@@ -79,7 +88,9 @@ def normalize_messages(messages: Any) -> list[dict]:
     """The request's messages checked and in the shape chat templates take (string content,
     tool calls with object arguments); BadRequest naming the message that is wrong. A call
     without an id gets one from its place (`call_<message>_<k>`), a tool result without a
-    `tool_call_id` the id of the call it answers: the last assistant message's calls, in order."""
+    `tool_call_id` the id of the call it answers: the last assistant message's calls, in order.
+    An assistant message's `reasoning_content` goes to the template, which renders it where the
+    model's format has a place for it (Qwen3's and DeepSeek-R1's <think>) and drops it elsewhere."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("`messages` must be a non-empty list of {role, content} objects")
     out = []
@@ -89,10 +100,20 @@ def normalize_messages(messages: Any) -> list[dict]:
             raise BadRequest(f"messages[{k}]: must be an object whose role is system, developer, user, assistant "
                              f"or tool; got {m!r:.120}")
         role = "system" if m["role"] == "developer" else m["role"]
-        message = {"role": role, "content": text_of(m.get("content"))}
-        if role == "assistant" and m.get("tool_calls"):
-            message["tool_calls"] = [_template_call(c, f"call_{k}_{j}") for j, c in enumerate(m["tool_calls"])]
-            unanswered = [c["id"] for c in message["tool_calls"]]
+        if m.get("function_call") is not None:
+            raise BadRequest(f"messages[{k}]: `function_call` (OpenAI's deprecated function calling) is not read; "
+                             "write the call as `tool_calls` and its result as a `tool` message")
+        try:
+            message = {"role": role, "content": text_of(m.get("content"))}
+            if role == "assistant" and m.get("reasoning_content"):
+                message["reasoning_content"] = text_of(m["reasoning_content"])
+            if role == "assistant" and m.get("tool_calls"):
+                if not isinstance(m["tool_calls"], list):
+                    raise BadRequest(f"tool_calls must be a list of tool calls, not {type(m['tool_calls']).__name__}")
+                message["tool_calls"] = [_template_call(c, f"call_{k}_{j}") for j, c in enumerate(m["tool_calls"])]
+                unanswered = [c["id"] for c in message["tool_calls"]]
+        except BadRequest as exc:
+            raise BadRequest(f"messages[{k}]: {exc}") from None
         if role == "tool":
             given = m.get("tool_call_id")
             answered = unanswered[0] if unanswered else f"call_{k}"
@@ -125,11 +146,21 @@ class Renderer:
                    produced: Sequence[Produced] = ()) -> list[int]:
         """The prompt of normalized `messages` (+ `tools`), ending with the assistant's
         generation prompt; every assistant message of `produced` is its sampled ids."""
-        marked, spliced = [], []
-        for m in messages:
-            match = None
+        matches = {}
+        for i, m in enumerate(messages):
             if m["role"] == "assistant":
                 match = next((p for p in reversed(produced) if _same_answer(m, p)), None)
+                if match is not None:
+                    matches[i] = match
+        return self.spliced_prompt_ids(messages, tools, matches)
+
+    def spliced_prompt_ids(self, messages: list[dict], tools: Sequence[dict] | None,
+                           spliced_in: dict[int, Produced]) -> list[int]:
+        """The prompt of normalized `messages` (+ `tools`), ending with the assistant's
+        generation prompt; the message at each index of `spliced_in` is that Produced's ids."""
+        marked, spliced = [], []
+        for i, m in enumerate(messages):
+            match = spliced_in.get(i)
             if match is None:
                 marked.append(m)
             else:

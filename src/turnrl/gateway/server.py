@@ -108,8 +108,12 @@ class EngineLoop:
                 for request in admitted:
                     request.version = self.version
                     self._keys += 1
+                    try:
+                        self.stepper.add(self._keys, request.prompt_ids, request.max_tokens, None, request.options)
+                    except Exception as exc:   # noqa: BLE001 - this request's (its sampling options): its own error
+                        request.future.set_exception(RuntimeError(f"the rollout engine refused this request: {exc!r}"))
+                        continue
                     self._running[self._keys] = request
-                    self.stepper.add(self._keys, request.prompt_ids, request.max_tokens, None, request.options)
                 if self.stepper.busy():
                     start = time.perf_counter()
                     for key, sample in self.stepper.step():
@@ -163,9 +167,9 @@ class Episode:
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
+        self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
 def _number(value: Any, what: str) -> float:
@@ -230,6 +234,7 @@ class Gateway:
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/v1/responses", self._responses, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self._model, methods=["GET"]),
             Route("/turnrl/reward", self._reward, methods=["POST"]),
             Route("/v1/turnrl/reward", self._reward, methods=["POST"]),
         ])
@@ -268,7 +273,10 @@ class Gateway:
     @staticmethod
     def _error(exc: HTTPError):
         from starlette.responses import JSONResponse
-        return JSONResponse({"error": {"message": exc.message, "type": exc.kind, "code": exc.status}},
+        # OpenAI's shape: a 400's type is invalid_request_error, its code the kind (context_length_exceeded, ...),
+        # which is what clients test (openai's `exc.code`)
+        kind = "invalid_request_error" if exc.status == 400 else exc.kind
+        return JSONResponse({"error": {"message": exc.message, "type": kind, "param": exc.param, "code": exc.kind}},
                             status_code=exc.status)
 
     async def _json(self, request) -> dict:
@@ -284,6 +292,13 @@ class Gateway:
         from starlette.responses import JSONResponse
         return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
                                                          "created": 0, "owned_by": "turnrl"}]})
+
+    async def _model(self, request):
+        from starlette.responses import JSONResponse
+        if request.path_params["model"] != self.model_name:
+            return self._error(HTTPError(404, f"no model {request.path_params['model']!r}; this gateway serves "
+                                              f"{self.model_name!r}", "model_not_found"))
+        return JSONResponse({"id": self.model_name, "object": "model", "created": 0, "owned_by": "turnrl"})
 
     async def _reward(self, request):
         from starlette.responses import JSONResponse
@@ -368,10 +383,21 @@ class Gateway:
         if "messages" not in body:
             raise HTTPError(400, "missing `messages`")
         try:
+            if body.get("functions") is not None or body.get("function_call") is not None:
+                raise BadRequest("`functions` / `function_call` (OpenAI's deprecated function calling) are not served: "
+                                 "give `tools` ([{type: function, function: {name, parameters}}]) and `tool_choice`")
             messages = normalize_messages(body["messages"])
             tools = body.get("tools") or []
             if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
                 raise BadRequest("`tools` must be a list of {type: function, function: {...}} objects")
+            for k, tool in enumerate(tools):
+                function = tool.get("function")
+                if tool.get("type", "function") != "function" or not isinstance(function, dict) or \
+                        not isinstance(function.get("name"), str) or not function["name"]:
+                    flat = " (the Responses API's flat tool; Chat Completions nests it under `function`)" \
+                        if tool.get("name") else ""
+                    raise BadRequest(f"tools[{k}] must be {{type: function, function: {{name, description, parameters}}}}"
+                                     f"{flat}, got {tool!r:.120}")
             tool_choice = body.get("tool_choice", "auto")
             n = body.get("n", 1) if body.get("n") is not None else 1
             if not isinstance(n, int) or isinstance(n, bool) or n < 1 or n > 16:
@@ -397,12 +423,23 @@ class Gateway:
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 8:
             raise HTTPError(400, "stop must be a string or a list of at most 8 strings")
+        # checked whether or not they are used (sampling: policy ignores them), as OpenAI checks them
+        asked_temperature, asked_top_p = body.get("temperature"), body.get("top_p")
+        if asked_temperature is not None and _number(asked_temperature, "temperature") < 0:
+            raise HTTPError(400, f"temperature = {asked_temperature!r}: must be 0 or more", param="temperature")
+        if asked_top_p is not None and not 0 < _number(asked_top_p, "top_p") <= 1:
+            raise HTTPError(400, f"top_p = {asked_top_p!r}: must be above 0 and at most 1", param="top_p")
         temperature, top_p = limits.temperature, limits.top_p
         if limits.request_sampling:
-            temperature = _number(body.get("temperature", temperature), "temperature")
-            top_p = _number(body.get("top_p", top_p), "top_p")
+            temperature = float(asked_temperature) if asked_temperature is not None else temperature
+            top_p = float(asked_top_p) if asked_top_p is not None else top_p
         with episode.lock:
             if episode.started_calls + n > limits.max_calls:
+                left_calls = limits.max_calls - episode.started_calls
+                if left_calls > 0:
+                    raise HTTPError(400, f"n = {n} asks for more completions than this episode has left ({left_calls} "
+                                         f"of {limits.max_calls}, rollout.max_turns); ask for at most {left_calls}",
+                                    "budget_exceeded", "n")
                 raise HTTPError(400, f"this episode's call budget is spent ({limits.max_calls} completions, "
                                      "rollout.max_turns); end the episode and return its reward", "budget_exceeded")
             left = limits.max_tokens_total - episode.sampled_tokens - episode.reserved_tokens
@@ -480,12 +517,12 @@ def _chunks(response: dict, include_usage: bool):
 
     for choice in response["choices"]:
         k, message = choice["index"], choice["message"]
-        yield event([{"index": k, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        logprobs = {"logprobs": choice["logprobs"]} if choice.get("logprobs") else {}
+        # the sampled tokens' logprobs ride on the content chunk, or, for a turn of tool calls only, the first
+        yield event([{"index": k, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                      **({} if message.get("content") else logprobs)}])
         if message.get("content"):
-            delta: dict = {"content": message["content"]}
-            logprobs = choice.get("logprobs")
-            yield event([{"index": k, "delta": delta, "finish_reason": None,
-                          **({"logprobs": logprobs} if logprobs else {})}])
+            yield event([{"index": k, "delta": {"content": message["content"]}, "finish_reason": None, **logprobs}])
         for j, call in enumerate(message.get("tool_calls") or []):
             yield event([{"index": k, "delta": {"tool_calls": [{"index": j, **call}]}, "finish_reason": None}])
         yield event([{"index": k, "delta": {}, "finish_reason": choice["finish_reason"]}])

@@ -35,6 +35,7 @@ def conversation_split(cfg: Config, fmt: ChatFormat) -> tuple[list[Trajectory], 
     """(training samples, held-out samples, counts) of sft.data's conversations; the held-out
     share is split by conversation, so no conversation is in both."""
     from turnrl.data.conversations import load_conversations
+    from turnrl.data.sources import DataSourceError
     from turnrl.gateway.conversations import conversation_samples
     from turnrl.training.sft import split_heldout
     spec = cfg.sft
@@ -52,7 +53,7 @@ def conversation_split(cfg: Config, fmt: ChatFormat) -> tuple[list[Trajectory], 
         return out
     train_samples, heldout_samples = samples(train), samples(heldout)
     if not train_samples:
-        raise ValueError(f"sft.data = {spec.data!r}: no sample fits in sft.max_length = {spec.max_length} "
+        raise DataSourceError(f"sft.data = {spec.data!r}: no sample fits in sft.max_length = {spec.max_length} "
                          f"({counts['dropped']} dropped: their prompt alone fills it); raise sft.max_length")
     return train_samples, heldout_samples, counts
 
