@@ -62,6 +62,31 @@ def test_data_files_must_exist_and_their_mapping_name_fields_of_the_first_rows(t
     assert guess.startswith("data.fields: ") and "lacks prompt" in guess
 
 
+def test_an_sft_file_s_first_rows_are_read_before_any_work(tmp_path, monkeypatch):
+    """A conversation file whose rows are not conversations (or not in sft.messages_field) is
+    named by `turnrl config` and every stage's start, not after prepare_model's warm start."""
+    monkeypatch.chdir(tmp_path)
+    good = {"messages": [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4"}]}
+    _jsonl(tmp_path / "chats.jsonl", [good, good])
+    assert checks.sft_problems(_cfg(sft={"data": "chats.jsonl"})) == []
+    wrong_field, = checks.sft_problems(_cfg(sft={"data": "chats.jsonl", "messages_field": "msgs"}))
+    assert wrong_field.startswith("sft.data: chats.jsonl:1: field 'msgs' must be a non-empty list of messages")
+    _jsonl(tmp_path / "bad.jsonl", [good, {"messages": "oops"}])
+    bad_row, = checks.sft_problems(_cfg(sft={"data": "bad.jsonl"}))
+    assert bad_row.startswith("sft.data: bad.jsonl:2: field 'messages' must be a non-empty list")
+
+
+def test_a_served_model_cannot_be_the_train_stage_s_own_output(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    problem, = checks.model_problems(_cfg(reward={"teacher": {"serve": "models/final"}}))
+    assert problem.startswith("reward.teacher.serve = 'models/final': that is the train stage's own output")
+    assert "cp -r models/final teacher" in problem
+    judged, = checks.model_problems(_cfg(reward={"judges": [{"name": "j", "template": "Rate: {completion}",
+                                                                 "serve": "./models/final/"}]}))
+    assert judged.startswith("reward.judges[0].serve = './models/final/'")
+    assert checks.model_problems(_cfg(reward={"teacher": {"serve": "teacher"}})) == []
+
+
 def test_benchmark_files_and_their_mappings_are_checked_by_key(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     _jsonl(tmp_path / "bench.jsonl", ROWS)

@@ -35,6 +35,9 @@ def test_every_params_key_is_declared_with_its_default_type():
     ("algorithm.clip_low=1.5", ["algorithm.clip_low", "1.5", "less than 1"]),
     ("model.tiny.num_heads=3", ["model.tiny", "multiple of num_heads"]),
     ("rollout.max_tokens_total=8", ["max_tokens_total", "max_tokens_per_turn"]),
+    ("model.tiny.chat_format=vicuna", ["model.tiny.chat_format", "'chatml'", "'llama3'"]),
+    # an algorithm's own check of the whole params (Algorithm.check_params)
+    ("rollout.n=1", ["algorithm.name = grpo", "rollout.n = 1", "every advantage is 0", "set rollout.n to 2"]),
 ])
 def test_bad_values_name_the_key_the_value_and_what_is_allowed(override, expected):
     with pytest.raises(ConfigError) as err:
@@ -109,3 +112,41 @@ def test_a_kv_block_size_vllm_cpu_cannot_take_is_refused_before_any_work(size, e
     if refused:
         assert problems == [f"rollout.kv_block_size = {size}: vLLM on CPU takes a multiple of 32 tokens per block; "
                             "set -S rollout.kv_block_size=32 (or null: 32 on CPU, vLLM's own default on GPUs)"]
+
+
+def test_dvc_s_delete_override_removes_a_key(tmp_path):
+    """`-S '~env.options'` (DVC's delete, which the docs and env errors suggest) drops the key: the
+    options another environment does not take go with it."""
+    params = tmp_path / "params.yaml"
+    params.write_text("env:\n  name: code_tool\n  options: {timeout_s: 2.0}\n")
+    with pytest.raises(ConfigError):   # search does not take code_tool's timeout_s
+        load_config(params, ["env.name=search"])
+    cfg = load_config(params, ["~env.options", "env.name=search"])
+    assert cfg.env.name == "search" and cfg.env.options == {}
+    assert load_config(params, ["~train.steps"]).train.steps == Config().train.steps   # a default again
+    with pytest.raises(ConfigError, match="expected ~key.path"):
+        load_config(params, ["~"])
+
+
+def test_plugins_of_the_wrong_shape_are_named_before_any_work(tmp_path, monkeypatch):
+    """An EnvSpec whose task is not a SyntheticTask; a demonstration hook that cannot take
+    (row, rng, good); opd weights that leave no signal."""
+    from turnrl.config.loading import check_plugins
+    (tmp_path / "my_shapes.py").write_text(
+        "from turnrl.envs import EnvSpec\n"
+        "from turnrl.envs.code_tool import ENV as CODE\n"
+        "ENV = EnvSpec(factory=CODE.factory, options=CODE.options, task=...)\n"
+        "def demo(row):\n    return []\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = check_plugins(Config.model_validate({"env": {"name": "my_shapes:ENV"}}))
+    assert any("env.name = 'my_shapes:ENV': its EnvSpec's task is Ellipsis, not a turnrl.data.synthetic."
+               "SyntheticTask" in p for p in spec), spec
+    hook = check_plugins(Config.model_validate({"env": {"name": "tools", "options": {
+        "demonstration": "my_shapes:demo"}}}))
+    assert any(p.startswith("env.options.demonstration = 'my_shapes:demo': demo(row) cannot be called as "
+                            "demonstration(row, rng, good)") for p in hook), hook
+    opd = {"algorithm": {"name": "opd", "options": {"sampled_weight": 0, "reward_weight": 0}},
+           "reward": {"teacher": {"base_url": "http://teacher:8000/v1"}}}
+    assert "opd has no signal; set reward.teacher.top_k" in " ".join(check_plugins(Config.model_validate(opd)))
+    opd["reward"]["teacher"]["top_k"] = 8
+    assert not any("no signal" in p for p in check_plugins(Config.model_validate(opd)))

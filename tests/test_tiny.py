@@ -64,3 +64,29 @@ def test_warm_start_progress_bar_keeps_to_its_interval(monkeypatch, capsys):
     warm_start(model, [(ids, [1] * len(ids))] * 8, steps=60, batch_size=4, lr=3e-3, seed=0)
     updates = capsys.readouterr().err.count("\r")
     assert 1 <= updates <= 20, updates   # a few refreshes (tqdm's own timing), not one per step (60)
+
+
+def test_the_llama3_chat_format_renders_as_llama_3_1_and_rollouts_frame_it(tmp_path):
+    """model.tiny.chat_format: llama3 gives the tiny model Llama 3.1's layout and special tokens
+    (a teacher or student of another chat format than the default's): the rollouts' prompt,
+    observation frame and end of turn are the template's own, and the model config's ids match."""
+    from turnrl.rollout.chat import ChatFormat
+    corpus = ["<|start_header_id|>user<|end_header_id|>\n\nCompute 12 * 34.<|eot_id|> 408"] * 4
+    tokenizer = build_tokenizer(corpus, 400, "llama3")
+    fmt = ChatFormat(tokenizer)
+    assert fmt.end_of_turn == "<|eot_id|>" and fmt.end_of_turn_id == tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    assert fmt.prompt_text("Be brief.", "Hi") == (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    # a tool's result in Llama 3.1's ipython role, framed as the template renders the whole conversation
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<code>1</code>"},
+                {"role": "tool", "content": "1"}]
+    whole = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert whole == fmt.prompt_text("", "Hi") + "<code>1</code>" + fmt.observation_text("1", "tool")
+    assert "<|start_header_id|>ipython<|end_header_id|>" in whole
+    for special in ("<|begin_of_text|>", "<|start_header_id|>", "<|eot_id|>"):
+        assert len(fmt.encode(special)) == 1   # special tokens, not bytes
+    model = build_model(tokenizer, TinyModel(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                             chat_format="llama3"), seed=0)
+    assert model.config.eos_token_id == tokenizer.eos_token_id == fmt.end_of_turn_id
+    assert model.config.bos_token_id == tokenizer.convert_tokens_to_ids("<|begin_of_text|>")

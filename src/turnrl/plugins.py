@@ -266,6 +266,8 @@ def validate_options(model: type[BaseModel], options: dict[str, Any], key: str,
             msg = " ".join(err["msg"].removeprefix("Value error, ").replace("Input should be", "must be").split())
             if err["type"] == "missing":
                 lines.append(f"{full}: required, set it (e.g. {set_as.format(full=full, name=where)})")
+            elif msg.startswith(f"{full} = "):   # a validator's own message that names the key already
+                lines.append(msg)
             else:
                 lines.append(f"{full} = {err.get('input')!r}: {msg}")
     if lines:

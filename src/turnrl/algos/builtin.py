@@ -23,30 +23,40 @@ def _first_turn_reward(x: AdvantageInputs) -> torch.Tensor:
     return x.turn_rewards[:, 0] if x.turn_rewards.shape[1] else torch.zeros_like(x.rewards)
 
 
-@register("grpo", options=NoOptions)
+def needs_groups(params) -> str | None:
+    """A group baseline (each reward against its prompt's other samples) over groups of one: every
+    advantage would be 0."""
+    if params.rollout.n < 2:
+        return (f"algorithm.name = {params.algorithm.name} scores each sample against the other samples of its prompt, "
+                f"and rollout.n = {params.rollout.n} gives it none, so every advantage is 0: set rollout.n to 2 or "
+                "more (params.yaml: 8), or use an algorithm without a group baseline (ppo)")
+    return None
+
+
+@register("grpo", options=NoOptions, check_params=needs_groups)
 def grpo(x: AdvantageInputs, cfg) -> torch.Tensor:
     return adv.grpo(rewards=x.rewards, mask=x.mask, group_ids=x.group_ids)
 
 
-@register("dr_grpo", options=NoOptions)
+@register("dr_grpo", options=NoOptions, check_params=needs_groups)
 def dr_grpo(x: AdvantageInputs, cfg) -> torch.Tensor:
     return adv.dr_grpo(rewards=x.rewards, mask=x.mask, group_ids=x.group_ids)
 
 
-@register("rloo", options=NoOptions)
+@register("rloo", options=NoOptions, check_params=needs_groups)
 def rloo(x: AdvantageInputs, cfg) -> torch.Tensor:
     return adv.rloo(rewards=x.rewards, mask=x.mask, group_ids=x.group_ids)
 
 
-@register("ms_grpo", options=NoOptions)   # the same estimator under RoSTE's name
-@register("mt_grpo", options=NoOptions)
+@register("ms_grpo", options=NoOptions, check_params=needs_groups)   # the same estimator under RoSTE's name
+@register("mt_grpo", options=NoOptions, check_params=needs_groups)
 def mt_grpo(x: AdvantageInputs, cfg) -> torch.Tensor:
     """MT-GRPO / RoSTE's MS-GRPO: A_out + turn_coef * A_turn before the first tool result."""
     return adv.mt_grpo(rewards=x.rewards, turn_rewards=_first_turn_reward(x), first_obs_pos=x.first_obs_pos,
                        mask=x.mask, group_ids=x.group_ids, turn_coef=cfg.turn_coef)
 
 
-@register("ms_po", options=NoOptions)
+@register("ms_po", options=NoOptions, check_params=needs_groups)
 def ms_po(x: AdvantageInputs, cfg) -> torch.Tensor:
     return adv.ms_po(rewards=x.rewards, turn_rewards=_first_turn_reward(x), first_obs_pos=x.first_obs_pos,
                      mask=x.mask, group_ids=x.group_ids, gamma=cfg.gamma)
@@ -116,7 +126,19 @@ def opd_top_k(batch: Mapping[str, torch.Tensor], cfg) -> tuple[torch.Tensor, dic
     return opts.top_k_weight * mean, {"top_k_kl": mean.detach()}
 
 
-@register("opd", options=OpdOptions, teacher=True, loss_term=opd_top_k)
+def opd_params_problem(params) -> str | None:
+    """opd whose weights leave only the top-k term, without reward.teacher.top_k to feed it."""
+    try:
+        opts = OpdOptions.model_validate(params.algorithm.options or {})
+    except ValueError:   # the options' own error, said by their check
+        return None
+    if not (opts.sampled_weight or opts.reward_weight or params.reward.teacher.top_k):
+        return ("algorithm.options.sampled_weight and reward_weight are 0 and reward.teacher.top_k is 0: opd has no "
+                "signal; set reward.teacher.top_k (e.g. 8) or a weight above 0")
+    return None
+
+
+@register("opd", options=OpdOptions, teacher=True, loss_term=opd_top_k, check_params=opd_params_problem)
 def opd(x: AdvantageInputs, cfg) -> torch.Tensor:
     """On-policy distillation (the policy samples, reward.teacher scores every sampled token):
     A_t = sampled_weight x (log pi_T - log pi_engine) per token, + reward_weight x GRPO

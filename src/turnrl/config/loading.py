@@ -145,7 +145,7 @@ def check_plugins(cfg: Config) -> list[str]:
     the reward functions and the benchmarks' graders. One fix-it line per problem."""
     from turnrl import envs
     from turnrl.data.synthetic import demonstration_problem
-    from turnrl.plugins import PluginError
+    from turnrl.plugins import PluginError, check_call
     from turnrl.rewards.functions import from_config as reward_functions
     from turnrl.rewards.graders import grader
 
@@ -167,12 +167,19 @@ def check_plugins(cfg: Config) -> list[str]:
                             "synthetic task (EnvSpec.task with rows); set them to your data files (jsonl/parquet)")
         if cfg.model.path == "tiny" and (problem := demonstration_problem(task, cfg.env.name)):
             problems.append(f"model.path = tiny: {problem}")
+        if getattr(task, "demonstration", None) is not None:   # called (row, rng, good) by the warm start and sft
+            hooked = (options or {}).get("demonstration")
+            attempt(check_call, task.demonstration,
+                    f"env.options.demonstration = {hooked!r}" if hooked else f"env.name = {cfg.env.name!r}: its task's "
+                    "demonstration", "demonstration(row, rng, good) -> the assistant turns", positional=3)
     attempt(cfg.algorithm.fill_options)        # the algorithm and its options, defaults filled in
     from turnrl.algos.registry import resolve as resolve_algorithm
     try:
         algorithm = resolve_algorithm(cfg.algorithm.name)
     except Exception:   # noqa: BLE001 - fill_options has said what is wrong with the name
         algorithm = None
+    if algorithm is not None and algorithm.check_params is not None and (problem := algorithm.check_params(cfg)):
+        problems.append(problem)
     if algorithm is not None and algorithm.teacher and not cfg.reward.teacher.enabled:
         problems.append(f"algorithm.name = {cfg.algorithm.name} learns from a teacher's logprobs: set "
                         "reward.teacher.serve (a checkpoint turnrl serves, same tokenizer as the policy) or "
@@ -207,6 +214,16 @@ def _set_dotted(data: dict, key: str, value: Any) -> None:
             raise ConfigError(f"override {key}: {_key_text(part)} is a value, not a section")
         node = child
     node[parts[-1]] = value
+
+
+def _delete_dotted(data: Any, key: str) -> None:
+    """`key` removed from `data` (a key that is not there: nothing to remove)."""
+    *parents, last = key.split(".")
+    node = data
+    for part in parents:
+        node = node.get(part) if isinstance(node, dict) else None
+    if isinstance(node, dict):
+        node.pop(last, None)
 
 
 def _yaml_fix(text: str, exc: Any) -> str | None:
@@ -266,6 +283,12 @@ def load_config(path: str | Path = "params.yaml", overrides: list[str] | tuple[s
     data = _yaml(text, f"{path}: not valid YAML", "fix the line it names")
     data = data if data is not None else {}
     for item in overrides:
+        if str(item).strip().startswith("~"):   # DVC's (Hydra's) ~key: delete the key, e.g. ~env.options
+            key = str(item).strip()[1:].partition("=")[0].strip()
+            if not key or not all(key.split(".")):
+                raise ConfigError(f"override {item!r}: expected ~key.path, e.g. ~env.options")
+            _delete_dotted(data, key)
+            continue
         key, eq, raw = str(item).partition("=")
         key = key.strip().lstrip("+")   # DVC's ++key (add or override) and +key (add) set the key too
         if not eq or not key or not all(key.split(".")):

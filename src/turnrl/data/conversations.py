@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -36,13 +37,15 @@ class Conversation:
     where: str = ""
 
 
-def load_conversations(source: str, messages_field: str = "messages", tools_field: str = "tools") -> list[Conversation]:
+def load_conversations(source: str, messages_field: str = "messages", tools_field: str = "tools",
+                       limit: int | None = None) -> list[Conversation]:
     """Every row of `source` (a .jsonl/.json/.parquet path, or hf:<id>[:split]) as a
-    Conversation; MalformedDataError naming the file and row of the first bad one."""
+    Conversation, or its first `limit` rows; MalformedDataError naming the file and row of the
+    first bad one."""
     arrow = source.startswith("hf:") or _is_parquet(Path(source))   # rows of structs: a null key is an absent one
     rows = _hf_rows(source[3:]) if source.startswith("hf:") else _file_rows(Path(source))
     out = []
-    for where, record in rows:
+    for where, record in islice(rows, limit):
         if isinstance(record, _BadRow):
             raise MalformedDataError(f"{where}: {record}")
         if record is _BLANK:

@@ -21,6 +21,11 @@ from turnrl.plugins import PluginError, Registry, validate_options
 
 def _as_spec(obj: Any, name: str, key: str) -> EnvSpec:
     if isinstance(obj, EnvSpec):
+        from turnrl.data.synthetic import SyntheticTask
+        if obj.task is not None and not isinstance(obj.task, SyntheticTask):
+            raise PluginError(f"{key} = {name!r}: its EnvSpec's task is {obj.task!r:.60}, not a "
+                              "turnrl.data.synthetic.SyntheticTask; give SyntheticTask(name, demonstration=fn) "
+                              "(docs/plugins.md, \"The warm start\"), or leave task out")
         return obj if obj.name else dataclasses.replace(obj, name=name)
     if callable(obj):
         return EnvSpec(factory=obj, name=name)
