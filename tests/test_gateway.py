@@ -959,3 +959,28 @@ def test_half_an_emoji_is_400_naming_the_message(scripted):
     assert answer.status_code == 400
     assert "messages[0]: content is not valid Unicode" in answer.json()["error"]["message"]
     assert ep.started_calls == 0
+
+
+def test_logprob_bytes_join_back_into_the_text_in_both_tokenizer_kinds(fmt):
+    """`logprobs[].bytes`: a token that is part of a character (é, an emoji) carries its own
+    bytes, so a client joining them gets the text back; decoding such a token alone gives the
+    replacement character, whose bytes were sent before."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from turnrl.gateway.render import is_byte_level, token_bytes
+    text = "Résumé 🎉 naïve 12"
+    # SentencePiece's kind: ▁ for a space, bytes the vocabulary lacks as <0xC3> tokens (Llama 2, Mistral v0.1)
+    sentencepiece = Tokenizer(models.BPE(byte_fallback=True))
+    sentencepiece.pre_tokenizer = pre_tokenizers.Metaspace()
+    sentencepiece.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                               decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    sentencepiece.train_from_iterator(["Resume naive plain text 12"] * 10, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]))
+    byte_fallback = PreTrainedTokenizerFast(tokenizer_object=sentencepiece, eos_token="</s>")
+    for tokenizer, expected in ((fmt.tokenizer, text), (byte_fallback, " " + text)):   # (Metaspace's leading ▁)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        byte_level = is_byte_level(tokenizer)
+        assert byte_level == (tokenizer is fmt.tokenizer)
+        assert b"".join(bytes(token_bytes(tokenizer, i, byte_level)) for i in ids) == expected.encode("utf-8")
+        alone = [tokenizer.decode([i]) for i in ids]
+        assert "\ufffd" in alone   # what the bytes were taken from before

@@ -60,6 +60,42 @@ def text_of(content: Any) -> str:
     raise BadRequest(f"content must be a string or a list of content parts, not {type(content).__name__}")
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet (Qwen's, Llama 3's): the character standing for each byte.
+    Printable Latin-1 bytes stand for themselves; the others, in order, for U+0100 on."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    others = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + k): b for k, b in enumerate(others)}}
+
+
+_BYTE_OF = _byte_level_alphabet()
+
+
+def token_bytes(tokenizer: Any, token_id: int, byte_level: bool) -> list[int]:
+    """The bytes token `token_id` stands for: a piece of a character (an emoji, an accented
+    letter) is its own bytes, not the replacement character decoding it alone gives. Byte-level
+    BPE pieces (`byte_level`: `is_byte_level(tokenizer)`) through their alphabet, SentencePiece's
+    byte tokens (<0xE9>) as that byte, other pieces as their text (▁ a space); a special token
+    as its text."""
+    piece = tokenizer.convert_ids_to_tokens(int(token_id))
+    if not isinstance(piece, str) or token_id in set(getattr(tokenizer, "all_special_ids", ())):
+        return list(tokenizer.decode([token_id]).encode("utf-8"))
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return [int(piece[3:5], 16)]
+        except ValueError:
+            pass
+    if byte_level and all(c in _BYTE_OF for c in piece):
+        return [_BYTE_OF[c] for c in piece]
+    return list(piece.replace("\u2581", " ").encode("utf-8"))
+
+
+def is_byte_level(tokenizer: Any) -> bool:
+    """Whether its pieces are written in the byte-level alphabet (a space as Ġ)."""
+    ids = tokenizer.encode(" a", add_special_tokens=False)
+    return bool(ids) and str(tokenizer.convert_ids_to_tokens(ids[0])).startswith("\u0120")
+
+
 def _template_call(call: Any, default_id: str) -> dict:
     """An OpenAI tool call as chat templates take it: arguments as an object, not a JSON string;
     `default_id` where it has none."""

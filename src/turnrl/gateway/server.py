@@ -28,7 +28,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from turnrl.gateway.render import BadRequest, Produced, Renderer, normalize_messages
+from turnrl.gateway.render import BadRequest, Produced, Renderer, is_byte_level, normalize_messages, token_bytes
 from turnrl.gateway.responses import chat_request, response_events, response_of
 from turnrl.gateway.samples import Call
 from turnrl.rollout.multi_turn import BatchStepper, Sample
@@ -500,10 +500,11 @@ class Gateway:
     def _logprobs(self, sample: Sample) -> list[dict]:
         tokenizer = self.renderer.fmt.tokenizer
         out = []
+        byte_level = is_byte_level(tokenizer)
         for token_id, logprob in zip(sample.token_ids, sample.logprobs):
             token = tokenizer.decode([token_id], skip_special_tokens=False)
-            out.append({"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8")), "top_logprobs": [],
-                        "token_id": token_id})
+            out.append({"token": token, "logprob": logprob, "bytes": token_bytes(tokenizer, token_id, byte_level),
+                        "top_logprobs": [], "token_id": token_id})
         return out
 
 
