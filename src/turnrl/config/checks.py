@@ -182,8 +182,6 @@ def _has(sources, rec: Mapping, field: str) -> bool:
 
 # --------------------------------------------------------------------------- model
 INITIAL = Path("models/initial")   # prepare_model's output (dvc.yaml), where the stages run
-
-
 FINAL = Path("models/final")       # the train stage's output
 
 

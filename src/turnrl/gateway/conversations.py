@@ -53,9 +53,11 @@ def conversation_samples(conversation: Conversation, fmt: ChatFormat, max_length
     except BadRequest as exc:
         raise ConversationError(f"{where}: {exc}") from None
     renderer = Renderer(fmt, parser=None)
-    produced: dict[int, Produced] = {}   # by message index: each earlier assistant message is its own call's
-    calls: list[Call] = []               # ids (found by place, not by tool-call ids a file may reuse)
-    untrained: set[int] = set()          # calls of assistant messages of `weight` 0
+    # each earlier assistant message is spliced in as its own call's ids, found by its place in the
+    # conversation (not by tool-call ids, which a file may reuse from turn to turn)
+    produced: dict[int, Produced] = {}
+    calls: list[Call] = []
+    untrained: set[int] = set()   # the calls of assistant messages of weight 0
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
