@@ -439,3 +439,46 @@ def test_a_rows_own_fields_reach_reset_and_the_generations_and_limit_cuts_the_ta
             assert g["reason"] == f"scored {1 if original['length'] == 3 else 0} by measure_env:ENV: answer '3' " \
                                   "(finish answer)"
         assert "<answer>" not in g["reason"] and "boxed" not in g["reason"]
+
+
+def test_an_environment_that_fails_in_evaluation_is_said_or_stops_it(tmp_path, tiny_model_dir, monkeypatch, caplog):
+    """Trajectories an environment (or a grader) ended env_error score 0: a warning naming the
+    first error, or, above env.max_error_fraction as in training, EnvironmentFailure, after the
+    generations are written. An empty benchmark is unavailable, not 0% accuracy."""
+    from turnrl.training.loop import EnvironmentFailure
+    monkeypatch.delenv("TURNRL_DATA_DIR", raising=False)
+    cfg = _cfg(greedy=False)
+    preprocess(cfg, tmp_path / "data")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    from turnrl.envs import code_tool
+    bad_id = str(pd.read_parquet(tmp_path / "data/heldout.parquet")["id"][1])
+    original = code_tool.CodeToolEnv.reset
+
+    def flaky(env, example):   # the sandbox cannot start for the second problem
+        if str(example["id"]) == bad_id:
+            raise RuntimeError("the sandbox is gone")
+        return original(env, example)
+    monkeypatch.setattr(code_tool.CodeToolEnv, "reset", flaky)
+    cfg.env.max_error_fraction = 0.5   # 1 of 4 fails: said, not stopped
+    metrics = evaluate(cfg, Oracle(tokenizer), tokenizer, tmp_path / "data", tmp_path / "eval",
+                       benchmarks=lambda bench: ([], ""))
+    assert metrics["task"]["env_errors"] == 1 and metrics["task"]["accuracy"] == 0.75
+    warned = [r.message for r in caplog.records if r.levelname == "WARNING" and "env_error" in r.message]
+    assert warned and "eval task: 1 of 4 trajectories ended env_error" in warned[0]
+    assert "RuntimeError: the sandbox is gone" in warned[0]
+    cfg.env.max_error_fraction = 0.1
+    with pytest.raises(EnvironmentFailure, match=r"1 of 4 .* more than env.max_error_fraction = 0.1"):
+        evaluate(cfg, Oracle(tokenizer), tokenizer, tmp_path / "data", tmp_path / "eval2")
+    assert len(pd.read_parquet(tmp_path / "eval2" / "task.parquet")) == 4   # written first
+
+
+def test_a_benchmark_with_no_problems_left_is_unavailable_not_zero(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.delenv("TURNRL_DATA_DIR", raising=False)
+    cfg = _cfg(greedy=False, benchmarks=["aime24"])
+    preprocess(cfg, tmp_path / "data")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    metrics = evaluate(cfg, Oracle(tokenizer), tokenizer, tmp_path / "data", tmp_path / "eval",
+                       benchmarks=lambda bench: ([], ""))
+    assert metrics["aime24"]["available"] is False and metrics["aime24"]["accuracy"] is None
+    assert "no problems to evaluate" in metrics["aime24"]["reason"]

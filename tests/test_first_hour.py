@@ -2,6 +2,7 @@
 one-line error that says what happened and what to do, or a behaviour shown."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -444,3 +445,59 @@ def test_the_agent_gateway_takes_env_stop_for_calls_that_send_none(tiny_model_di
     finally:
         runner.close()
     assert seen == [("</answer>",), ("\n",)]
+
+
+# --------------------------------------------------------------------------- f. what `turnrl env` refuses
+def test_turnrl_env_refuses_what_a_rollout_refuses(tmp_path, monkeypatch, capsys):
+    """`turnrl env`, the command users check an environment with, says what a rollout would end
+    env_error for (a reset that is no text, a step that is no StepResult), one line, exit 1,
+    instead of printing it as if it were fine."""
+    from turnrl.pipeline import env_cli
+    (tmp_path / "my_faulty.py").write_text(
+        "from turnrl.envs.base import StepResult\n"
+        "class Base:\n"
+        "    system_prompt, stop, observation_role = 'Guess.', '</answer>', 'user'\n"
+        "    def reset(self, example):\n        return example['prompt']\n"
+        "    def step(self, text):\n        return StepResult(None, 1.0, 'False', {})\n"
+        "class ResetNone(Base):\n    def reset(self, example):\n        return None\n")
+    (tmp_path / "rows.jsonl").write_text('{"id": "r0", "prompt": "Pick a number.", "answer": "1"}\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert env_cli.main(["my_faulty:Base", "--data", "rows.jsonl", "--step", "<answer>1</answer>"]) == 1
+    out = capsys.readouterr()
+    assert "stop: ['</answer>']" in out.out   # one stop string given alone, not its characters
+    assert "turnrl env: my_faulty.Base.step returned done = 'False' (str), not a bool" in out.err
+    assert env_cli.main(["my_faulty:ResetNone", "--data", "rows.jsonl"]) == 1
+    assert "turnrl env: my_faulty.ResetNone: reset returned NoneType None; it must return the first user message" \
+        in capsys.readouterr().err
+
+
+def test_a_demonstration_of_the_wrong_shape_is_said_so():
+    """A demonstration function returning one string (not a list of turns) or turns that are not
+    text: a TypeError saying what to return, never a warm start on its characters."""
+    import random
+    from turnrl.data.synthetic import SyntheticTask
+    rng = random.Random(0)
+    for returned, said in (("<answer>1</answer>", "returned str '<answer>1</answer>'"), ([1, 2], "turns of int")):
+        task = SyntheticTask("mine", demonstration=lambda row, rng, good, r=returned: r)
+        with pytest.raises(TypeError, match=re.escape(said)):
+            task.demonstrate({"id": "r0"}, rng, True)
+    assert SyntheticTask("mine", demonstration=lambda row, rng, good: ["a", "b"]).demonstrate({}, rng, True).turns == \
+        ["a", "b"]
+
+
+def test_an_options_model_that_does_not_fit_its_factory_is_named_before_any_work(tmp_path, monkeypatch):
+    from turnrl.config import Config
+    from turnrl.config.loading import check_plugins
+    (tmp_path / "my_misfit.py").write_text(
+        "from pydantic import BaseModel\n"
+        "from turnrl.envs import EnvSpec\n"
+        "class Opts(BaseModel):\n    max_guesess: int = 4\n"
+        "class Guess:\n    def __init__(self, max_guesses: int = 4):\n        pass\n"
+        "ENV = EnvSpec(factory=Guess, options=Opts)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    problems = check_plugins(Config.model_validate({"env": {"name": "my_misfit:ENV"}, "model": {"path": "x"},
+                                                    "data": {"train_set": "a.jsonl", "heldout_set": "a.jsonl"}}))
+    assert any(p.startswith("env.options: the factory Guess(max_guesses: int = 4) cannot be called with the options "
+                            "['max_guesess'] (got an unexpected keyword argument 'max_guesess')") for p in problems), \
+        problems

@@ -110,3 +110,22 @@ def test_report_stage_without_the_metrics_fails_clearly(tmp_path):
                           timeout=300, env={"PATH": str(Path(sys.executable).parent), "HOME": str(tmp_path),
                                             "MLFLOW_DISABLE_TELEMETRY": "true"})
     assert proc.returncode == 2 and "metrics/baseline.json" in proc.stderr
+
+
+def test_evaluations_of_other_settings_are_not_compared(tmp_path, capsys):
+    """Two evaluations of a block on other problems counts, samples or temperatures: no Δ, the
+    difference said; a file that is not an evaluation's metrics is one line, exit 2."""
+    a, b = _metrics(0.5, 10.0), _metrics(0.25, 10.0)
+    b["task"].update(n=6, temperature=1.4)
+    for name, m in (("a", a), ("b", b)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(m))
+    assert main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(tmp_path / "out")]) == 0
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| `task` | multi | 6 | 50.0% | 25.0% | not comparable: n 4 vs 6, temperature 1.0 vs 1.4 |" in md
+    assert "| `math500` | single | 500 | 50.0% | 25.0% | -25.0 pt |" in md   # the same settings: compared
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "broken.json").write_text("{")
+    for bad, said in (("list.json", "not an evaluation's metrics"), ("broken.json", "not JSON"),
+                      ("missing.json", "cannot be read")):
+        assert main([str(tmp_path / bad), str(tmp_path / "b.json"), "--out", str(tmp_path / "out")]) == 2
+        assert f"turnrl report: {tmp_path / bad}: {said}" in capsys.readouterr().err

@@ -257,6 +257,20 @@ def test_exact_match():
     assert exact_match("Paris.", "paris") == 1.0
     assert exact_match(None, ["x"]) == 0.0
     assert exact_match("x", []) == 0.0
+    # numbers keep their sign, point and fraction bar (SQuAD's stripping made -3 equal 3)
+    for prediction, gold in [("-3", "3"), ("1/2", "12"), ("3.5", "35"), ("10^3", "103")]:
+        assert exact_match(prediction, [gold]) == 0.0 and exact_match(prediction, [prediction]) == 1.0
+    assert exact_match("3.", ["3"]) == 1.0 and exact_match("1,000", ["1000"]) == 1.0   # a closing period, commas
+
+
+def test_a_grader_may_answer_with_numpy_scalars():
+    """np.isclose returns np.bool_: a grader's numpy bool or float counts as the bool or number."""
+    import numpy as np
+    from turnrl.rewards.graders import _user
+    assert _user(lambda text, refs: np.isclose(float(text), float(refs[0])), "g")("0.5", {"answer": "0.50"}).correct
+    assert not _user(lambda text, refs: np.float64(0.0), "g")("1", {"answer": "2"}).correct
+    with pytest.raises(TypeError, match="returned None"):
+        _user(lambda text, refs: None, "g")("1", {"answer": "2"})
 
 
 def test_f1_values():

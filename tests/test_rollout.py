@@ -338,11 +338,20 @@ def test_an_async_environment_steps_concurrently(fmt):
 
 def test_a_failing_rollout_drops_the_engines_unfinished_requests(fmt):
     """An error the loop cannot pin on one trajectory's reset or step (here an environment
-    whose observation_role raises) stops the rollout, and the engine keeps no request of it."""
+    whose observation_role raises once it has stepped: the check after reset reads it first)
+    stops the rollout, and the engine keeps no request of it."""
     class NoRole(Wrapped):
+        stepped = False
+
+        def step(self, text):
+            self.stepped = True
+            return self.env.step(text)
+
         @property
         def observation_role(self):
-            raise RuntimeError("no role")
+            if self.stepped:
+                raise RuntimeError("no role")
+            return "tool"
 
     engine = SteppingEngine(fmt.tokenizer, "<code>print(3)</code>", steps={0: 1, 1: 9})
     steppers = []

@@ -407,11 +407,17 @@ class ScriptedEngine:
 
 BAD_STEPS = {
     "none": (None, "returned NoneType None"),
-    "reward_none": (StepResult(None, None, True, {"outcome": 1.0}), "the reward is None (NoneType), not a number"),
+    "reward_none": (StepResult(None, None, True, {"outcome": 1.0}), "whose reward is None (NoneType), not a number"),
     "int_observation": (StepResult(7, 0.0, False, {}), "returned an observation of int"),
     "info_none": (StepResult(None, 1.0, True, None), "returned info = None (NoneType), not a dict"),
     "outcome_text": (StepResult(None, 1.0, True, {"outcome": "yes"}), "info['outcome'] is 'yes' (str), not a number"),
     "reserved": (StepResult(None, 1.0, True, {"outcome": 1.0, "answer": "5"}), "the reserved key(s) 'answer'"),
+    "reserved_tokens": (StepResult(None, 1.0, True, {"outcome": 1.0, "response_tokens": 3}),
+                        "the reserved key(s) 'response_tokens'"),
+    "partial_credit_nan": (StepResult(None, 1.0, True, {"outcome": 1.0, "partial_credit": float("nan")}),
+                           "info['partial_credit'] is nan, not a finite number"),
+    "reason_none": (StepResult(None, 1.0, True, {"outcome": 1.0, "reason": None}), "info['reason'] = None, not a string"),
+    "info_int_keys": (StepResult(None, 1.0, True, {"outcome": 1.0, 3: "x"}), "info with keys that are not strings ([3])"),
     "good": (StepResult(None, 1.0, True, {"outcome": 1.0, "reason": "answer"}), None),
 }
 
@@ -451,3 +457,85 @@ def test_a_malformed_step_result_ends_only_its_trajectory(fmt, env_cls):
     kept = sum(t.finish == "answer" for t in trajs)
     measured("garbage step results", trajectories=len(trajs), kept_good=f"{kept}/2",
              env_errors=sum(t.finish == ENV_ERROR for t in trajs))
+
+
+# --------------------------------------------------------------------------- what reset returns, what a factory makes
+class ResetReturns:
+    """code_tool, its reset answering with what the example's `first` names."""
+    FIRST = {"none": None, "dict": {"role": "user", "content": "hi"}, "int": 7}
+
+    def __init__(self):
+        from turnrl import envs
+        self.env = envs.make("code_tool")
+        self.system_prompt, self.stop, self.observation_role = self.env.system_prompt, self.env.stop, "tool"
+
+    def reset(self, example):
+        if example["first"] == "coroutine":
+            async def later():
+                return example["prompt"]
+            return later()
+        return self.FIRST.get(example["first"], example["prompt"])
+
+    def step(self, text):
+        return self.env.step(text)
+
+
+@pytest.mark.parametrize("first, problem", [
+    ("none", "reset returned NoneType None; it must return the first user message as a str"),
+    ("dict", "reset returned dict {'role': 'user'"),
+    ("int", "reset returned int 7"),
+    ("coroutine", "reset is a coroutine function; reset must return the first message (a str) directly"),
+    ("prompt", None),
+])
+def test_what_reset_returns_is_checked_naming_the_plugin(fmt, first, problem):
+    """A first message that is not text ends the trajectory env_error naming module.Class and
+    what reset must return (a None used to open an empty conversation, trained with its reward);
+    the warm start's replay raises the same."""
+    from turnrl.rollout.multi_turn import MalformedStep, replay
+    example = {"prompt": "Compute 123 * 456.", "answer": "56088", "first": first}
+    (t,) = run_rollouts(ScriptedEngine(fmt.tokenizer, "<answer>56088</answer>"), [example], ResetReturns, fmt,
+                        Budgets(max_turns=2, max_tokens_per_turn=16, max_tokens_total=64), n=1)
+    if problem is None:
+        assert t.finish == "answer" and "env_error" not in t.info
+        return
+    assert t.finish == ENV_ERROR and t.outcome == 0.0 and t.response_ids == []
+    assert t.info["env_error"].startswith(f"MalformedStep: {__name__}.ResetReturns: {problem}"), t.info["env_error"]
+    with pytest.raises(MalformedStep, match=problem.split(";")[0][:30].replace("(", r"\(")):
+        replay(ResetReturns(), fmt, example, ["<answer>56088</answer>"])
+
+
+def test_a_factory_that_makes_no_environment_or_a_bad_role_is_said_so(fmt):
+    class Shouting(ResetReturns):
+        def __init__(self):
+            super().__init__()
+            self.observation_role = "assistant"
+    example = {"prompt": "Compute 123 * 456.", "answer": "56088", "first": "prompt"}
+    budgets = Budgets(max_turns=2, max_tokens_per_turn=16, max_tokens_total=64)
+    (made_str,) = run_rollouts(ScriptedEngine(fmt.tokenizer, "x"), [example], lambda: "not an env", fmt, budgets, n=1)
+    assert made_str.finish == ENV_ERROR and made_str.info["env_error"].startswith(
+        "MalformedStep: the environment factory returned a str, which has no reset, step, system_prompt, stop, "
+        "observation_role")
+    (shouting,) = run_rollouts(ScriptedEngine(fmt.tokenizer, "x"), [example], Shouting, fmt, budgets, n=1)
+    assert "observation_role is 'assistant'; it must be 'tool' or 'user'" in shouting.info["env_error"]
+
+
+def test_one_stop_string_given_alone_is_one_stop_string(fmt):
+    """`stop = "</answer>"` (a string, not a tuple): one stop string, not its ten characters."""
+    from turnrl.rollout.multi_turn import stop_strings
+
+    class OneStop(ResetReturns):
+        stop = "</answer>"
+    env = OneStop()
+    env.stop = "</answer>"
+    assert stop_strings(env, fmt) == ("</answer>",)
+
+
+def test_the_warm_start_replay_refuses_a_malformed_step_as_rollouts_do(fmt):
+    """replay (the warm start's and sft's demonstrations) checks each step's result as a rollout
+    does: a NaN reward or a tuple is a MalformedStep naming the plugin, not a trained demonstration."""
+    from turnrl.rollout.multi_turn import MalformedStep, replay
+    example = {"prompt": "Say none.", "answer": "5", "bad": "reward_none"}
+    with pytest.raises(MalformedStep, match=f"{__name__}.GarbageEnv.step returned a StepResult whose reward is None"):
+        replay(GarbageEnv(), fmt, example, ["five"])
+    example["bad"] = "good"
+    assert replay(GarbageEnv(), fmt, example, ["five"]).outcome == 1.0

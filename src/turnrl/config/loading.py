@@ -161,6 +161,8 @@ def check_plugins(cfg: Config) -> list[str]:
     spec = attempt(envs.resolve, cfg.env.name)
     if spec is not None:
         options = attempt(cfg.env.checked_options)   # (unknown keys another environment takes: a hint)
+        if options is not None and (problem := spec.call_problem(options)):
+            problems.append(problem)
         task = attempt(spec.task_for, options) if options is not None else spec.task
         if "synthetic" in (cfg.data.train_set, cfg.data.heldout_set) and (task is None or task.rows is None):
             problems.append(f"data.train_set / data.heldout_set = synthetic: the environment {cfg.env.name!r} has no "

@@ -93,7 +93,15 @@ class SyntheticTask:
         if self.demonstration is None:
             raise ValueError(f"the {self.name} environment gives no demonstrations for the tiny model's warm start")
         demo = self.demonstration(row, rng, good)
-        return demo if isinstance(demo, Demonstration) else Demonstration(list(demo))
+        if isinstance(demo, (str, bytes)) or demo is None:
+            raise TypeError(f"the demonstration function returned {type(demo).__name__} {demo!r:.60}; it must return "
+                            "the policy's turns: a list of strings (one per turn) or a Demonstration")
+        demo = demo if isinstance(demo, Demonstration) else Demonstration(list(demo))
+        if not all(isinstance(turn, str) for turn in demo.turns):
+            kinds = sorted({type(turn).__name__ for turn in demo.turns if not isinstance(turn, str)})
+            raise TypeError(f"the demonstration function returned turns of {', '.join(kinds)}; each turn must be "
+                            "the policy's text, a string")
+        return demo
 
 
 def demonstration_problem(task: SyntheticTask | None, env_name: str) -> str:

@@ -43,6 +43,7 @@ the environment reads (a search corpus) during `preprocess`.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -57,7 +58,9 @@ LEVELS = ("low", "high")
 
 #: Keys an environment's `info` must not have: reward functions are called as
 #: fn(prompt, completion, answer, **info) with turns, observations, finish and example added.
-RESERVED_INFO_KEYS = ("prompt", "completion", "answer", "turns", "observations", "finish", "example")
+RESERVED_INFO_KEYS = ("prompt", "completion", "answer", "turns", "observations", "finish", "example",
+                      "response_tokens", "policy_tokens")
+OBSERVATION_ROLES = ("tool", "user")
 STEP_RESULT_EXPECTED = ("StepResult(observation: str | list[str] | None, reward: number, done: bool, info: dict; "
                         "info['outcome'] a number when done)")
 
@@ -89,13 +92,15 @@ def step_result_problem(result: Any) -> str | None:
         kinds = ", ".join(sorted({type(m).__name__ for m in obs})) if isinstance(obs, (list, tuple)) else ""
         return (f"returned an observation of {type(obs).__name__}" + (f" of {kinds}" if kinds else "") +
                 ", not a string, a list of strings or None")
-    problem = _number_problem(result.reward, "the reward")
+    problem = _number_problem(result.reward, "reward")
     if problem is not None:
         return f"returned a StepResult whose {problem}"
     if not (isinstance(result.done, bool) or type(result.done).__name__ == "bool_"):
         return f"returned done = {result.done!r} ({type(result.done).__name__}), not a bool"
     if not isinstance(result.info, dict):
         return f"returned info = {result.info!r}"[:120] + f" ({type(result.info).__name__}), not a dict"
+    if not all(isinstance(k, str) for k in result.info):
+        return f"returned info with keys that are not strings ({[k for k in result.info if not isinstance(k, str)][:3]})"
     reserved = sorted(set(result.info) & set(RESERVED_INFO_KEYS))
     if reserved:
         return (f"returned info with the reserved key(s) {', '.join(map(repr, reserved))} (reward functions "
@@ -104,6 +109,29 @@ def step_result_problem(result: Any) -> str | None:
         problem = _number_problem(result.info["outcome"], "info['outcome']")
         if problem is not None:
             return f"returned a final StepResult whose {problem}"
+    if "partial_credit" in result.info:   # the reward in place of the outcome
+        problem = _number_problem(result.info["partial_credit"], "info['partial_credit']")
+        if problem is not None:
+            return f"returned a StepResult whose {problem}"
+    if "reason" in result.info and not isinstance(result.info["reason"], str):
+        return f"returned info['reason'] = {result.info['reason']!r}, not a string (the trajectory's finish)"
+    return None
+
+
+def opened_problem(env: Any, first: Any) -> str | None:
+    """What is wrong with an environment a factory made, and the first message its `reset`
+    returned (the first problem), or None."""
+    missing = [a for a in ("reset", "step", "system_prompt", "stop", "observation_role") if not hasattr(env, a)]
+    if missing:
+        return (f"the environment factory returned a {type(env).__name__}, which has no {', '.join(missing)}; it must "
+                "return an environment (reset, step, system_prompt, stop, observation_role: docs/plugins.md)")
+    if not isinstance(first, str):
+        if inspect.isawaitable(first):
+            getattr(first, "close", lambda: None)()   # never awaited: no warning for it
+            return "reset is a coroutine function; reset must return the first message (a str) directly"
+        return f"reset returned {type(first).__name__} {first!r:.60}; it must return the first user message as a str"
+    if env.observation_role not in OBSERVATION_ROLES:
+        return f"observation_role is {env.observation_role!r}; it must be 'tool' or 'user'"
     return None
 
 
@@ -182,7 +210,6 @@ class EnvSpec:
 
     @property
     def takes_context(self) -> bool:
-        import inspect
         try:
             return "context" in inspect.signature(self.factory).parameters
         except (TypeError, ValueError):
@@ -193,6 +220,22 @@ class EnvSpec:
             return self.options
         from turnrl.plugins import options_model
         return options_model(self.factory, reserved=("context",))
+
+    def call_problem(self, options: dict[str, Any], key: str = "env.options") -> str | None:
+        """Why the factory cannot be called with these (validated) options, as `bind` calls it (an
+        options model whose fields are not the factory's parameters), or None."""
+        kwargs = {**options, **({"context": None} if self.takes_context else {})}
+        try:
+            signature = inspect.signature(self.factory)
+        except (TypeError, ValueError):   # a builtin without a signature: trust it
+            return None
+        try:
+            signature.bind(**kwargs)
+        except TypeError as exc:
+            name = getattr(self.factory, "__qualname__", repr(self.factory))
+            return (f"{key}: the factory {name}{signature} cannot be called with the options {sorted(options)} "
+                    f"({exc}); make the options model's fields the factory's keyword arguments")
+        return None
 
     def bind(self, options: dict[str, Any], context: EnvContext | None = None) -> Callable[[], Env]:
         """A no-argument factory of fresh environments with these (validated) options."""

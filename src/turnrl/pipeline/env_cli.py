@@ -33,10 +33,16 @@ import yaml
 
 from turnrl import envs
 from turnrl.config.sections import locked_env
+from turnrl.envs.base import STEP_RESULT_EXPECTED, opened_problem, step_result_problem
 from turnrl.errors import first_line, one_line
 from turnrl.plugins import PluginError
+from turnrl.rollout.multi_turn import env_name, own_stops
 
 PROCESSED = Path("data/processed/heldout.parquet")
+
+
+class MalformedEnvironment(ValueError):
+    """The environment's reset or step returned what a rollout refuses (exit 1: the plugin's to fix)."""
 
 
 class EnvCliError(ValueError):
@@ -145,7 +151,7 @@ def explore(name: str, options: dict[str, Any], row: int = 0, steps: list[str] |
     print(f"environment: {name}")
     _show("options", resolved)
     _show("system prompt", getattr(env, "system_prompt", None))
-    strings = [s for s in getattr(env, "stop", ()) if s]
+    strings = list(own_stops(env))
     where = " (env.stop)" if stop is not None and strings else ""
     if not strings:
         where = " (none: a turn ends at the model's chat-template end-of-turn token; env.stop or --stop sets strings)"
@@ -154,12 +160,18 @@ def explore(name: str, options: dict[str, Any], row: int = 0, steps: list[str] |
         _show("tool schemas", env.tools)
     example, where = _row(spec, row, data, name, resolved)
     _show(f"row {row} ({where})", example)
-    _show("first observation", env.reset(example))
+    first = env.reset(example)
+    if (problem := opened_problem(env, first)) is not None:   # what a rollout would end with env_error
+        raise MalformedEnvironment(f"{env_name(env)}: {problem}")
+    _show("first observation", first)
     for turn, text in enumerate(steps, start=1):
         result = env.step(text)
         if inspect.isawaitable(result):
             result = asyncio.run(result)
         print(f"step {turn}: {text!r}")
+        if (problem := step_result_problem(result)) is not None:
+            raise MalformedEnvironment(f"{env_name(env)}.step {problem}; it must return {STEP_RESULT_EXPECTED} "
+                                       f"(a rollout ends the trajectory env_error here)")
         _show("  observation", result.observation)
         print(f"  reward: {result.reward}    done: {result.done}")
         _show("  info", result.info)
@@ -193,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     except (EnvCliError, PluginError, ConfigError, DataSourceError) as exc:
         print(f"turnrl env: {exc}", file=sys.stderr)
         return 2
+    except MalformedEnvironment as exc:
+        print(f"turnrl env: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:   # the environment itself raised: its traceback is what one debugs
         traceback.print_exc()
         print(f"turnrl env: the environment raised {one_line(exc)}", file=sys.stderr)

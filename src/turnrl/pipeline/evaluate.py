@@ -184,7 +184,9 @@ def records(trajs: Sequence[Trajectory], decode: Callable, decoding: str, benchm
         "benchmark": benchmark, "id": str(t.example.get("id")), "sample": i % k,
         "prompt": t.shown_prompt, "answer": str(t.example.get("answer")),   # what the model saw first
         "subject": t.example.get("subject"), "level": t.example.get("level"),
-        "trajectory": decode(t.response_ids), "extracted": t.info.get("extracted"),
+        "trajectory": decode(t.response_ids),
+        # as text: an environment may extract a number on one row and a string on the next
+        "extracted": None if t.info.get("extracted") is None else str(t.info["extracted"]),
         "correct": t.outcome > 0, "reason": grading_reason(t, env), "reward": float(t.info.get("partial_credit", t.outcome)), "finish": t.finish,
         "turns": t.num_turns, "tokens": t.policy_tokens(), "decoding": decoding, "extra": extra_fields(t.example),
         # the conversation (OpenAI messages, JSON): the correct ones of a checkpoint's are sft.data
@@ -256,7 +258,24 @@ class _Run:
         sources.write_parquet(rows, self.out_dir / f"{name}.parquet")
         if self.keep is not None:   # the trajectories themselves, for traces (log_to_mlflow)
             self.keep[name] = trajs
+        self.check_errors(name, trajs)
         return block
+
+    def check_errors(self, name: str, trajs: Sequence[Trajectory]) -> None:
+        """A block whose environment (or grader) raised: a warning naming the first error, or,
+        above env.max_error_fraction as in training, EnvironmentFailure (its generations are written)."""
+        failed = [t for t in trajs if t.finish == ENV_ERROR]
+        if not failed:
+            return
+        limit = self.cfg.env.max_error_fraction
+        said = (f"eval {name}: {len(failed)} of {len(trajs)} trajectories ended env_error (their environment or "
+                f"grader raised; they score 0); the first, row {failed[0].example.get('id')!r}: "
+                f"{failed[0].info.get('env_error', '?')}")
+        if len(failed) / len(trajs) > limit:
+            from turnrl.training.loop import EnvironmentFailure
+            raise EnvironmentFailure(f"{said}; more than env.max_error_fraction = {limit}: fix it (the generations "
+                                     f"are in {self.out_dir / (name + '.parquet')})")
+        log.warning("%s", said)
 
 
 Benchmarks = Callable[[BenchmarkCfg], tuple[list[dict] | None, str]]   # spec -> (rows, or None and why not)
@@ -337,6 +356,12 @@ def evaluate(cfg: Config, engine, tokenizer, data_dir: Path, out_dir: Path,
                         bench.name, bench.grader, cfg.env.name)
         if cfg.eval.limit:
             problems = problems[:cfg.eval.limit]
+        if not problems:   # every row dropped (data.bad_rows: drop), or an empty file: no accuracy to report
+            reason = f"{bench.name} has no problems to evaluate (every row dropped, or none in its file)"
+            log.warning("%s not evaluated: %s", bench.name, reason)
+            metrics[bench.name] = {"available": False, "reason": reason, "accuracy": None, "n": 0,
+                                   "mean_response_tokens": None, "protocol": cfg.eval.protocol}
+            continue
         metrics[bench.name] = {"available": True, **run.block(bench.name, problems, cfg.eval.protocol, bench.grader)}
     return metrics
 

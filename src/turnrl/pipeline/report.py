@@ -22,6 +22,7 @@ import argparse
 import csv
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -214,6 +215,25 @@ def plot_training(curves: list[dict], out: Path) -> str | None:
 
 
 # --------------------------------------------------------------------------- sections
+# What makes two evaluations of a block comparable: the same problems, protocol, grader and decoding
+COMPARABLE = ("n", "protocol", "env", "grader", "temperature", "top_p", "samples_per_problem", "max_turns",
+              "max_tokens")
+
+
+def incomparable(x: dict, y: dict) -> str:
+    """How two evaluations of a block differ in what COMPARABLE names ("" when they do not)."""
+    return ", ".join(f"{key} {x[key]} vs {y[key]}" for key in COMPARABLE
+                     if key in x and key in y and x[key] != y[key])
+
+
+def _compared(x: dict, y: dict, key: str = "accuracy", group: tuple[str, str] | None = None) -> str:
+    """The Δ of `key` (of a `group`'s block), or "not comparable: ..." where the evaluations differ."""
+    differ = incomparable(x, y)
+    if group is not None:
+        x, y = x.get(group[0], {}).get(group[1], {}), y.get(group[0], {}).get(group[1], {})
+    return f"not comparable: {differ}" if differ else _delta(x.get(key), y.get(key))
+
+
 def _summary(blocks: list[str], a: dict, b: dict, labels: tuple[str, str]) -> list[str]:
     la, lb = labels
     header = ["benchmark", "protocol", "n", f"accuracy {la}", f"accuracy {lb}", "Δ", "pass@k " + la, "pass@k " + lb,
@@ -226,7 +246,7 @@ def _summary(blocks: list[str], a: dict, b: dict, labels: tuple[str, str]) -> li
             continue
         px, py = _pass_key(x), _pass_key(y)
         rows.append([f"`{name}`", str(y.get("protocol") or x.get("protocol") or "?"), _num(y.get("n") or x.get("n")),
-                     _pct(x.get("accuracy")), _pct(y.get("accuracy")), _delta(x.get("accuracy"), y.get("accuracy")),
+                     _pct(x.get("accuracy")), _pct(y.get("accuracy")), _compared(x, y),
                      f"{_pct(x.get(px))} ({px.removeprefix('pass_at_')})" if px else "—",
                      f"{_pct(y.get(py))} ({py.removeprefix('pass_at_')})" if py else "—",
                      _num(x.get("mean_response_tokens")), _num(y.get("mean_response_tokens")),
@@ -263,7 +283,7 @@ def _block_section(name: str, x: dict, y: dict, labels: tuple[str, str], gens: t
             lines += _table([key.removeprefix("by_"), "n", la, lb, "Δ"], [
                 [g, _num((y.get(key, {}).get(g) or x.get(key, {}).get(g) or {}).get("n")),
                  _pct(x.get(key, {}).get(g, {}).get("accuracy")), _pct(y.get(key, {}).get(g, {}).get("accuracy")),
-                 _delta(x.get(key, {}).get(g, {}).get("accuracy"), y.get(key, {}).get(g, {}).get("accuracy"))]
+                 _compared(x, y, group=(key, g))]
                 for g in groups])
     if image:
         lines += [f"![{name} breakdown]({image})", ""]
@@ -375,6 +395,22 @@ def render(baseline: dict, trained: dict, out_dir: str | Path, *, labels: tuple[
     return path
 
 
+def _metrics_file(path: Path) -> dict:
+    """An evaluation's metrics json (block -> its metrics); ValueError saying what is wrong."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc}); give the metrics json an evaluation "
+                         "wrote (metrics/baseline.json, metrics/eval.json)") from None
+    except ValueError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(data, dict) or not any(isinstance(v, dict) and ("accuracy" in v or "available" in v)
+                                             for v in data.values()):
+        raise ValueError(f"{path}: not an evaluation's metrics (an object of blocks such as task: {{accuracy, n, "
+                         "...}}); give metrics/baseline.json or metrics/eval.json")
+    return data
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m turnrl.pipeline.report", description="Compare two evaluations.")
     p.add_argument("baseline", type=Path, help="metrics json of the first evaluation")
@@ -384,7 +420,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gens", nargs=2, type=Path, default=(None, None), help="the two generations folders")
     p.add_argument("--curves", type=Path, help="a training curve csv (plots/train.csv)")
     args = p.parse_args(argv)
-    path = render(json.loads(args.baseline.read_text()), json.loads(args.trained.read_text()), args.out,
+    try:
+        baseline, trained = (_metrics_file(path) for path in (args.baseline, args.trained))
+    except ValueError as exc:
+        print(f"turnrl report: {exc}", file=sys.stderr)
+        return 2
+    path = render(baseline, trained, args.out,
                   labels=tuple(args.labels), baseline_gens=args.gens[0], trained_gens=args.gens[1],
                   curves=args.curves, sources=(str(args.baseline), str(args.trained)))
     print(f"wrote {path}")

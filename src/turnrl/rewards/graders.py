@@ -68,6 +68,8 @@ def _reasoning_gym(text: str, example: dict) -> Grade:
 def _user(fn: Callable, path: str) -> Callable[[str, dict], Grade]:
     def grade(text: str, example: dict) -> Grade:
         value = fn(text, references(example))
+        if type(value).__module__ == "numpy" and hasattr(value, "item"):   # np.isclose's np.bool_, np.float64
+            value = value.item()
         if isinstance(value, bool):
             ok = value
         elif isinstance(value, (int, float)) and math.isfinite(value):

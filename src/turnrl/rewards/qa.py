@@ -12,7 +12,7 @@ import string
 from collections import Counter
 from collections.abc import Iterable
 
-__all__ = ["normalize_answer", "exact_match", "f1", "contains_answer"]
+__all__ = ["normalize_answer", "numbers_in", "exact_match", "f1", "contains_answer"]
 
 _PUNCT = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -42,18 +42,32 @@ def _as_list(golds: str | Iterable[str] | None) -> list[str]:
     return [str(g) for g in golds]
 
 
+# A number as written: its sign, digits (thousands commas dropped first), decimal point, fraction bar
+# or power, which SQuAD's punctuation stripping would erase (-3 would equal 3, 1/2 equal 12)
+_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:[./^]\d+)*")
+
+
+def numbers_in(s: str | None) -> list[str]:
+    """The numbers in `s` with their signs, points and bars: ``numbers_in("x = -1/2, y = 3.")`` is
+    ``['-1/2', '3']`` (a sentence's closing period is not a decimal point)."""
+    return _NUMBER.findall(re.sub(r"(?<=\d),(?=\d{3}\b)", "", str(s or "")))
+
+
 def exact_match(pred: str | None, golds: str | Iterable[str]) -> float:
-    """1.0 if the normalized prediction equals any normalized gold answer, else 0.0.
+    """1.0 if the normalized prediction equals any normalized gold answer and writes the same
+    numbers (`numbers_in`: -3 is not 3, 1/2 not 12, 3.5 not 35), else 0.0.
 
     A ``None`` prediction or an empty gold list scores 0.0.
 
     >>> exact_match("the Beatles", ["Beatles", "The Fab Four"])
     1.0
+    >>> exact_match("-3", ["3"])
+    0.0
     """
     if pred is None:
         return 0.0
-    p = normalize_answer(pred)
-    return 1.0 if any(p == normalize_answer(g) for g in _as_list(golds)) else 0.0
+    p, numbers = normalize_answer(pred), numbers_in(pred)
+    return 1.0 if any(p == normalize_answer(g) and numbers == numbers_in(g) for g in _as_list(golds)) else 0.0
 
 
 def _f1_one(pred_tokens: list[str], gold_tokens: list[str]) -> float:

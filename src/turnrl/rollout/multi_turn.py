@@ -44,11 +44,11 @@ import zlib
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from tqdm.auto import tqdm
 
-from turnrl.envs.base import STEP_RESULT_EXPECTED, Env, StepResult, step_result_problem
+from turnrl.envs.base import STEP_RESULT_EXPECTED, Env, StepResult, opened_problem, step_result_problem
 from turnrl.errors import one_line
 from turnrl.rollout.chat import ChatFormat
 
@@ -253,11 +253,17 @@ def stop_strings(env: Env, fmt: ChatFormat) -> tuple[str, ...]:
     where it has none (the ecosystem adapters), the chat template's end-of-turn token, which the
     engines also stop at as the model's eos: the same for a model whose template's end of turn is
     not its eos."""
-    own = tuple(s for s in getattr(env, "stop", ()) if s)
+    own = own_stops(env)
     if own:
         return own
     end = fmt.end_of_turn
     return (end,) if end else ()
+
+
+def own_stops(env: Env) -> tuple[str, ...]:
+    """The environment's `stop` strings (one string given alone is one stop string, not its characters)."""
+    stop = getattr(env, "stop", ()) or ()
+    return tuple(s for s in ((stop,) if isinstance(stop, str) else stop) if s)
 
 
 def error_text(exc: BaseException) -> str:
@@ -341,13 +347,22 @@ def start_trajectory(make_env: Callable[[], Env], example: dict, fmt: ChatFormat
     gives (None, a trajectory already ended with env_error and no response)."""
     try:
         env = make_env()
-        first = env.reset(example)
+        first = env.reset(example) if hasattr(env, "reset") else None
+        opened(env, first)
         prompt = fmt.prompt_ids(env.system_prompt, first, getattr(env, "tools", None))
         return env, _opened(Trajectory(example=example, prompt_ids=prompt), env, first)
     except Exception as exc:   # noqa: BLE001
         t = Trajectory(example=example, prompt_ids=fmt.prompt_ids("", str(example.get("prompt", ""))))
         t.record(error_result(exc))
         return None, t
+
+
+def opened(env: Any, first: Any) -> None:
+    """MalformedStep naming the plugin when a factory made no environment, or its `reset`
+    returned no first message (turnrl.envs.base.opened_problem)."""
+    problem = opened_problem(env, first)
+    if problem is not None:
+        raise MalformedStep(f"{env_name(env)}: {problem}" if hasattr(env, "reset") else problem)
 
 
 def _opened(t: Trajectory, env: Env, first: str) -> Trajectory:
@@ -656,12 +671,13 @@ def replay(env: Env, fmt: ChatFormat, example: dict, turns: Sequence[str]) -> Tr
     used for the warm start's demonstrations and to test environments step by step. A turn
     that does not end with one of the environment's stop strings ends, as a model's would,
     with the end-of-turn token (`ChatFormat.end_of_turn_id`; trained on, like the rest of the turn)."""
-    first = env.reset(example)
+    first = env.reset(example) if hasattr(env, "reset") else None
+    opened(env, first)
     t = Trajectory(example=example, prompt_ids=fmt.prompt_ids(env.system_prompt, first, getattr(env, "tools", None)))
     _opened(t, env, first)
     for turn, text in enumerate(turns):
         ids = fmt.encode(text)
-        if not text.endswith(tuple(env.stop)) and fmt.end_of_turn_id is not None:
+        if not text.endswith(own_stops(env)) and fmt.end_of_turn_id is not None:
             ids.append(fmt.end_of_turn_id)
         t.add_turn(turn, ids, [0.0] * len(ids), text, level_of(env, turn))
         _said(t, fmt, text)
@@ -669,6 +685,8 @@ def replay(env: Env, fmt: ChatFormat, example: dict, turns: Sequence[str]) -> Tr
         result = env.step(text)
         if inspect.isawaitable(result):
             result = asyncio.run(result)
+        if (problem := step_result_problem(result)) is not None:   # as a rollout's `checked`, but raised
+            raise MalformedStep(f"{env_name(env)}.step {problem}; it must return {STEP_RESULT_EXPECTED}")
         t.env_times.append((start, time.time()))
         if t.record(result):
             break
