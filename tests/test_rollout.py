@@ -520,3 +520,52 @@ def test_a_weight_push_mid_turn_samples_the_rest_from_the_new_weights_only(tiny_
             assert done[k].logprobs[:start] == before[k]   # kept as the older weights gave them
             # and they were the older weights': the new ones give them otherwise
             assert max(abs(a - b) for a, b in zip(before[k], scored[k][len(prompts[k]):])) > 0.05
+
+
+@pytest.mark.parametrize("rejoin, is_async", [("ready", False), ("ready", True), ("lag", False)])
+def test_a_step_past_env_step_timeout_ends_only_its_trajectory(fmt, rejoin, is_async):
+    """A user's environment whose step hangs (here: one trajectory's of four sleeps 30 s) ends that
+    trajectory env_error after env.step_timeout_s, naming the plugin; the others answer, and the
+    rollout does not wait for the hung step."""
+    import asyncio
+    import threading
+    import time
+    release = threading.Event()
+
+    class Hangs:
+        count = 0
+
+        def __init__(self):
+            Hangs.count += 1
+            self.hangs = Hangs.count == 2
+            self.env = envs.make("code_tool")
+            self.system_prompt, self.stop, self.observation_role = (self.env.system_prompt, self.env.stop,
+                                                                    self.env.observation_role)
+
+        def reset(self, example):
+            return self.env.reset(example)
+
+        def step(self, text):
+            if self.hangs:
+                release.wait(30)
+            return self.env.step(text)
+
+    class AsyncHangs(Hangs):
+        async def step(self, text):
+            if self.hangs:
+                await asyncio.sleep(30)
+            return self.env.step(text)
+
+    engine = ScriptedEngine(fmt.tokenizer, ["<answer>56088</answer>"])
+    start = time.perf_counter()
+    try:
+        trajs = run_rollouts(engine, [EXAMPLE], AsyncHangs if is_async else Hangs, fmt,
+                             Budgets(3, 32, 500, step_timeout_s=1.0), n=4, rejoin=rejoin)
+    finally:
+        release.set()
+    assert time.perf_counter() - start < 15
+    assert [t.finish for t in trajs] == ["answer", "env_error", "answer", "answer"]
+    said = trajs[1].info["env_error"]
+    assert said.startswith(f"StepTimeout: {__name__}.") and "Hangs.step took longer than env.step_timeout_s = 1 s" \
+        in said, said
+    assert trajs[1].outcome == 0.0 and all(t.outcome == 1.0 for t in (trajs[0], *trajs[2:]))

@@ -219,6 +219,10 @@ class EnvCfg(_Section):
     max_error_fraction: float = Field(0.1, ge=0.0, le=1.0, description=(
         "an environment that raises in reset or step ends that trajectory (an error, counted per step); above "
         "this share of a step's trajectories the stage stops, naming the environment and the exception"))
+    step_timeout_s: float | None = Field(600.0, gt=0, description=(
+        "seconds one environment step may take; a step still running then ends its trajectory as an error "
+        "(counted as above; a coroutine step is cancelled, a blocking one keeps its thread of env.workers); "
+        "null: no limit"))
 
     @model_validator(mode="before")
     @classmethod

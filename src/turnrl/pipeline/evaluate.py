@@ -220,7 +220,8 @@ class _Run:
             return (lambda: envs.make("math_answer", grader=grader), Budgets(1, e.max_tokens, e.max_tokens, self.context),
                     {"protocol": "single", "env": "math_answer", "grader": grader, "max_turns": 1,
                      "max_tokens": e.max_tokens})
-        return (self.train_env, Budgets(r.max_turns, r.max_tokens_per_turn, r.max_tokens_total, self.context),
+        return (self.train_env, Budgets(r.max_turns, r.max_tokens_per_turn, r.max_tokens_total, self.context,
+                                        self.cfg.env.step_timeout_s),
                 {"protocol": "multi", "env": self.cfg.env.name, "max_turns": r.max_turns,
                  "max_tokens": r.max_tokens_total})
 

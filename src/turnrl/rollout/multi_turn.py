@@ -42,6 +42,7 @@ import threading
 import time
 import zlib
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence
@@ -120,6 +121,7 @@ class Budgets:
     max_tokens_per_turn: int
     max_tokens_total: int        # response tokens: policy and observation tokens after the prompt
     max_context: int = 1 << 30   # prompt + response: the engine's context length
+    step_timeout_s: float | None = None   # one environment step (env.step_timeout_s); None: no limit
 
 
 @dataclass
@@ -277,6 +279,10 @@ def error_result(exc: BaseException) -> StepResult:
 
 class MalformedStep(ValueError):
     """An environment's `step` returned something other than a good `StepResult`."""
+
+
+class StepTimeout(TimeoutError):
+    """An environment's `step` ran past env.step_timeout_s."""
 
 
 def env_name(env: Env) -> str:
@@ -440,8 +446,11 @@ def run_rollouts(engine: Engine | Mapping[str, Engine], examples: Sequence[dict]
     rollout = BatchRollout(engine, envs, trajs, fmt, budgets, temperature=temperature, top_p=top_p, seed=seed,
                        observation_lag=observation_lag, rejoin=rejoin, progress=progress, desc=desc,
                        group_size=n, on_group_done=on_group_done, on_trajectory_done=on_trajectory_done)
-    with ThreadPoolExecutor(max_workers=env_workers) as pool:
+    pool = ThreadPoolExecutor(max_workers=env_workers, thread_name_prefix="turnrl-env")
+    try:
         rollout.run(pool)
+    finally:   # not waiting for a step that ran past env.step_timeout_s: it finishes on its own thread
+        pool.shutdown(wait=not rollout.timed_out, cancel_futures=True)
     return trajs
 
 
@@ -488,6 +497,8 @@ class TurnEngine:
         self.pool: ThreadPoolExecutor | None = None
         # a heap by due step with rejoin "lag", in arrival order with "ready"
         self.waiting: list[_Pending] = []
+        self.step_due: dict[int, float] = {}     # when each trajectory's step in flight runs past its limit
+        self.timed_out = 0                       # steps that ran past it
         self.step = 0
 
     def admit(self, i: int, env: Env | None, t: Trajectory) -> None:
@@ -501,7 +512,7 @@ class TurnEngine:
 
     def release(self, i: int) -> Trajectory:
         """Forget trajectory i (ended, its group handed out); its trajectory."""
-        for table in (self.envs, self.turn_of, self.level_at, self.asked_at):
+        for table in (self.envs, self.turn_of, self.level_at, self.asked_at, self.step_due):
             table.pop(i, None)
         return self.trajs.pop(i)
 
@@ -519,9 +530,22 @@ class TurnEngine:
             self.events.close()
 
     def env_step(self, i: int, text: str) -> Future:
+        limit = self.budgets.step_timeout_s
+        if limit is not None:
+            self.step_due[i] = time.time() + limit
         if self.events is not None:
             return self.events.submit(_safe_astep(self.envs[i], text))
         return self.pool.submit(_safe_step, self.envs[i], text)
+
+    def overdue(self, entry: _Pending) -> bool:
+        """Whether the environment step of `entry` has run past env.step_timeout_s."""
+        due = self.step_due.get(entry[1])
+        return due is not None and not entry[3].done() and time.time() >= due
+
+    def next_due(self) -> float | None:
+        """Seconds until the first waiting step runs past its limit (None: no limit)."""
+        dues = [self.step_due[e[1]] for e in self.waiting if e[1] in self.step_due]
+        return max(0.0, min(dues) - time.time()) if dues else None
 
     def start_turn(self, i: int) -> None:
         t, turn, b = self.trajs[i], self.turn_of[i], self.budgets
@@ -570,7 +594,16 @@ class TurnEngine:
 
     def take(self, entry: _Pending) -> None:
         _, i, sample, work = entry
-        result, ran = work.result()
+        due = self.step_due.pop(i, None)
+        try:
+            result, ran = work.result(timeout=None if due is None else max(0.0, due - time.time()))
+        except FutureTimeout:   # the step runs on (a blocking call cannot be stopped); its trajectory ends
+            work.cancel()
+            self.timed_out += 1
+            limit = self.budgets.step_timeout_s
+            result = error_result(StepTimeout(f"{env_name(self.envs[i])}.step took longer than env.step_timeout_s = "
+                                              f"{limit:g} s; make the step return sooner, or raise the limit"))
+            ran = (due - limit, time.time())
         self.trajs[i].env_times.append(ran)
         self.end_turn(i, sample, result)
 
@@ -582,7 +615,7 @@ class TurnEngine:
             return
         back, pending = [], []                       # without blocking
         for entry in self.waiting:
-            (back if entry[3].done() else pending).append(entry)
+            (back if entry[3].done() or self.overdue(entry) else pending).append(entry)
         self.waiting = pending
         for entry in sorted(back, key=lambda e: e[1]):
             self.take(entry)
@@ -647,8 +680,8 @@ class BatchRollout(TurnEngine):
                     break
                 elif self.rejoin == "lag":
                     self.step = self.waiting[0][0]            # nothing to decode: the next answer
-                else:                                         # nothing to decode: until one is back
-                    wait_futures([e[3] for e in self.waiting], return_when=FIRST_COMPLETED)
+                else:                                         # nothing to decode: until one is back, or late
+                    wait_futures([e[3] for e in self.waiting], timeout=self.next_due(), return_when=FIRST_COMPLETED)
         finally:
             self.close()
             self.bar.close()

@@ -96,7 +96,7 @@ class RolloutWorker:
         from turnrl.rollout.multi_turn import Budgets
         r = self.params.rollout
         return Budgets(r.max_turns, r.max_tokens_per_turn, r.max_tokens_total,
-                       getattr(self.engine, "max_model_len", 1 << 30))
+                       getattr(self.engine, "max_model_len", 1 << 30), self.params.env.step_timeout_s)
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token t | tokens < t) of each sequence under the engine's weights (entry 0 is 0)."""
