@@ -806,7 +806,9 @@ class EvalCfg(_Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling of the evaluation; 1: off")
     samples: int = Field(1, ge=1, description="k samples per problem: accuracy is mean@k, plus pass@k")
     greedy: bool = Field(True, description="also a greedy pass on the task block (accuracy_greedy)")
-    max_tokens: int = Field(96, gt=0, description="response tokens of a single-protocol answer")
+    max_tokens: int = Field(96, gt=0, description=(
+        "response tokens of a single-protocol answer; one cut at this limit scores 0 (finish truncated, not graded), "
+        "as a training turn cut by its budget does"))
     limit: int = Field(0, ge=0, description="evaluate the first N problems of each benchmark and of the task's "
                                             "held-out set (its sampled and greedy passes); 0 = all")
 
