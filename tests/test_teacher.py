@@ -79,7 +79,7 @@ def test_a_teacher_that_is_down_or_gives_no_logprobs_is_an_env_error_naming_it_n
         assert t.finish == "env_error" and re.search(f"reward.teacher .* gave no logprobs .*'row-0'.*{why}",
                                                       t.info["env_error"])
         assert t.loss_mask == [0, 0, 0, 0] and t.teacher_logprobs == [0.0] * 4
-        assert env_errors([t]) == (1.0, t.info["env_error"])
+        assert env_errors([t]) == (1.0, f"{t.info['env_error']} (row 'row-0')")
 
 
 def test_prompt_logprobs_reads_each_tokens_entry_by_id():

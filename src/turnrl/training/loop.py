@@ -201,9 +201,12 @@ def level_mask(high: torch.Tensor, level: str) -> torch.Tensor:
 
 
 def env_errors(trajs: Sequence[Trajectory]) -> tuple[float, str]:
-    """(share of trajectories their environment's exception ended, the first such error)."""
+    """(share of trajectories their environment's exception ended, the first such error, with
+    the row it was on)."""
     failed = [t for t in trajs if t.finish == ENV_ERROR]
-    return len(failed) / max(1, len(trajs)), (failed[0].info.get("env_error", "") if failed else "")
+    if not failed:
+        return 0.0, ""
+    return len(failed) / max(1, len(trajs)), f"{failed[0].info.get('env_error', '')} (row {failed[0].example.get('id')!r})"
 
 
 def rollout_metrics(trajs: Sequence[Trajectory], n: int) -> dict[str, float]:
