@@ -42,7 +42,12 @@ sample each at T=1), through `dvc exp run` as a user runs it:
   with its rate decaying (`train.lr_schedule=cosine`, `train.min_lr_ratio=0.1`); it ran on a teacher
   rebuilt at a later commit, with GRPO and the constant-rate row again beside it
   (benchmarks/results/distill-rebuilt-teacher.json), since a rebuilt teacher is not the earlier one;
-  `opd_topk_mb8_cosine_lr2x_rare_every1_e256`: that at twice the peak rate, on the rebuilt teacher.
+  `opd_topk_mb8_cosine_lr2x_rare_every1_e256`: that at twice the peak rate, on the rebuilt teacher;
+- `opd_llama3_teacher`: opd from a teacher of another chat format, `teacher_llama3` (the teacher's
+  run with `model.tiny.chat_format=llama3`: Llama 3.1's headers, <|eot_id|>, tool results as
+  ipython), the ChatML student's conversation rendered by the teacher's own template
+  (`reward.teacher.chat_template=teacher`) and its tokens mapped through the text
+  (`reward.teacher.tokenizer`); its bar is that teacher's accuracy.
 
     python benchmarks/distill.py                       # teacher, then rows x seeds 0 1 2 -> benchmarks/DISTILL.md
     python benchmarks/distill.py --rows grpo opd --seeds 0

@@ -437,3 +437,27 @@ def test_turnrl_env_prints_options_tools_the_first_observation_and_steps(tmp_pat
     assert main(["env", "examples.guess.env:ENV", "--step", "<guess>3</guess>"]) == 0
     out = capsys.readouterr().out
     assert "row 0 (data/processed/heldout.parquet)" in out and '"seed": 7' in out and '"outcome": 1.0' in out
+
+
+def test_reward_functions_that_are_async_classes_or_misweighted(plugin_dir):
+    """An async reward function is awaited (each call on a loop of its own); a class is refused
+    when params name it (calling it makes an instance, not a score), an instance with __call__ is
+    fine; weights must be one per function."""
+    _write(plugin_dir, "mytask_shapes.py", """
+        import asyncio
+        async def waits(prompt, completion, answer, **info):
+            await asyncio.sleep(0)
+            return 0.5
+        class Scorer:
+            def __call__(self, prompt, completion, answer, **info):
+                return 0.25
+        SCORER = Scorer()
+    """)
+    fns = RewardFunctions(["mytask_shapes:waits", "mytask_shapes:SCORER"])
+    trajs = [_traj(1.0)]
+    fns.score(trajs, decode=str)
+    assert trajs[0].rewards == {"waits": 0.5, "SCORER": 0.25} and trajs[0].reward == pytest.approx(1.75)
+    with pytest.raises(PluginError, match="mytask_shapes:Scorer'?: Scorer is a class; name a function"):
+        RewardFunctions(["mytask_shapes:Scorer"])
+    with pytest.raises(ValueError, match="1 weights for 2 reward functions"):
+        RewardFunctions(["mytask_shapes:waits", "mytask_shapes:SCORER"], [2.0])

@@ -137,3 +137,51 @@ def test_rows_keep_their_own_fields_through_the_parquet_files(tmp_path):
     preprocess(_cfg(train_examples=5, heldout_examples=3), tmp_path / "synthetic")
     for row in read_parquet(tmp_path / "synthetic" / "heldout.parquet"):
         assert isinstance(row["a"], int) and row["a"] * row["b"] == int(row["answer"])
+
+
+def test_a_held_out_prompt_never_trains_however_the_files_repeat_it(tmp_path):
+    """One file split in two whose prompts repeat (40 rows, 10 questions): no held-out question is
+    trained on. Two files sharing questions: the training rows are counted after the shared ones
+    leave, so train_examples clean rows remain where the file has them."""
+    import json as _json
+    repeated = tmp_path / "repeated.jsonl"
+    repeated.write_text("\n".join(_json.dumps({"id": f"r{i}", "q": f"What is {i % 10} + 1?", "sol": str(i % 10 + 1)})
+                                  for i in range(40)))
+    manifest = preprocess(_cfg(train_set=str(repeated), heldout_set=str(repeated), heldout_examples=4,
+                               fields={"prompt": "q", "answer": "sol"}), tmp_path / "one")
+    train, heldout = (read_parquet(tmp_path / "one" / f"{s}.parquet") for s in ("train", "heldout"))
+    held = {r["prompt"] for r in heldout}
+    assert len(held) >= 1 and not held & {r["prompt"] for r in train}
+    assert manifest["train"]["dropped_heldout_overlap"] == 40 - 4 - len(train) > 0
+
+    train_file, heldout_file = tmp_path / "train.jsonl", tmp_path / "heldout.jsonl"
+    train_file.write_text("\n".join(_json.dumps({"q": f"Q{i}", "sol": str(i)}) for i in range(50)))
+    heldout_file.write_text("\n".join(_json.dumps({"q": f"Q{i}", "sol": str(i)}) for i in range(10)))
+    manifest = preprocess(_cfg(train_set=str(train_file), heldout_set=str(heldout_file), train_examples=40,
+                               heldout_examples=10, fields={"prompt": "q", "answer": "sol"}), tmp_path / "two")
+    train = read_parquet(tmp_path / "two" / "train.parquet")
+    assert len(train) == 40 and manifest["train"]["dropped_heldout_overlap"] == 10
+    assert not {r["prompt"] for r in train} & {f"Q{i}" for i in range(10)}
+
+
+def test_data_fields_map_your_own_file_not_a_registered_set_beside_it(tmp_path, data_dir, monkeypatch):
+    import json as _json
+    monkeypatch.setenv("TURNRL_DATA_DIR", str(data_dir))
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("\n".join(_json.dumps({"q": {"text": f"What is {i} + 1?"}, "meta": {"ans": str(i + 1)}})
+                              for i in range(30)))
+    manifest = preprocess(_cfg(train_set=str(mine), heldout_set="gsm8k_test", heldout_examples=8,
+                               fields={"prompt": "q.text", "answer": "meta.ans"}), tmp_path / "out")
+    assert manifest["train"]["n"] == 30 and manifest["heldout"]["n"] == 8
+    assert all(r["prompt"] and r["answer"] for r in read_parquet(tmp_path / "out" / "heldout.parquet"))
+
+
+def test_a_csv_file_or_an_hf_id_as_task_data_says_what_to_give(tmp_path, monkeypatch):
+    from turnrl.config import checks
+    from turnrl.data.sources import DataSourceError
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.csv").write_text("question,answer\nWhat is 1 + 1?,2\n")
+    with pytest.raises(DataSourceError, match=r"data.csv: a CSV file; turnrl reads jsonl, json and parquet: convert"):
+        preprocess(_cfg(train_set="data.csv", heldout_set="data.csv"), tmp_path / "out")
+    problem, = checks.data_problems(_cfg(train_set="hf:openai/gsm8k", heldout_set="synthetic"))
+    assert problem.startswith("data.train_set = 'hf:openai/gsm8k': Hugging Face ids are read by sft.data only")

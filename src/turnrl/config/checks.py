@@ -89,6 +89,11 @@ def data_problems(cfg: Config) -> list[str]:
         if reasoning_gym.is_spec(name):   # the library installed, the task known, its config accepted
             problems += _gym_problem(name, key)
             continue
+        if name.startswith("hf:"):
+            problems.append(f"{key} = {name!r}: Hugging Face ids are read by sft.data only; save the split as a "
+                            "file (python -c \"from datasets import load_dataset; load_dataset('ID', split='train')"
+                            ".to_json('train.jsonl')\") and give its path")
+            continue
         if not _looks_like_path(name):
             problems.append(f"{key} = {name!r}: not a registered data set nor a file path; use synthetic, a "
                             f"registered name ({', '.join(sorted(sources.DATASETS))}) or a .jsonl/.parquet path")

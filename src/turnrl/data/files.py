@@ -54,6 +54,10 @@ def _is_parquet(path: Path) -> bool:
 def _iter_records(path: Path) -> Iterator[tuple[int, Any]]:
     """Yield ``(line_or_row_number, record)``; a record that could not be decoded is a ``_BadRow``.
     A file that cannot be read at all (not parquet, broken gzip) is a ``DataSourceError``."""
+    if path.suffix.lower() in (".csv", ".tsv"):
+        raise MalformedDataError(f"{path}: a {path.suffix[1:].upper()} file; turnrl reads jsonl, json and parquet: "
+                                 "convert it (python -c \"import pandas as pd; pd.read_csv('data.csv').to_json("
+                                 "'data.jsonl', orient='records', lines=True)\")")
     if _is_parquet(path):
         try:
             records = read_parquet(path)

@@ -82,20 +82,28 @@ def training_splits(cfg: Config, dropped: Dropped | None = None) -> tuple[list[d
             raise sources.DataSourceError(f"data.train_set = {d.train_set}: {len(rows)} rows, too few to split into train and held-out")
         random.Random(f"{cfg.seed}:split").shuffle(rows)
         n_heldout = min(d.heldout_examples, len(rows) // 2)
-        heldout, train = rows[:n_heldout], rows[n_heldout:n_heldout + d.train_examples]
-        return train, heldout, {"train": {"n": len(train), "origin": origin},
+        heldout = rows[:n_heldout]
+        train, overlap = _not_held_out(rows[n_heldout:], heldout)   # a prompt the file repeats stays held out
+        train = train[:d.train_examples]
+        return train, heldout, {"train": {"n": len(train), "origin": origin, "dropped_heldout_overlap": overlap},
                                 "heldout": {"n": len(heldout), "origin": f"{origin} (split with seed {cfg.seed})"}}, rows
 
     heldout, heldout_origin, heldout_all = _side(cfg, d.heldout_set, "data.heldout_set", "heldout",
                                                  d.heldout_examples, dropped)
-    train, train_origin, train_all = _side(cfg, d.train_set, "data.train_set", "train", d.train_examples, dropped)
-    taken = {r["prompt"] for r in heldout}
-    overlap = sum(r["prompt"] in taken for r in train)
-    if overlap:
-        log.warning("dropped %d training prompts that are also held out", overlap)
-        train = [r for r in train if r["prompt"] not in taken]
+    train, train_origin, train_all = _side(cfg, d.train_set, "data.train_set", "train", None, dropped)
+    train, overlap = _not_held_out(train, heldout)
+    train = train[:d.train_examples]   # after the held-out prompts are out: train_examples of clean rows
     return train, heldout, {"train": {"n": len(train), "origin": train_origin, "dropped_heldout_overlap": overlap},
                             "heldout": {"n": len(heldout), "origin": heldout_origin}}, heldout_all + train_all
+
+
+def _not_held_out(train: list[dict], heldout: list[dict]) -> tuple[list[dict], int]:
+    """The training rows whose prompt is not held out, and how many were."""
+    taken = {r["prompt"] for r in heldout}
+    kept = [r for r in train if r["prompt"] not in taken]
+    if len(kept) < len(train):
+        log.warning("dropped %d training rows whose prompt is also held out", len(train) - len(kept))
+    return kept, len(train) - len(kept)
 
 
 def _task(cfg: Config):
@@ -106,20 +114,23 @@ def _task(cfg: Config):
     return task
 
 
-def _side(cfg: Config, name: str, key: str, split: str, count: int,
+def _side(cfg: Config, name: str, key: str, split: str, count: int | None,
           dropped: Dropped | None) -> tuple[list[dict], str, list[dict]]:
-    """(the rows used, where they came from, every row of the set)."""
+    """(the rows used: `count` of them, None: every row, shuffled; where they came from; every
+    row of the set)."""
     if name == "synthetic":
-        rows = _task(cfg).rows(count, seed=cfg.seed, split=split, exclude=set())
+        rows = _task(cfg).rows(count if count is not None else cfg.data.train_examples, seed=cfg.seed, split=split,
+                               exclude=set())
         return rows, "synthetic", rows
     rows, origin = _load(cfg, name, key, dropped)
     random.Random(f"{cfg.seed}:{split}").shuffle(rows)
-    return rows[:count], origin, rows
+    return (rows[:count] if count is not None else list(rows)), origin, rows
 
 
 def _load(cfg: Config, name: str, key: str, dropped: Dropped | None) -> tuple[list[dict], str]:
-    result = sources.load(name, fields=cfg.data.fields or None, params_key=key,
-                          on_bad_row=cfg.data.bad_rows, drop_hint=DROP_HINT)
+    # data.fields maps your own files: a registered set (gsm8k_test beside your training file) keeps its own
+    fields = None if name in sources.DATASETS else (cfg.data.fields or None)
+    result = sources.load(name, fields=fields, params_key=key, on_bad_row=cfg.data.bad_rows, drop_hint=DROP_HINT)
     _record_dropped(result, dropped)
     if not result.rows:
         why = f" ({result.n_dropped} malformed rows dropped)" if result.n_dropped else ""

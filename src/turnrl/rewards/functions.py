@@ -20,8 +20,12 @@ and algorithms do: an import path, or a name that `register` added.
 """
 from __future__ import annotations
 
+import asyncio
+import functools
+import inspect
 import logging
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 from turnrl.plugins import PluginError, Registry, check_call
@@ -36,10 +40,28 @@ class RewardFunctionError(RuntimeError):
 
 
 def _as_function(obj: Any, name: str, key: str) -> Callable[..., Any]:
+    if inspect.isclass(obj):   # calling it would make an instance, not a score
+        raise PluginError(f"{key} = {name!r}: {obj.__qualname__} is a class; name a function {SIGNATURE}, or an "
+                          "instance of a class with __call__ (e.g. SCORER = MyScorer() in your module)")
     if not callable(obj):
         raise PluginError(f"{key} = {name!r}: {obj!r} is not a function {SIGNATURE}")
     check_call(obj, f"{key} = {name!r}", SIGNATURE, positional=3, extra_keywords=True)
+    if inspect.iscoroutinefunction(obj) or inspect.iscoroutinefunction(getattr(obj, "__call__", None)):
+        @functools.wraps(obj)
+        def awaited(*args, **kwargs):   # an async reward function: run to its value on a loop of its own
+            return _run(obj(*args, **kwargs))
+        return awaited
     return obj
+
+
+def _run(coroutine) -> Any:
+    """A coroutine's value: on a new event loop, or, called where a loop already runs, on a thread's."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
 
 
 # name -> a reward function or its import path (none built in: an import path resolves as such)
@@ -84,6 +106,8 @@ class RewardFunctions:
         self.outcome_weight = float(outcome_weight)
         self.paths = list(paths)
         self.weights = list(weights) or [1.0] * len(self.paths)
+        if len(self.weights) != len(self.paths):   # (params' reward.weights is checked by the config as well)
+            raise ValueError(f"{len(self.weights)} weights for {len(self.paths)} reward functions; give one each")
         self.on_error = on_error
         self.fns: list[Callable[..., Any]] = []
         for i, path in enumerate(self.paths):
