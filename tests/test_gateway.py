@@ -772,6 +772,69 @@ def test_a_command_past_its_timeout_or_printing_no_reward_is_an_env_error(script
     assert t.finish == "env_error" and "is not a reward" in t.info["env_error"]
 
 
+def test_a_command_that_leaves_a_child_running_ends_when_it_exits(scripted, fmt, rows, tmp_path):
+    """A command that starts a helper holding its stdout and exits: the episode ends with the
+    command (the helper is killed with its process group), not at timeout_s."""
+    marker = tmp_path / "child_alive"
+    (tmp_path / "child.py").write_text(f"import pathlib, time\ntime.sleep(5)\n"
+                                       f"pathlib.Path({str(marker)!r}).write_text('yes')\n")
+    (tmp_path / "agent.py").write_text(f"import subprocess, sys\n"
+                                       f"subprocess.Popen([sys.executable, {str(tmp_path / 'child.py')!r}])\n"
+                                       "print(0.5)\n")
+    start = time.perf_counter()
+    (t,) = scripted.runner.run(scripted.engine, rows[:1], _program(command=[sys.executable, str(tmp_path / "agent.py")],
+                                                                     timeout_s=20), fmt, _budgets())
+    assert time.perf_counter() - start < 4
+    assert "env_error" not in t.info and t.outcome == 0.5
+    time.sleep(6)
+    assert not marker.exists()   # the helper went with the command's process group
+
+
+def test_a_row_too_large_for_the_environment_reaches_the_command_on_stdin(scripted, fmt, rows):
+    """TURNRL_TASK is left out for a row over 100 KB (a process's environment cannot hold it): the
+    command still starts, and reads the row from stdin."""
+    big = {**rows[0], "context": "x" * 300_000}
+    reads_stdin = ("import json, os, sys; row = json.load(sys.stdin); "
+                   "print(1.0 if len(row['context']) == 300000 and 'TURNRL_TASK' not in os.environ else 0.0)")
+    (t,) = scripted.runner.run(scripted.engine, [big], _program(command=[sys.executable, "-c", reads_stdin]), fmt,
+                               _budgets())
+    assert "env_error" not in t.info, t.info.get("env_error")
+    assert t.outcome == 1.0
+
+
+def returns_a_tensor(task: dict, base_url: str, api_key: str):
+    import torch
+    return torch.tensor(0.5)
+
+
+class _AsyncCall:
+    async def __call__(self, task: dict, base_url: str, api_key: str) -> float:
+        return 0.25
+
+
+returns_when_awaited = _AsyncCall()
+
+
+def test_a_function_s_tensor_or_awaitable_is_its_reward_and_the_host_goes_on(scripted, fmt, rows):
+    """A 0-d torch tensor (it used to jam the program host: every later episode of it timed out), an
+    object with `async def __call__`: their values are the rewards; the next episode runs."""
+    for program, reward in (("returns_a_tensor", 0.5), ("returns_when_awaited", 0.25), ("answers_once", None)):
+        (t,) = scripted.runner.run(scripted.engine, rows[:1], _program(program=f"{HERE}:{program}", timeout_s=20),
+                                   fmt, _budgets())
+        assert "env_error" not in t.info, (program, t.info.get("env_error"))
+        assert reward is None or t.outcome == reward
+
+
+def test_a_demonstration_shorter_than_the_program_s_calls_says_so(recording, fmt, rows):
+    from turnrl.gateway.program import ProgramError
+    with pytest.raises(Exception) as caught:
+        recording.replay(_program(program="examples.agents.calculator_agent:run"), fmt, rows[0],
+                         ["<tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expression\": \"2 * 3\"}}\n"
+                          "</tool_call>"])
+    assert "the demonstration has no assistant message left for this call (it gave 1" in str(caught.value)
+    assert "call budget" not in str(caught.value) or isinstance(caught.value, ProgramError)
+
+
 # --------------------------------------------------------------------------- the engine's output, recorded (vLLM)
 # Last in the file: their process (started at the module's first test) runs while the tests above do.
 @pytest.mark.slow

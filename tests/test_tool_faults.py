@@ -416,8 +416,10 @@ BAD_STEPS = {
                         "the reserved key(s) 'response_tokens'"),
     "partial_credit_nan": (StepResult(None, 1.0, True, {"outcome": 1.0, "partial_credit": float("nan")}),
                            "info['partial_credit'] is nan, not a finite number"),
-    "reason_none": (StepResult(None, 1.0, True, {"outcome": 1.0, "reason": None}), "info['reason'] = None, not a string"),
-    "info_int_keys": (StepResult(None, 1.0, True, {"outcome": 1.0, 3: "x"}), "info with keys that are not strings ([3])"),
+    "reason_none": (StepResult(None, 1.0, True, {"outcome": 1.0, "reason": None}),
+                    "info['reason'] = None, not a string"),
+    "info_int_keys": (StepResult(None, 1.0, True, {"outcome": 1.0, 3: "x"}),
+                      "info with keys that are not strings ([3])"),
     "good": (StepResult(None, 1.0, True, {"outcome": 1.0, "reason": "answer"}), None),
 }
 

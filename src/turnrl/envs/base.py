@@ -100,7 +100,8 @@ def step_result_problem(result: Any) -> str | None:
     if not isinstance(result.info, dict):
         return f"returned info = {result.info!r}"[:120] + f" ({type(result.info).__name__}), not a dict"
     if not all(isinstance(k, str) for k in result.info):
-        return f"returned info with keys that are not strings ({[k for k in result.info if not isinstance(k, str)][:3]})"
+        odd = [k for k in result.info if not isinstance(k, str)][:3]
+        return f"returned info with keys that are not strings ({odd})"
     reserved = sorted(set(result.info) & set(RESERVED_INFO_KEYS))
     if reserved:
         return (f"returned info with the reserved key(s) {', '.join(map(repr, reserved))} (reward functions "

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -28,7 +29,8 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
-from turnrl.gateway.program import AgentOptions, AgentProgram, ProgramError, tracking_env
+from turnrl.gateway.program import AgentOptions, AgentProgram, ProgramError, plain, tracking_env
+from turnrl.errors import one_line
 from turnrl.rollout.multi_turn import error_text
 
 log = logging.getLogger(__name__)
@@ -105,13 +107,18 @@ class ProgramHost:
         """Resolve the host's futures as it answers; when it goes, fail what it still held."""
         while True:
             try:
-                job, ok, value = conn.recv()
+                job, ok, payload = conn.recv()
             except (EOFError, OSError):
                 break
             with self._lock:
                 future = pending.pop(job, None)
             if future is None:
                 continue
+            try:   # the value pickled by the host alone: one that cannot be read here fails its episode only
+                value = pickle.loads(payload)
+            except Exception as exc:   # noqa: BLE001
+                ok, value = False, (f"ProgramError: what the program returned could not be read back "
+                                    f"({one_line(exc)}); return a number or a dict of numbers")
             if ok:
                 future.set_result(value)
             else:
@@ -131,23 +138,25 @@ def _serve(fd: int, options_json: str) -> None:
     program = AgentProgram(AgentOptions.model_validate_json(options_json))
     send_lock = threading.Lock()
 
-    def answer(message: tuple) -> None:
+    def answer(job: int, ok: bool, value: Any) -> None:
+        try:   # pickled here, plainly (not by the connection's reducers: a torch tensor's would share memory)
+            payload = pickle.dumps(plain(value))
+        except Exception as exc:   # noqa: BLE001 - a value that does not pickle
+            ok, payload = False, pickle.dumps(f"ProgramError: the program returned {type(value).__name__}, which "
+                                              f"cannot be sent back ({one_line(exc)}); return a number or a dict")
         with send_lock:
             try:
-                conn.send(message)
+                conn.send((job, ok, payload))
             except (OSError, ValueError):
                 pass   # the actor is gone
-            except Exception as exc:   # noqa: BLE001 - a value that does not pickle
-                conn.send((message[0], False, f"ProgramError: the program returned {type(message[2]).__name__}, which "
-                                              f"cannot be sent back ({exc}); return a number or a dict"))
 
     def episode(job: int, example: dict, base_url: str, api_key: str) -> None:
         try:
             value = program.run(example, base_url, api_key)
         except BaseException as exc:   # noqa: BLE001 - the user's program
-            answer((job, False, error_text(exc)))
+            answer(job, False, error_text(exc))
             return
-        answer((job, True, value))
+        answer(job, True, value)
 
     while True:
         try:

@@ -34,6 +34,7 @@ import os
 import shlex
 import signal
 import subprocess
+import threading
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Literal
 
@@ -79,7 +80,8 @@ class AgentOptions(BaseModel):
         if bool(self.program) == bool(self.command):
             raise ValueError("set exactly one of program (module:function) and command (a command line)")
         if self.program and not is_import_path(self.program):
-            raise ValueError(f"program = {self.program!r}: an import path is 'package.module:function'")
+            hint = "; a command line (node agent.js) is env.options.command" if " " in self.program.strip() else ""
+            raise ValueError(f"program = {self.program!r}: an import path is 'package.module:function'{hint}")
         return self
 
 
@@ -112,33 +114,35 @@ class AgentProgram:
 
     def _call(self, example: dict, base_url: str, api_key: str) -> Any:
         fn = self.function()
-        if inspect.iscoroutinefunction(fn):
+        result = fn(dict(example), base_url=base_url, api_key=api_key)
+        if inspect.isawaitable(result):   # an async function, an object with `async def __call__`, a wrapper
             import asyncio
 
             async def bounded():
                 try:
-                    return await asyncio.wait_for(fn(dict(example), base_url=base_url, api_key=api_key),
-                                                  self.options.timeout_s)
+                    return await asyncio.wait_for(result, self.options.timeout_s)
                 except asyncio.TimeoutError:
                     raise TimeoutError(f"the program did not return within env.options.timeout_s = "
                                        f"{self.options.timeout_s:g} s") from None
             return asyncio.run(bounded())
-        return fn(dict(example), base_url=base_url, api_key=api_key)
+        return result
 
     def _command(self, example: dict, base_url: str, api_key: str) -> Any:
         argv = self.options.command if isinstance(self.options.command, list) else shlex.split(self.options.command)
         task = json.dumps(example, default=str)
+        # the row in TURNRL_TASK too, where it fits: the environment of a process is bounded (Linux: 128 KiB a
+        # variable); stdin always has it
+        in_env = {"TURNRL_TASK": task} if len(task.encode()) <= TASK_ENV_LIMIT else {}
         env = {**os.environ, **tracking_env(), **self.options.env, "OPENAI_BASE_URL": base_url,
-               "OPENAI_API_KEY": api_key, "TURNRL_TASK": task}
+               "OPENAI_API_KEY": api_key, **in_env}
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     env=env, text=True, start_new_session=True)
         except OSError as exc:
             raise ProgramError(f"command {argv[0]!r} (env.options.command) could not start: {exc}") from None
         try:
-            out, err = proc.communicate(task, timeout=self.options.timeout_s)
+            out, err = _finished(proc, task, self.options.timeout_s)
         except subprocess.TimeoutExpired:
-            _kill(proc)
             raise TimeoutError(f"the command did not end within env.options.timeout_s = {self.options.timeout_s:g} s")
         if proc.returncode != 0:
             tail = " | ".join(err.strip().splitlines()[-3:])[-400:]
@@ -157,12 +161,30 @@ def _not_json(line: str) -> Any:
                        "{\"reward\": ...}); print the reward last, or post it to /turnrl/reward and print nothing")
 
 
-def _kill(proc: subprocess.Popen) -> None:
+TASK_ENV_LIMIT = 100_000   # bytes of a row put in TURNRL_TASK (larger: stdin only)
+
+
+def _finished(proc: subprocess.Popen, task: str, timeout_s: float) -> tuple[str, str]:
+    """The command's stdout and stderr once it has exited (TimeoutExpired past `timeout_s`). Its
+    process group is killed then, whatever is left of it: a child it left running, holding its
+    stdout, would otherwise keep the episode open until the timeout."""
+    output: list[tuple[str, str]] = []
+    reader = threading.Thread(target=lambda: output.append(proc.communicate(task)), daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout=timeout_s)
+        expired = False
+    except subprocess.TimeoutExpired:
+        expired = True
     try:
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        proc.kill()
-    proc.communicate()
+    except (ProcessLookupError, PermissionError):   # nothing left of the group (or not ours to kill)
+        if expired:
+            proc.kill()
+    reader.join(timeout=10)
+    if expired:
+        raise subprocess.TimeoutExpired(proc.args, timeout_s)
+    return output[0] if output else ("", "")
 
 
 def tracking_env() -> dict[str, str]:
@@ -174,6 +196,17 @@ def tracking_env() -> dict[str, str]:
     if not run_experiment or os.environ.get("MLFLOW_EXPERIMENT_ID") or os.environ.get("MLFLOW_EXPERIMENT_NAME"):
         return {}
     return {"MLFLOW_EXPERIMENT_ID": run_experiment}
+
+
+def plain(value: Any) -> Any:
+    """A program's result with its array scalars (numpy's, torch's 0-d tensors) as Python numbers,
+    in a dict too; anything else as it is (checked where the reward is read)."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    shape = getattr(value, "shape", None)
+    if shape is not None and tuple(shape) == () and callable(getattr(value, "item", None)):
+        return value.item()
+    return value
 
 
 def finite(value: Any, what: str) -> float:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 from turnrl.envs.base import RESERVED_INFO_KEYS
 from turnrl.envs.tools.parsers import resolve_parser
 from turnrl.gateway.host import ProgramHost
-from turnrl.gateway.program import AgentProgram, ProgramError, finite
+from turnrl.gateway.program import AgentProgram, ProgramError, finite, plain
 from turnrl.gateway.render import Renderer
 from turnrl.gateway.samples import episode_trajectory
 from turnrl.gateway.server import EngineLoop, Episode, Gateway, Limits
@@ -75,6 +75,7 @@ class _ScriptStepper:
 
 def outcome_of(value: Any, episode: Episode) -> tuple[float, dict]:
     """(reward, named components) from what the program returned, else what it posted."""
+    value = plain(value)   # numpy's and torch's scalars as numbers
     components = dict(episode.components)
     if isinstance(value, dict):
         unknown = sorted(set(value) - {"reward", "components", "call_rewards"})
@@ -96,8 +97,8 @@ def outcome_of(value: Any, episode: Episode) -> tuple[float, dict]:
         value = value.get("reward")
     if value is None:
         if episode.reward is None:
-            raise ProgramError("the program gave no reward: return it (a number) or post it to "
-                               "<base_url>/turnrl/reward before returning")
+            raise ProgramError("the program gave no reward: return it (a number; a command prints it as its last "
+                               "line of stdout) or post it to <base_url>/turnrl/reward before returning")
         return episode.reward, components
     return finite(value, "the reward the program returned"), components
 
@@ -144,14 +145,13 @@ class AgentRunner:
             ep = gateway.open(example, limits, script)
             result: dict[str, Any] = {}
             started = time.time()
+            running = self._start(program, example, gateway.base_url, ep.key)
             try:
-                result["value"] = self._start(program, example, gateway.base_url, ep.key).result(
-                    timeout=program.options.timeout_s + 5.0)
-            except FutureTimeout:   # a sync function cannot be stopped: its later calls get 410
-                result["error"] = TimeoutError(f"the program did not return within env.options.timeout_s = "
-                                               f"{program.options.timeout_s:g} s")
+                result["value"] = running.result(timeout=program.options.timeout_s + 5.0)
             except BaseException as exc:   # noqa: BLE001 - the user's program
-                result["error"] = exc
+                # (a TimeoutError the program or its command raised is its own; only a wait that ran out is this)
+                result["error"] = exc if running.done() or not isinstance(exc, FutureTimeout) else TimeoutError(
+                    f"the program did not return within env.options.timeout_s = {program.options.timeout_s:g} s")
             gateway.close(ep, "the program failed" if "error" in result else "the program returned")
         try:
             return self._trajectory(ep, result, fmt, started)

@@ -396,8 +396,8 @@ class Gateway:
                         not isinstance(function.get("name"), str) or not function["name"]:
                     flat = " (the Responses API's flat tool; Chat Completions nests it under `function`)" \
                         if tool.get("name") else ""
-                    raise BadRequest(f"tools[{k}] must be {{type: function, function: {{name, description, parameters}}}}"
-                                     f"{flat}, got {tool!r:.120}")
+                    raise BadRequest(f"tools[{k}] must be {{type: function, function: {{name, description, "
+                                     f"parameters}}}}{flat}, got {tool!r:.120}")
             tool_choice = body.get("tool_choice", "auto")
             n = body.get("n", 1) if body.get("n") is not None else 1
             if not isinstance(n, int) or isinstance(n, bool) or n < 1 or n > 16:
@@ -434,6 +434,11 @@ class Gateway:
             temperature = float(asked_temperature) if asked_temperature is not None else temperature
             top_p = float(asked_top_p) if asked_top_p is not None else top_p
         with episode.lock:
+            # a replayed demonstration answers each call with its next message (its budget: its length)
+            if episode.script is not None and len(episode.script) < n:
+                raise HTTPError(400, f"the demonstration has no assistant message left for this call (it gave "
+                                     f"{episode.started_calls}, and the program made another): the demonstration hook "
+                                     "must give one per call the program makes")
             if episode.started_calls + n > limits.max_calls:
                 left_calls = limits.max_calls - episode.started_calls
                 if left_calls > 0:
@@ -448,9 +453,6 @@ class Gateway:
                                      "rollout.max_tokens_total); end the episode", "budget_exceeded")
             script = None
             if episode.script is not None:
-                if len(episode.script) < n:
-                    raise HTTPError(400, "the demonstration has no assistant message left for this call: the "
-                                         "demonstration hook must give one per call the program makes")
                 script, episode.script = episode.script[:n], episode.script[n:]
             episode.started_calls += n
             max_tokens = min(asked or limits.max_tokens_per_call, limits.max_tokens_per_call, left // n, room)

@@ -206,7 +206,8 @@ def env_errors(trajs: Sequence[Trajectory]) -> tuple[float, str]:
     failed = [t for t in trajs if t.finish == ENV_ERROR]
     if not failed:
         return 0.0, ""
-    return len(failed) / max(1, len(trajs)), f"{failed[0].info.get('env_error', '')} (row {failed[0].example.get('id')!r})"
+    first = failed[0]
+    return len(failed) / max(1, len(trajs)), f"{first.info.get('env_error', '')} (row {first.example.get('id')!r})"
 
 
 def rollout_metrics(trajs: Sequence[Trajectory], n: int) -> dict[str, float]:
