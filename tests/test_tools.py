@@ -4,6 +4,7 @@ that renders tools."""
 import asyncio
 import json
 import os
+import re
 import sys
 import textwrap
 import threading
@@ -166,6 +167,84 @@ def test_a_function_tool_by_import_path_gets_its_schema_from_hints_and_docstring
     assert r.observation[3] == "Error: lookup raised KeyError: 'zz'"
     with pytest.raises(PluginError, match="no tool schema from .untyped. .* no docstring"):
         envs.check_options(envs.resolve("tools"), {"functions": ["my_tools:untyped"]})
+
+
+def test_function_tools_take_json_arguments_the_model_can_send(tmp_path, monkeypatch):
+    """Arguments the model cannot send (an Enum, a pydantic model, *args, **kwargs) are refused
+    when params are checked; an argument the function does not take is the model's mistake
+    (bad_arguments), 3.0 for an int is 3, None for an Optional[Literal] is allowed, and a sync
+    wrapper around an async function is awaited."""
+    (tmp_path / "my_json_tools.py").write_text(textwrap.dedent('''
+        import asyncio, enum, functools
+        from typing import Literal, Optional
+        from pydantic import BaseModel
+
+        class Color(enum.Enum):
+            RED = "red"
+
+        class Point(BaseModel):
+            x: int
+
+        def paint(color: Color) -> str:
+            """Paint.
+
+            Args:
+                color: The color.
+            """
+            return color.value
+
+        def place(point: Point) -> int:
+            """Place.
+
+            Args:
+                point: Where.
+            """
+            return point.x
+
+        def anything(*values: int) -> int:
+            """Sum.
+
+            Args:
+                values: Numbers.
+            """
+            return sum(values)
+
+        def count(n: int, mode: Optional[Literal["up", "down"]] = None) -> str:
+            """Count.
+
+            Args:
+                n: How far.
+                mode: Which way, or none.
+            """
+            return f"{type(n).__name__} {list(range(n))} {mode}"
+
+        async def _later(text):
+            await asyncio.sleep(0)
+            return text.upper()
+
+        def wrapped(text: str) -> str:
+            """Shout, later.
+
+            Args:
+                text: What to say.
+            """
+            return _later(text)
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = envs.resolve("tools")
+    for name, said in (("paint", "'color' is a Color, which the model cannot send as JSON; take Literal[...]"),
+                       ("place", "'point' is a Point, which the model cannot send as JSON; take dict"),
+                       ("anything", "anything takes *values; a tool's arguments are named one by one")):
+        with pytest.raises(PluginError, match=re.escape(said)):
+            envs.check_options(spec, {"functions": [f"my_json_tools:{name}"]})
+    env = envs.make("tools", functions=["my_json_tools:count", "my_json_tools:wrapped"])
+    env.reset(EXAMPLE)
+    r = step(env, call("count", n=3.0) + call("count", n=2, mode=None) + call("count", n=1, extra=True) +
+             call("wrapped", text="hi"))
+    assert r.observation[:2] == ["int [0, 1, 2] None", "int [0, 1] None"]
+    assert r.observation[2].startswith("Error: bad arguments for count: Additional properties are not allowed")
+    assert r.observation[3] == "HI"
+    assert r.info["tool_bad_arguments"] == 1 and r.info.get("tool_raised", 0) == 0
 
 
 def test_calculator():

@@ -33,6 +33,35 @@ def exit_error(exc: BaseException) -> ToolError:
     return ToolError(f"raised {type(exc).__name__}; a tool must return or raise an exception")
 
 
+def _argument_problem(fn: Callable) -> str | None:
+    """Why `fn`'s arguments cannot be a tool's (JSON values, named), or None: *args or **kwargs,
+    or a type JSON does not carry (an Enum, a pydantic model, a dataclass: the model would send a
+    string or an object the function did not expect)."""
+    import dataclasses
+    import enum
+    import typing
+
+    from pydantic import BaseModel
+    try:
+        signature = inspect.signature(fn)
+        hints = typing.get_type_hints(fn)
+    except (TypeError, ValueError, NameError):   # no signature, unresolvable hints: get_json_schema says
+        return None
+    name = getattr(fn, "__qualname__", repr(fn))
+    for param in signature.parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            return (f"{name} takes {'*' if param.kind is param.VAR_POSITIONAL else '**'}{param.name}; a tool's "
+                    "arguments are named one by one (the model sends a JSON object of them)")
+        kinds = [hints.get(param.name), *typing.get_args(hints.get(param.name))]
+        for kind in kinds:
+            if isinstance(kind, type) and (issubclass(kind, (enum.Enum, BaseModel)) or dataclasses.is_dataclass(kind)):
+                fix = ("Literal[...] of its values" if issubclass(kind, enum.Enum) else
+                       "dict (or one argument per field)")
+                return (f"{name}'s argument {param.name!r} is a {kind.__name__}, which the model cannot send as "
+                        f"JSON; take {fix} and build the {kind.__name__} inside the tool")
+    return None
+
+
 class FunctionTool(Tool):
     """A Python function (sync: a thread per call, abandoned on timeout; async: awaited on the
     box's loop)."""
@@ -40,6 +69,8 @@ class FunctionTool(Tool):
 
     def __init__(self, fn: Callable, key: str, max_abandoned: int = 16):
         from transformers.utils import get_json_schema
+        if problem := _argument_problem(fn):
+            raise PluginError(f"{key}: {problem}")
         try:
             schema = get_json_schema(fn)["function"]
         except Exception as exc:   # noqa: BLE001 - TypeHintParsingException, DocstringParsingException
@@ -47,7 +78,10 @@ class FunctionTool(Tool):
                 f"{key}: no tool schema from {getattr(fn, '__qualname__', fn)!r} ({exc}). Give every argument a "
                 "type hint and a line in the docstring's Args: section (Google style), and the function a "
                 "one-line description") from None
-        super().__init__(schema["name"], schema.get("description", ""), schema.get("parameters"))
+        parameters = schema.get("parameters") or {"type": "object", "properties": {}}
+        # the function's own arguments only: an unknown one is the model's mistake (bad_arguments), not the tool's
+        super().__init__(schema["name"], schema.get("description", ""), parameters, closed=True)
+        self.integers = {name for name, p in parameters.get("properties", {}).items() if p.get("type") == "integer"}
         self.fn = fn
         self.is_async = inspect.iscoroutinefunction(fn)
         self.max_abandoned = max_abandoned
@@ -56,6 +90,9 @@ class FunctionTool(Tool):
         self._lock = threading.Lock()
 
     async def run(self, arguments: dict, box: Any) -> Any:
+        # 3.0 for an integer: the schema check lets JSON's integral floats through, the function wants an int
+        arguments = {k: int(v) if k in self.integers and isinstance(v, float) and v.is_integer() else v
+                     for k, v in arguments.items()}
         if self.is_async:
             try:
                 return await self.fn(**arguments)
@@ -64,7 +101,12 @@ class FunctionTool(Tool):
         if self.abandoned >= self.max_abandoned:
             raise ToolError(f"not run: {self.abandoned} earlier calls of {self.name} timed out and are still "
                             "running (a function that never returns)")
-        return await self._in_thread(arguments)
+        value = await self._in_thread(arguments)
+        if inspect.isawaitable(value):   # a sync wrapper around an async function
+            return await value
+        if inspect.isgenerator(value) or inspect.isasyncgen(value):
+            raise ToolError("returned a generator; a tool returns its result")
+        return value
 
     async def _in_thread(self, arguments: dict) -> Any:
         loop = asyncio.get_running_loop()

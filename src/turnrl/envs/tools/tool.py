@@ -30,6 +30,8 @@ def _validation_schema(schema: Any) -> Any:
         if schema.get("nullable") and "type" in out:
             kinds = out["type"] if isinstance(out["type"], list) else [out["type"]]
             out["type"] = [*kinds, "null"] if "null" not in kinds else kinds
+        if schema.get("nullable") and isinstance(out.get("enum"), list) and None not in out["enum"]:
+            out["enum"] = [*out["enum"], None]   # Optional[Literal[...]]: None is one of its values
         return out
     if isinstance(schema, list):
         return [_validation_schema(v) for v in schema]
@@ -40,11 +42,15 @@ class Tool:
     """A named tool: its schema (what the chat template renders) and `run(arguments)`."""
     kind = "tool"
 
-    def __init__(self, name: str, description: str, parameters: dict | None):
+    def __init__(self, name: str, description: str, parameters: dict | None, closed: bool = False):
+        """`closed`: arguments the schema does not name are refused (a Python function's, whose
+        parameters are all there is), where the schema does not say otherwise."""
         self.name, self.description = name, description or ""
         self.parameters = parameters or {"type": "object", "properties": {}}
         import jsonschema
         schema = _validation_schema(self.parameters)
+        if closed and isinstance(schema, dict):
+            schema.setdefault("additionalProperties", False)
         cls = jsonschema.validators.validator_for(schema)
         self._validator = cls(schema)
 
