@@ -192,6 +192,48 @@ def test_a_broken_game_ends_its_own_table_only(fmt, monkeypatch):
     assert all(t.finish == ENV_ERROR and "reward_sum 0.0" in t.info["env_error"] for t in trajs)
 
 
+class ShowsADict(Nim):
+    def observe(self, role):
+        return {"heap": self.heap}
+
+
+class NanReward(Nim):
+    def rewards(self):
+        return {"first": float("nan"), "second": 0.0}
+
+
+class ForgetsARole(Nim):
+    def rewards(self):
+        return {"first": 1.0}
+
+
+class NeverHandsOver(Nim):
+    """The second player (the scripted opponent) keeps the turn for ever: a pass that changes nothing."""
+    def to_move(self):
+        return "second"
+
+    def play(self, text):
+        from turnrl.games.base import Move
+        return Move(legal=True)
+
+
+def test_a_game_that_breaks_its_protocol_ends_its_table_naming_what(fmt):
+    """A board that is not text (it crashed the whole batch), a NaN or missing role's reward (a
+    silent draw), a game that never gives a policy seat the turn (an endless loop): each ends its
+    own table as an environment error saying what the game did."""
+    for game, said, opponent in (
+            ("ShowsADict", "observe('first') returned dict {'heap': ", "self"),
+            ("NanReward", "rewards() gave {'first': nan}, not finite numbers", "self"),
+            ("ForgetsARole", "rewards() gave ['first']; it must give a number for each of its roles", "self"),
+            ("NeverHandsOver", "gave the scripted players 10000 moves in a row", "random")):
+        _, make, task = game_env(game=f"tests.test_games:{game}", opponent=opponent)
+        rows = [r for r in task.rows(4, seed=0, split="train", exclude=set()) if r["role"] == "first"][:1] \
+            if opponent != "self" else task.rows(2, seed=0, split="train", exclude=set())
+        trajs = GameRunner().run(MoveEngine(fmt, lambda text: "1"), rows, make, fmt, BUDGETS)
+        assert trajs and all(t.finish == ENV_ERROR for t in trajs), (game, [t.finish for t in trajs])
+        assert all(said in t.info["env_error"] for t in trajs), (game, trajs[0].info["env_error"])
+
+
 def test_bad_names_are_one_line_errors():
     with pytest.raises(PluginError, match=r"trained_roles .* has no role 'black'"):
         GameTable(game="nim", trained_roles=["black"])

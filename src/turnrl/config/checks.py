@@ -296,11 +296,12 @@ def _table_problems(cfg: Config) -> list[str]:
             problems.append(f"env.options: {past[0]!r} copies the weights each push hands the rollout actor, and "
                             "cluster.weight_sync nccl broadcasts them into vLLM without it; set "
                             "-S cluster.weight_sync=object_store")
-        for name in table.eval_opponents:
-            make_player(name, "env.options.eval_opponents")
+        for key, name in [("env.options.opponent", table.opponent),
+                          *(("env.options.eval_opponents", n) for n in table.eval_opponents)]:
+            make_player(name, key)
             folder = name.split(":", 1)[1] if name.startswith("checkpoint:") else None
             if folder and Path(folder).resolve() != INITIAL.resolve() and not (Path(folder) / "config.json").is_file():
-                problems.append(f"env.options.eval_opponents: {name!r}: no model folder there (config.json missing); "
+                problems.append(f"{key}: {name!r}: no model folder there (config.json missing); "
                                 "name a saved checkpoint, or checkpoint:models/initial (the warm start)")
     except PluginError as exc:
         problems.append(str(exc))

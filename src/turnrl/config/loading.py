@@ -163,7 +163,12 @@ def check_plugins(cfg: Config) -> list[str]:
         options = attempt(cfg.env.checked_options)   # (unknown keys another environment takes: a hint)
         if options is not None and (problem := spec.call_problem(options)):
             problems.append(problem)
-        task = attempt(spec.task_for, options) if options is not None else spec.task
+        try:
+            task = attempt(spec.task_for, options) if options is not None else spec.task
+        except Exception as exc:   # noqa: BLE001 - a plugin's own code (a game's factory) that raises
+            from turnrl.errors import one_line
+            problems.append(f"env.name = {cfg.env.name!r}: its task could not be made with env.options: {one_line(exc)}")
+            return problems
         if "synthetic" in (cfg.data.train_set, cfg.data.heldout_set) and (task is None or task.rows is None):
             problems.append(f"data.train_set / data.heldout_set = synthetic: the environment {cfg.env.name!r} has no "
                             "synthetic task (EnvSpec.task with rows); set them to your data files (jsonl/parquet)")

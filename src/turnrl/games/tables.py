@@ -26,6 +26,7 @@ environment errors; the other tables go on.
 """
 from __future__ import annotations
 
+import math
 import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,6 +42,7 @@ from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.multi_turn import ENV_ERROR, BatchRollout, Budgets, Sample, Trajectory, error_result
 
 GAME_OVER = "game_over"
+SCRIPTED_MOVES = 10_000   # scripted moves in a row before a game that never hands the turn on is ended
 
 
 @dataclass
@@ -204,14 +206,25 @@ class _Tables(BatchRollout):
     # ------------------------------------------------------------------ the game's side
     def _advance(self, table: _Table) -> None:
         """Play the scripted roles until a policy seat is to move (its turn starts) or the game ends."""
+        scripted = 0   # moves of scripted roles in a row: a game that never gives a policy seat the turn ends
         try:
             while not table.over:
                 role = table.game.to_move()
                 if role is None:
                     return self._finish(table, GAME_OVER)
+                if role not in table.game.roles:
+                    raise ValueError(f"the game {self.env.game_name}'s to_move() returned {role!r}, not one of its "
+                                     f"roles {list(table.game.roles)}")
                 observation = table.game.observe(role)
+                if not isinstance(observation, str):
+                    raise TypeError(f"the game {self.env.game_name}'s observe({role!r}) returned "
+                                    f"{type(observation).__name__} {observation!r:.60}; it must return the board as text")
                 if role in table.seats:
                     return self._give_turn(table.seats[role], observation)
+                scripted += 1
+                if scripted > SCRIPTED_MOVES:
+                    raise RuntimeError(f"the game {self.env.game_name} gave the scripted players {SCRIPTED_MOVES} moves "
+                                       "in a row without a policy seat's turn; does to_move() hand the turn on?")
                 move = self._act(table, role, observation)
                 self._apply(table, role, str(move))
         except Exception as exc:   # noqa: BLE001 - a broken game or player ends its own table only
@@ -230,6 +243,13 @@ class _Tables(BatchRollout):
     def _apply(self, table: _Table, role: str, text: str) -> None:
         """The mover's move; an illegal one ends the game or is retried (env.options.illegal)."""
         move = table.game.play(text)
+        if not isinstance(getattr(move, "legal", None), bool):
+            raise TypeError(f"the game {self.env.game_name}'s play() returned {type(move).__name__} {move!r:.60}; it "
+                            "must return a Move(legal: bool, ...)")
+        for other, reward in (move.rewards or {}).items():
+            if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
+                raise ValueError(f"the game {self.env.game_name}'s play() gave {other!r} the reward {reward!r}, not a "
+                                 "finite number")
         seat = table.seats.get(role)
         if seat is not None:
             seat.moves += 1
@@ -256,11 +276,11 @@ class _Tables(BatchRollout):
     def _give_turn(self, seat: _Seat, observation: str) -> None:
         t = self.trajs[seat.index]
         if not seat.started:
-            seat.started = True
             system = self.env.system_for(seat.table.game, seat.role)
             t.prompt_ids = self.fmt.prompt_ids(system, observation)
             t.messages = ([{"role": "system", "content": system}] if system else []) + \
                 [{"role": "user", "content": observation}]
+            seat.started = True   # (after the prompt: a seat whose prompt failed has no answer to wait for)
             self.admit(seat.index, self.env, t)
             return
         reward, seat.reward_since = seat.reward_since, 0.0
@@ -273,7 +293,16 @@ class _Tables(BatchRollout):
             return {r: self.env.illegal_reward if r == offender else (1.0 if zero_sum else 0.0) for r in roles}
         if reason == "max_turns":
             return {r: 0.0 for r in roles}
-        rewards = {r: float(v) for r, v in table.game.rewards().items()}
+        given = table.game.rewards()
+        if not isinstance(given, dict) or set(given) != set(roles):
+            kind = sorted(map(str, given)) if isinstance(given, dict) else type(given).__name__
+            raise ValueError(f"the game {self.env.game_name}'s rewards() gave {kind}; it must give a number for each "
+                             f"of its roles {list(roles)}")
+        bad = {r: v for r, v in given.items() if isinstance(v, bool) or not isinstance(v, (int, float))
+               or not math.isfinite(v)}
+        if bad:
+            raise ValueError(f"the game {self.env.game_name}'s rewards() gave {bad}, not finite numbers")
+        rewards = {r: float(v) for r, v in given.items()}
         expected = getattr(table.game, "reward_sum", None)
         if expected is not None and abs(sum(rewards.values()) - expected) > 1e-6:
             raise ValueError(f"the game {self.env.game_name}'s rewards {rewards} sum to {sum(rewards.values())}, "
