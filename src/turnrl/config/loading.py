@@ -167,7 +167,8 @@ def check_plugins(cfg: Config) -> list[str]:
             task = attempt(spec.task_for, options) if options is not None else spec.task
         except Exception as exc:   # noqa: BLE001 - a plugin's own code (a game's factory) that raises
             from turnrl.errors import one_line
-            problems.append(f"env.name = {cfg.env.name!r}: its task could not be made with env.options: {one_line(exc)}")
+            problems.append(f"env.name = {cfg.env.name!r}: its task could not be made with env.options: "
+                            f"{one_line(exc)}")
             return problems
         if "synthetic" in (cfg.data.train_set, cfg.data.heldout_set) and (task is None or task.rows is None):
             problems.append(f"data.train_set / data.heldout_set = synthetic: the environment {cfg.env.name!r} has no "

@@ -218,13 +218,14 @@ class _Tables(BatchRollout):
                 observation = table.game.observe(role)
                 if not isinstance(observation, str):
                     raise TypeError(f"the game {self.env.game_name}'s observe({role!r}) returned "
-                                    f"{type(observation).__name__} {observation!r:.60}; it must return the board as text")
+                                    f"{type(observation).__name__} {observation!r:.60}; it must return the board "
+                                    "as text")
                 if role in table.seats:
                     return self._give_turn(table.seats[role], observation)
                 scripted += 1
                 if scripted > SCRIPTED_MOVES:
-                    raise RuntimeError(f"the game {self.env.game_name} gave the scripted players {SCRIPTED_MOVES} moves "
-                                       "in a row without a policy seat's turn; does to_move() hand the turn on?")
+                    raise RuntimeError(f"the game {self.env.game_name} gave the scripted players {SCRIPTED_MOVES} "
+                                       "moves in a row without a policy seat's turn; does to_move() hand the turn on?")
                 move = self._act(table, role, observation)
                 self._apply(table, role, str(move))
         except Exception as exc:   # noqa: BLE001 - a broken game or player ends its own table only
