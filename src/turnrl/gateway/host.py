@@ -29,8 +29,8 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
-from turnrl.gateway.program import AgentOptions, AgentProgram, ProgramError, plain, tracking_env
 from turnrl.errors import one_line
+from turnrl.gateway.program import AgentOptions, AgentProgram, ProgramError, plain, tracking_env
 from turnrl.rollout.multi_turn import error_text
 
 log = logging.getLogger(__name__)
