@@ -237,6 +237,8 @@ def test_function_tools_take_json_arguments_the_model_can_send(tmp_path, monkeyp
                        ("anything", "anything takes *values; a tool's arguments are named one by one")):
         with pytest.raises(PluginError, match=re.escape(said)):
             envs.check_options(spec, {"functions": [f"my_json_tools:{name}"]})
+    with pytest.raises(PluginError, match="a tool named 'count' comes from 'my_json_tools:count' already"):
+        envs.check_options(spec, {"functions": ["my_json_tools:count", "my_json_tools:count"]})
     env = envs.make("tools", functions=["my_json_tools:count", "my_json_tools:wrapped"])
     env.reset(EXAMPLE)
     r = step(env, call("count", n=3.0) + call("count", n=2, mode=None) + call("count", n=1, extra=True) +

@@ -137,14 +137,20 @@ class ToolsOptions(BaseModel):
     @field_validator("functions")
     @classmethod
     def _functions(cls, value: list[str]) -> list[str]:
-        """Each imported and its schema made now, so a bad one stops params checking."""
+        """Each imported and its schema made now, so a bad one stops params checking; two of one
+        name (the model could not tell them apart) too."""
+        named: dict[str, str] = {}
         for i, path in enumerate(value):
             if not is_import_path(path):
                 raise ValueError(f"functions[{i}] = {path!r}: an import path is module:function, e.g. my_pkg.tools:lookup")
             fn = load_object(path, f"functions[{i}]")
             if not callable(fn):
                 raise ValueError(f"functions[{i}] = {path!r}: {fn!r} is not a function")
-            FunctionTool(fn, f"functions[{i}] = {path!r}")
+            name = FunctionTool(fn, f"functions[{i}] = {path!r}").name
+            if name in named:
+                raise ValueError(f"functions[{i}] = {path!r}: a tool named {name!r} comes from {named[name]!r} "
+                                 "already; the model calls tools by name, so give each its own")
+            named[name] = path
         return value
 
     @field_validator("parser")
