@@ -525,9 +525,7 @@ def test_one_stop_string_given_alone_is_one_stop_string(fmt):
     """`stop = "</answer>"` (a string, not a tuple): one stop string, not its ten characters."""
     from turnrl.rollout.multi_turn import stop_strings
 
-    class OneStop(ResetReturns):
-        stop = "</answer>"
-    env = OneStop()
+    env = ResetReturns()
     env.stop = "</answer>"
     assert stop_strings(env, fmt) == ("</answer>",)
 

@@ -74,7 +74,7 @@ _BYTE_OF = _byte_level_alphabet()
 def token_bytes(tokenizer: Any, token_id: int, byte_level: bool) -> list[int]:
     """The bytes token `token_id` stands for: a piece of a character (an emoji, an accented
     letter) is its own bytes, not the replacement character decoding it alone gives. Byte-level
-    BPE pieces (`byte_level`: `is_byte_level(tokenizer)`) through their alphabet, SentencePiece's
+    BPE pieces (`byte_level`: turnrl.rollout.chat.is_byte_level) through their alphabet, SentencePiece's
     byte tokens (<0xE9>) as that byte, other pieces as their text (▁ a space); a special token
     as its text."""
     piece = tokenizer.convert_ids_to_tokens(int(token_id))
@@ -88,12 +88,6 @@ def token_bytes(tokenizer: Any, token_id: int, byte_level: bool) -> list[int]:
     if byte_level and all(c in _BYTE_OF for c in piece):
         return [_BYTE_OF[c] for c in piece]
     return list(piece.replace("\u2581", " ").encode("utf-8"))
-
-
-def is_byte_level(tokenizer: Any) -> bool:
-    """Whether its pieces are written in the byte-level alphabet (a space as Ġ)."""
-    ids = tokenizer.encode(" a", add_special_tokens=False)
-    return bool(ids) and str(tokenizer.convert_ids_to_tokens(ids[0])).startswith("\u0120")
 
 
 def _template_call(call: Any, default_id: str) -> dict:

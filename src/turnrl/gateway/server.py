@@ -28,9 +28,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from turnrl.gateway.render import BadRequest, Produced, Renderer, is_byte_level, normalize_messages, token_bytes
+from turnrl.gateway.render import BadRequest, Produced, Renderer, normalize_messages, token_bytes
 from turnrl.gateway.responses import chat_request, response_events, response_of
 from turnrl.gateway.samples import Call
+from turnrl.rollout.chat import is_byte_level
 from turnrl.rollout.multi_turn import BatchStepper, Sample
 
 log = logging.getLogger(__name__)

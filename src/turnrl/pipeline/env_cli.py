@@ -33,16 +33,12 @@ import yaml
 
 from turnrl import envs
 from turnrl.config.sections import locked_env
-from turnrl.envs.base import STEP_RESULT_EXPECTED, opened_problem, step_result_problem
+from turnrl.envs.base import step_result_problem
 from turnrl.errors import first_line, one_line
 from turnrl.plugins import PluginError
-from turnrl.rollout.multi_turn import env_name, own_stops
+from turnrl.rollout.multi_turn import MalformedStep, malformed_step, opened, own_stops
 
 PROCESSED = Path("data/processed/heldout.parquet")
-
-
-class MalformedEnvironment(ValueError):
-    """The environment's reset or step returned what a rollout refuses (exit 1: the plugin's to fix)."""
 
 
 class EnvCliError(ValueError):
@@ -161,8 +157,7 @@ def explore(name: str, options: dict[str, Any], row: int = 0, steps: list[str] |
     example, where = _row(spec, row, data, name, resolved)
     _show(f"row {row} ({where})", example)
     first = env.reset(example)
-    if (problem := opened_problem(env, first)) is not None:   # what a rollout would end with env_error
-        raise MalformedEnvironment(f"{env_name(env)}: {problem}")
+    opened(env, first)   # what a rollout would end env_error for: MalformedStep, as there
     _show("first observation", first)
     for turn, text in enumerate(steps, start=1):
         result = env.step(text)
@@ -170,8 +165,7 @@ def explore(name: str, options: dict[str, Any], row: int = 0, steps: list[str] |
             result = asyncio.run(result)
         print(f"step {turn}: {text!r}")
         if (problem := step_result_problem(result)) is not None:
-            raise MalformedEnvironment(f"{env_name(env)}.step {problem}; it must return {STEP_RESULT_EXPECTED} "
-                                       f"(a rollout ends the trajectory env_error here)")
+            raise malformed_step(env, problem)
         _show("  observation", result.observation)
         print(f"  reward: {result.reward}    done: {result.done}")
         _show("  info", result.info)
@@ -205,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     except (EnvCliError, PluginError, ConfigError, DataSourceError) as exc:
         print(f"turnrl env: {exc}", file=sys.stderr)
         return 2
-    except MalformedEnvironment as exc:
+    except MalformedStep as exc:   # reset or step returned what a rollout refuses: the plugin's to fix
         print(f"turnrl env: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:   # the environment itself raised: its traceback is what one debugs

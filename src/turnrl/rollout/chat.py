@@ -41,14 +41,14 @@ from typing import Any, Callable, Sequence
 
 _ASSISTANT = "\u2063ASSISTANT_MARK\u2063"
 _OBS = "\u2063OBSERVATION_MARK\u2063"
-# The probes' tool-call id: nine alphanumerics, the only ids Mistral v0.3's template takes (it raises on others)
-_PROBE_CALL_ID = "turnrl001"
-
-
 def _probe_result_id(k: int) -> str:
     """The id the probed frame's k-th tool result answers (distinct, so `observation_text` can
     put each result's own call id in its place)."""
     return f"turnrl{k + 1:03d}"
+
+
+# The probes' tool-call id: nine alphanumerics, the only ids Mistral v0.3's template takes (it raises on others)
+_PROBE_CALL_ID = _probe_result_id(0)
 
 
 def _probe_call(call_id: str = _PROBE_CALL_ID) -> dict:
@@ -204,6 +204,14 @@ def _probed(tokenizer, key: tuple, probe: Callable[[], Any]) -> Any:
     if key not in answers:
         answers[key] = probe()
     return answers[key]
+
+
+def is_byte_level(tokenizer) -> bool:
+    """Whether the tokenizer writes its pieces in GPT-2's byte-level alphabet (a space as Ġ)."""
+    def probe() -> bool:
+        ids = tokenizer.encode(" a", add_special_tokens=False)
+        return bool(ids) and str(tokenizer.convert_ids_to_tokens(ids[0])).startswith("\u0120")
+    return _probed(tokenizer, ("byte_level",), probe)
 
 
 def _obs_mark(k: int) -> str:

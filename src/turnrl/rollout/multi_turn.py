@@ -297,7 +297,12 @@ def checked(env: Env, result: object) -> StepResult:
     problem = step_result_problem(result)
     if problem is None:
         return result
-    return error_result(MalformedStep(f"{env_name(env)}.step {problem}; it must return {STEP_RESULT_EXPECTED}"))
+    return error_result(malformed_step(env, problem))
+
+
+def malformed_step(env: Env, problem: str) -> MalformedStep:
+    """The error of a `step` that returned `problem` (step_result_problem), naming the plugin."""
+    return MalformedStep(f"{env_name(env)}.step {problem}; it must return {STEP_RESULT_EXPECTED}")
 
 
 def _safe_step(env: Env, text: str) -> tuple[StepResult, tuple[float, float]]:
@@ -719,7 +724,7 @@ def replay(env: Env, fmt: ChatFormat, example: dict, turns: Sequence[str]) -> Tr
         if inspect.isawaitable(result):
             result = asyncio.run(result)
         if (problem := step_result_problem(result)) is not None:   # as a rollout's `checked`, but raised
-            raise MalformedStep(f"{env_name(env)}.step {problem}; it must return {STEP_RESULT_EXPECTED}")
+            raise malformed_step(env, problem)
         t.env_times.append((start, time.time()))
         if t.record(result):
             break
