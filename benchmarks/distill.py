@@ -92,7 +92,8 @@ PAIRS = [("opd", "grpo"), ("opd_lr4x", "grpo"), ("opd_lr4x", "grpo_lr4x"), ("opd
          ("opd_rare", "grpo_rare"), ("opd_topk_mb8_rare", "grpo_rare"),
          ("opd_topk_mb8_rare_every1_e256", "grpo_rare_every1_e256"),
          ("opd_topk_mb8_cosine_rare_every1_e256", "grpo_rare_every1_e256"),
-         ("opd_topk_mb8_cosine_lr2x_rare_every1_e256", "grpo_rare_every1_e256")]
+         ("opd_topk_mb8_cosine_lr2x_rare_every1_e256", "grpo_rare_every1_e256"),
+         ("opd_topk_mb8_cosine_every1_e256", "grpo_every1_e256")]
 RARE = "model.warmstart.good_fraction=0.05"   # the rarer-reward rows' warm start (params.yaml: 0.3)
 # The teachers, by name: the default (ChatML, the students' format), and the same run of a tiny
 # model built in Llama 3.1's chat format (model.tiny.chat_format): a teacher of another chat format
@@ -107,8 +108,9 @@ def rows(work: Path) -> list[Row]:
     e256 = ["train.eval_examples=256" if kv.startswith("train.eval_examples=") else kv for kv in student]
     # the rare rows' curve at every step on 256 problems: a crossing between two measurements is not
     # rounded up to the next even step, nor decided by one problem of 64
-    rare_fine = [{"train.eval_examples=64": "train.eval_examples=256", "train.eval_every=2": "train.eval_every=1"}
-                 .get(kv, kv) for kv in [*STUDENT, RARE]]
+    fine = {"train.eval_examples=64": "train.eval_examples=256", "train.eval_every=2": "train.eval_every=1"}
+    rare_fine = [fine.get(kv, kv) for kv in [*STUDENT, RARE]]
+    student_fine = [fine.get(kv, kv) for kv in student]
     return [
         Row("grpo", "code_tool", "grpo", sets=student),
         Row("opd", "code_tool", "opd", sets=[*student, *opd]),
@@ -178,6 +180,11 @@ def rows(work: Path) -> list[Row]:
         Row("opd_topk_mb8_cosine_lr2x_rare_every1_e256", "code_tool", "opd", sets=[
             *rare_fine, *topk, "algorithm.mini_batches=8", "train.lr_schedule=cosine", "train.min_lr_ratio=0.1",
             f"train.lr={2 * LR}"]),
+        # params.yaml's warm start measured at every step on 256 problems: GRPO, and OPD with the setting
+        # that kept the rare rows at the teacher's level (top 8, eight optimizer steps, cosine to a tenth)
+        Row("grpo_every1_e256", "code_tool", "grpo", sets=student_fine),
+        Row("opd_topk_mb8_cosine_every1_e256", "code_tool", "opd", sets=[
+            *student_fine, *topk, "algorithm.mini_batches=8", "train.lr_schedule=cosine", "train.min_lr_ratio=0.1"]),
         # a teacher of another chat format: the ChatML student's conversation rendered by the Llama-3
         # teacher's own template (reward.teacher.chat_template=teacher), its tokens mapped through the
         # text (the two tokenizers learned from differently rendered corpora); top-1, as a mapping allows

@@ -70,6 +70,27 @@ def test_llama3_and_mistral_formats():
     assert parse_mistral("6").is_answer
 
 
+def test_llama3_prose_after_the_calls_is_content_not_an_error():
+    turn = parse_llama3('{"name": "calculator", "parameters": {"expression": "6*7"}} I will wait for the result.')
+    assert turn.calls == [ToolCall("calculator", {"expression": "6*7"})] and turn.errors == []
+    assert turn.content == "I will wait for the result."
+    assert len(parse_llama3('{"name": "calculator", "parameters": {"expression": "1"}}; {"name": ').errors) == 1
+
+
+def test_mistral_calls_that_carry_their_id_or_no_args_token():
+    """Mistral Small 3.2 / Magistral / Devstral templates write the call's id between the name and
+    the arguments; the shortest v11 form writes the arguments straight after the name."""
+    turn = parse_mistral('Let me compute.[TOOL_CALLS]calculator[CALL_ID]Kx7Qp2mZ9[ARGS]{"expression": "6*7"}'
+                         '[TOOL_CALLS]calculator[CALL_ID]a1b2c3d4e[ARGS]{"expression": "2"}</s>')
+    assert turn.calls == [ToolCall("calculator", {"expression": "6*7"}, "Kx7Qp2mZ9"),
+                          ToolCall("calculator", {"expression": "2"}, "a1b2c3d4e")]
+    assert turn.content == "Let me compute." and turn.errors == []
+    bare = parse_mistral('[TOOL_CALLS]calculator{"expression": "5"}')
+    assert bare.calls == [ToolCall("calculator", {"expression": "5"})]
+    broken = parse_mistral('[TOOL_CALLS]calculator[CALL_ID]Kx7Qp2mZ9[ARGS]{"expression": ')
+    assert broken.calls == [] and "arguments of calculator are not valid JSON" in broken.errors[0]
+
+
 def test_a_parser_of_ones_own_by_import_path(tmp_path, monkeypatch):
     (tmp_path / "my_parser.py").write_text(textwrap.dedent("""
         import re

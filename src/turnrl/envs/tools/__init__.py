@@ -10,7 +10,8 @@ turn is parsed by the family's parser (`parser`):
              (Qwen 2.5 / 3, Hermes, the embedded tiny model)
     llama3   the turn is a JSON object {"name": ..., "parameters": {...}} (after an optional
              <|python_tag|>), several separated by ";" (Llama 3.1 / 3.2 JSON tool calling)
-    mistral  [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...] or [TOOL_CALLS]name[ARGS]{...}
+    mistral  [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...], [TOOL_CALLS]name[ARGS]{...} or
+             [TOOL_CALLS]name[CALL_ID]id[ARGS]{...}
     module:function   your own: text -> ParsedTurn (or a list of {"name", "arguments"} dicts)
 
 A turn with calls: every call runs (a turn's calls concurrently), and each result comes back as

@@ -4,7 +4,8 @@
              (Qwen 2.5 / 3, Hermes, the embedded tiny model)
     llama3   the turn is a JSON object {"name": ..., "parameters": {...}} (after an optional
              <|python_tag|>), several separated by ";" (Llama 3.1 / 3.2 JSON tool calling)
-    mistral  [TOOL_CALLS][{"name": ..., "arguments": {...}, "id": ...}, ...] or [TOOL_CALLS]name[ARGS]{...}
+    mistral  [TOOL_CALLS][{"name": ..., "arguments": {...}, "id": ...}, ...] (v3), [TOOL_CALLS]name[ARGS]{...}
+             (v11), [TOOL_CALLS]name[CALL_ID]id[ARGS]{...} (Mistral Small 3.2, Magistral, Devstral)
     module:function   your own: text -> ParsedTurn (or a list of {"name", "arguments"} dicts)
 
 A botched call is never an exception: it becomes a string saying why it is not a call, which
@@ -102,7 +103,8 @@ _LLAMA_END = re.compile(r"(<\|eot_id\|>|<\|eom_id\|>|<\|end_of_text\|>)\s*$")
 
 def parse_llama3(text: str) -> ParsedTurn:
     """Llama 3.1 / 3.2 JSON tool calling: the turn is `{"name": ..., "parameters": {...}}`
-    (optionally after <|python_tag|>), several separated by ";". Other text is an answer."""
+    (optionally after <|python_tag|>), several separated by ";". Other text is an answer; text
+    after the calls is the turn's content."""
     body = _LLAMA_END.sub("", text).strip()
     tagged = body.startswith("<|python_tag|>")
     body = body.removeprefix("<|python_tag|>").strip()
@@ -112,6 +114,9 @@ def parse_llama3(text: str) -> ParsedTurn:
     decoder = json.JSONDecoder()
     pos = 0
     while pos < len(body):
+        if turn.items and body[pos] != "{":   # prose after the calls: the turn's text, not a botched call
+            turn.content = body[pos:].strip()
+            break
         try:
             value, end = decoder.raw_decode(body, pos)
         except json.JSONDecodeError as exc:
@@ -126,17 +131,21 @@ def parse_llama3(text: str) -> ParsedTurn:
     return turn
 
 
-_MISTRAL_ARGS = re.compile(r"\[TOOL_CALLS\]\s*([A-Za-z0-9_.\-]+)\s*\[ARGS\]", re.DOTALL)
+# from v11 on: the name, the call's id where the template writes one, then the arguments (after
+# [ARGS], or straight after the name in the shortest form)
+_MISTRAL_NAMED = re.compile(r"\[TOOL_CALLS\]\s*([A-Za-z0-9_.\-]+)\s*(?:\[CALL_ID\]\s*([A-Za-z0-9_\-]+)\s*)?"
+                            r"(?:\[ARGS\]|(?=\{))", re.DOTALL)
 
 
 def parse_mistral(text: str) -> ParsedTurn:
     """Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (v3) or, from v11 on,
-    `[TOOL_CALLS]name[ARGS]{...}` once per call."""
+    `[TOOL_CALLS]name[ARGS]{...}` once per call, with `[CALL_ID]id` before `[ARGS]` where the
+    template writes the call's id (Mistral Small 3.2, Magistral, Devstral)."""
     if "[TOOL_CALLS]" not in text:
         return ParsedTurn(content=text.strip())
     turn = ParsedTurn(content=text[:text.index("[TOOL_CALLS]")].strip())
     decoder = json.JSONDecoder()
-    named = list(_MISTRAL_ARGS.finditer(text))
+    named = list(_MISTRAL_NAMED.finditer(text))
     if named:
         for m in named:
             try:
@@ -144,7 +153,7 @@ def parse_mistral(text: str) -> ParsedTurn:
             except json.JSONDecodeError as exc:
                 turn.items.append(f"the arguments of {m.group(1)} are not valid JSON ({exc.msg})")
                 continue
-            call = _as_call({"name": m.group(1), "arguments": value})
+            call = _as_call({"name": m.group(1), "arguments": value, "id": m.group(2)})
             turn.items.append(call)
         return turn
     start = text.index("[TOOL_CALLS]") + len("[TOOL_CALLS]")
