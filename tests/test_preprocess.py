@@ -185,3 +185,26 @@ def test_a_csv_file_or_an_hf_id_as_task_data_says_what_to_give(tmp_path, monkeyp
         preprocess(_cfg(train_set="data.csv", heldout_set="data.csv"), tmp_path / "out")
     problem, = checks.data_problems(_cfg(train_set="hf:openai/gsm8k", heldout_set="synthetic"))
     assert problem.startswith("data.train_set = 'hf:openai/gsm8k': Hugging Face ids are read by sft.data only")
+
+
+def test_answer_from_reads_gsm8k_style_worked_answers_of_your_own_file(tmp_path, caplog):
+    """A file of GSM8K-style answers ('... #### 1,234'): data.answer_from: gsm8k grades the final
+    answer; left as the field, preprocess warns naming the key (every sample would score 0); a row
+    without the marker is an error naming its line."""
+    import json as _json
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(_json.dumps({"question": f"What is {i} x 1000?", "answer": f"{i} x 1000 = {i * 1000}\n"
+                                           f"#### {i * 1000:,}"}) for i in range(1, 21)))
+    preprocess(_cfg(train_set=str(path), heldout_set=str(path), heldout_examples=5, answer_from="gsm8k"),
+               tmp_path / "out")
+    rows = read_parquet(tmp_path / "out" / "train.parquet") + read_parquet(tmp_path / "out" / "heldout.parquet")
+    assert len(rows) == 20 and all(r["answer"] == str(int(r["prompt"].split()[2]) * 1000) for r in rows)
+    with caplog.at_level("WARNING"):
+        preprocess(_cfg(train_set=str(path), heldout_set=str(path), heldout_examples=5), tmp_path / "as_is")
+    assert "data.train_set: 100% of the answers hold '####'" in caplog.text and "data.answer_from: gsm8k" in caplog.text
+    with path.open("a") as fh:
+        fh.write("\n" + _json.dumps({"question": "What is 1 + 1?", "answer": "2"}))
+    from turnrl.data.sources import MalformedDataError
+    with pytest.raises(MalformedDataError, match=r"mine.jsonl:21: answer has no '#### <final answer>' marker"):
+        preprocess(_cfg(train_set=str(path), heldout_set=str(path), heldout_examples=5, answer_from="gsm8k"),
+                   tmp_path / "bad")

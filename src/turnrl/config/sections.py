@@ -159,6 +159,12 @@ class SftCfg(_Section):
 
 
 # --------------------------------------------------------------------------- data
+# how a file's answer field holds the answer (turnrl.data.sources.ANSWER_TRANSFORMS does the reading)
+AnswerFrom = Literal["field", "boxed", "gsm8k"]
+ANSWER_FROM_HELP = ("field: the answer field as it is; boxed: its last \\boxed{} (a worked solution, e.g. Minerva); "
+                    "gsm8k: the text after its last '####' (GSM8K's worked answers)")
+
+
 class DataCfg(_Section):
     train_set: str = Field("synthetic", min_length=1, description=(
         "'synthetic' (the environment's generated task), a registered data set (gsm8k_train, nq_open, "
@@ -169,6 +175,8 @@ class DataCfg(_Section):
         "is split so that no problem is in both"))
     fields: dict[str, str] = Field(default_factory=dict, description=(
         "field mapping for your own files, e.g. {prompt: question, answer: solution}"))
+    answer_from: AnswerFrom = Field("field", description=ANSWER_FROM_HELP + " (your own files; a registered set "
+                                    "reads its own)")
     train_examples: int = Field(4096, gt=0, description="training prompts (at most; a data set may have fewer)")
     heldout_examples: int = Field(256, gt=0, description="held-out prompts (the eval 'task' block)")
     bad_rows: Literal["fail", "drop"] = Field("fail", description=(
@@ -749,8 +757,7 @@ class BenchmarkCfg(_Section):
     fields: dict[str, str] = Field(default_factory=dict, description=(
         "schema field -> the file's field: prompt, answer (a list answer accepts any element) and optionally id, "
         "subject, level; empty: the registered set's, or common names (problem/question, answer)"))
-    answer_from: Literal["field", "boxed"] = Field("field", description=(
-        "field: the answer field as it is; boxed: its last \\boxed{} (a worked solution, e.g. Minerva)"))
+    answer_from: AnswerFrom = Field("field", description=ANSWER_FROM_HELP)
     grader: str = Field("math", min_length=1, description=(
         "math (math-verify), exact (normalized exact match) or an import path module:function "
         "(completion, answers) -> bool"))

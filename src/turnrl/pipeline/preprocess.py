@@ -128,14 +128,38 @@ def _side(cfg: Config, name: str, key: str, split: str, count: int | None,
 
 
 def _load(cfg: Config, name: str, key: str, dropped: Dropped | None) -> tuple[list[dict], str]:
-    # data.fields maps your own files: a registered set (gsm8k_test beside your training file) keeps its own
-    fields = None if name in sources.DATASETS else (cfg.data.fields or None)
-    result = sources.load(name, fields=fields, params_key=key, on_bad_row=cfg.data.bad_rows, drop_hint=DROP_HINT)
+    # data.fields and answer_from read your own files: a registered set (gsm8k_test beside your training
+    # file) keeps its own
+    own = name not in sources.DATASETS
+    fields = (cfg.data.fields or None) if own else None
+    transform = answer_transform(cfg.data.answer_from) if own else None
+    result = sources.load(name, fields=fields, answer_transform=transform, params_key=key,
+                          on_bad_row=cfg.data.bad_rows, drop_hint=DROP_HINT)
     _record_dropped(result, dropped)
+    if own and transform is None:
+        _warn_worked_answers(result.rows, key)
     if not result.rows:
         why = f" ({result.n_dropped} malformed rows dropped)" if result.n_dropped else ""
         raise sources.DataSourceError(f"{key} = {name}: the set has no rows{why}")
     return list(result.rows), result.origin
+
+
+def answer_transform(answer_from: str) -> str | None:
+    """The sources transform reading an answer field held as `answer_from` (data.answer_from, a
+    benchmark's answer_from); None: the field as it is."""
+    return None if answer_from == "field" else answer_from
+
+
+def _warn_worked_answers(rows: list[dict], key: str) -> None:
+    """A file whose answers are worked solutions (GSM8K's '... #### 72', a solution's \\boxed{})
+    graded as they are would score every sample 0: say which key reads the final answer."""
+    answers = [str(r.get("answer", "")) for r in rows[:200]]
+    for marker, choice in (("####", "gsm8k"), ("\\boxed{", "boxed")):
+        share = sum(marker in a for a in answers) / max(len(answers), 1)
+        if share >= 0.5:
+            log.warning("%s: %.0f%% of the answers hold %r (worked solutions?); they are graded as they are. Set "
+                        "data.answer_from: %s to take the final answer", key, 100 * share, marker, choice)
+            return
 
 
 def _record_dropped(result: sources.LoadResult, dropped: Dropped | None) -> None:
@@ -162,7 +186,7 @@ def load_benchmark(cfg: Config, bench: BenchmarkCfg, dropped: Dropped | None = N
     named that is missing or malformed raises."""
     key = f"eval.benchmarks[{[b.name for b in cfg.eval.benchmarks].index(bench.name)}]" \
         if bench in cfg.eval.benchmarks else "eval.benchmarks"
-    transform = "boxed" if bench.answer_from == "boxed" else None
+    transform = answer_transform(bench.answer_from)
     fields = bench.fields or None
     try:
         if bench.path:
