@@ -354,7 +354,9 @@ def test_checkpoint_command_scores_the_benchmark_file_it_is_given(tmp_path, tiny
     monkeypatch.chdir(tmp_path)
     old, new = tmp_path / "old.jsonl", tmp_path / "new.jsonl"
     old.write_text("".join(json.dumps({"problem": f"What is {i}+1?", "answer": i + 1}) + "\n" for i in range(5)))
-    new.write_text("".join(json.dumps({"problem": f"What is {i}*2?", "answer": 2 * i}) + "\n" for i in range(3)))
+    # a list answer: any element is right, and the generations keep every one (`answers`)
+    new.write_text("".join(json.dumps({"problem": f"What is {i}*2?", "answer": [2 * i, f"{2 * i}.0"]}) + "\n"
+                           for i in range(3)))
     params = {"data": {"train_examples": 8, "heldout_examples": 2}, "rollout": {"engine": "hf"},
               "eval": {"benchmarks": [{"name": "mine", "path": str(old)}], "greedy": False, "max_tokens": 8}}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
@@ -363,7 +365,11 @@ def test_checkpoint_command_scores_the_benchmark_file_it_is_given(tmp_path, tiny
     assert code == 0
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["mine"]["n"] == 3                                    # the new file, not the 5 preprocessed
-    assert set(pd.read_parquet(tmp_path / "out" / "mine.parquet")["prompt"]) == {f"What is {i}*2?" for i in range(3)}
+    generations = pd.read_parquet(tmp_path / "out" / "mine.parquet")
+    assert set(generations["prompt"]) == {f"What is {i}*2?" for i in range(3)}
+    for _, row in generations.iterrows():
+        doubled = 2 * int(row["prompt"].split()[2].split("*")[0])
+        assert row["answer"] == str(doubled) and json.loads(row["answers"]) == [str(doubled), f"{doubled}.0"]
 
 
 MEASURE_ENV = '''

@@ -178,11 +178,18 @@ def extra_fields(example: dict) -> str:
     return json.dumps({k: v for k, v in example.items() if k not in sources.SCHEMA_FIELDS}, default=str)
 
 
+def _answers(example: dict) -> list:
+    answers = example.get("answers")
+    return list(answers) if isinstance(answers, (list, tuple)) and len(answers) else [example.get("answer")]
+
+
 def records(trajs: Sequence[Trajectory], decode: Callable, decoding: str, benchmark: str, k: int = 1,
             env: str | None = None) -> list[dict]:
     return [{
         "benchmark": benchmark, "id": str(t.example.get("id")), "sample": i % k,
         "prompt": t.shown_prompt, "answer": str(t.example.get("answer")),   # what the model saw first
+        # every answer the grader accepts (a list answer, NQ's aliases), as JSON
+        "answers": json.dumps(_answers(t.example), default=str),
         "subject": t.example.get("subject"), "level": t.example.get("level"),
         "trajectory": decode(t.response_ids),
         # as text: an environment may extract a number on one row and a string on the next
