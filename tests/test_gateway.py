@@ -72,6 +72,13 @@ def posts_its_reward(task: dict, base_url: str, api_key: str) -> None:
     return None
 
 
+def returns_late(task: dict, base_url: str, api_key: str) -> float:
+    """Returns 1.0 after task["sleep_s"] seconds (a sync program cannot be stopped; it may come back
+    inside the wait's grace)."""
+    time.sleep(task["sleep_s"])
+    return 1.0
+
+
 def sleeps(task: dict, base_url: str, api_key: str) -> float:
     """Never returns in time; once released (the file task["release"] appears), calls the model
     again with its (ended) episode's key and writes what it got to task["late"]. Programs run in a
@@ -735,6 +742,17 @@ def test_a_program_that_ends_its_interpreter_fails_the_episodes_it_held_and_the_
     assert "host process exited (code 7)" in trajs[0].info["env_error"], trajs[0].info["env_error"]
     (t,) = scripted.runner.run(scripted.engine, rows[:1], _program(program=f"{HERE}:answers_once"), fmt, _budgets())
     assert t.finish == "answer" and t.outcome == 0.5
+
+
+def test_a_sync_program_that_returns_after_its_timeout_is_an_env_error_not_its_reward(scripted, fmt, rows):
+    """Past timeout_s the episode is a timeout, whether the program is still running when the wait
+    gives up or comes back a moment later (inside the wait's grace)."""
+    tasks = [dict(rows[0], sleep_s=2.5), dict(rows[1], sleep_s=0.0)]
+    late, prompt = scripted.runner.run(scripted.engine, tasks, _program(program=f"{HERE}:returns_late", timeout_s=1.5),
+                                       fmt, _budgets())
+    assert late.finish == "env_error" and late.outcome == 0.0
+    assert "returned after 2.5 s, past env.options.timeout_s = 1.5 s" in late.info["env_error"], late.info["env_error"]
+    assert prompt.finish != "env_error" and prompt.outcome == 1.0   # in time: its reward
 
 
 def test_an_async_program_past_its_timeout_says_so(scripted, fmt, rows):

@@ -35,6 +35,7 @@ import shlex
 import signal
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Literal
 
@@ -114,13 +115,18 @@ class AgentProgram:
 
     def _call(self, example: dict, base_url: str, api_key: str) -> Any:
         fn = self.function()
+        started = time.monotonic()
         result = fn(dict(example), base_url=base_url, api_key=api_key)
+        took = time.monotonic() - started
+        if took > self.options.timeout_s:   # a sync function cannot be stopped: returning late is its timeout
+            raise TimeoutError(f"the program returned after {took:.1f} s, past env.options.timeout_s = "
+                               f"{self.options.timeout_s:g} s")
         if inspect.isawaitable(result):   # an async function, an object with `async def __call__`, a wrapper
             import asyncio
 
             async def bounded():
                 try:
-                    return await asyncio.wait_for(result, self.options.timeout_s)
+                    return await asyncio.wait_for(result, self.options.timeout_s - took)
                 except asyncio.TimeoutError:
                     raise TimeoutError(f"the program did not return within env.options.timeout_s = "
                                        f"{self.options.timeout_s:g} s") from None
