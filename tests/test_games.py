@@ -14,7 +14,7 @@ from turnrl.algos.registry import AdvantageInputs
 from turnrl.algos.registry import resolve as resolve_algorithm
 from turnrl.games import GameTable, make_player
 from turnrl.games.builtin import Nim, TicTacToe
-from turnrl.games.tables import GameRunner, pair_rows
+from turnrl.games.tables import GameRunner, table_rows
 from turnrl.plugins import PluginError
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.multi_turn import ENV_ERROR, Budgets, Sample
@@ -80,7 +80,7 @@ def test_self_play_pairs_rows_and_each_seat_is_its_own_trajectory(fmt):
     rows = task.rows(4, seed=0, split="train", exclude=set())
     assert [r["role"] for r in rows] == ["first", "second", "first", "second"]
     assert rows[0]["game_seed"] == rows[1]["game_seed"] and rows[0]["game"] == "nim"
-    assert pair_rows(rows, make()) == [(0, 1), (2, 3)]
+    assert table_rows(rows, make()) == [(0, 1), (2, 3)]
     groups = []
     engine = MoveEngine(fmt, lambda text: str(min(3, last_heap(text))))
     trajs = GameRunner().run(engine, rows, make, fmt, BUDGETS, n=2, on_group_done=groups.append)
@@ -172,6 +172,61 @@ class Broken(Nim):
 class Unfair(Nim):
     def rewards(self):
         return {"first": 1.0, "second": 1.0}
+
+
+class ThreeCounts:
+    """Three players say 1 or 2 in turn, two rounds; the largest total wins 1, the others lose
+    0.5 each (zero-sum); anything else is an illegal move."""
+    roles = ("a", "b", "c")
+    reward_sum = 0.0
+
+    def reset(self, seed):
+        self.said = []
+
+    def to_move(self):
+        return self.roles[len(self.said) % 3] if len(self.said) < 6 else None
+
+    def observe(self, role):
+        return f"You are {role}. Said so far: {self.said}. Say 1 or 2."
+
+    def legal_moves(self):
+        return ["1", "2"]
+
+    def play(self, text):
+        from turnrl.games.base import Move
+        if text.strip() not in ("1", "2"):
+            return Move(legal=False, why=f"{text.strip()!r} is not 1 or 2")
+        self.said.append(int(text.strip()))
+        return Move()
+
+    def rewards(self):
+        totals = {r: sum(self.said[i::3]) for i, r in enumerate(self.roles)}
+        best = max(totals, key=lambda r: (totals[r], -self.roles.index(r)))
+        return {r: 1.0 if r == best else -0.5 for r in self.roles}
+
+
+def test_a_game_of_three_players_trains_all_three_seats_and_an_illegal_move_balances(fmt):
+    """Self-play seats three rows of the three roles at one table (rows of one game seed together,
+    whatever their order); a zero-sum game's illegal move costs the mover 1 and gives each other 0.5."""
+    from turnrl.games.base import illegal_move_rewards
+    assert illegal_move_rewards(("a", "b", "c"), "b", -1.0, zero_sum=True) == {"a": 0.5, "b": -1.0, "c": 0.5}
+    assert illegal_move_rewards(("x", "y"), "x", -1.0, zero_sum=True) == {"x": -1.0, "y": 1.0}
+    assert illegal_move_rewards(("a", "b", "c"), "a", -2.0, zero_sum=False) == {"a": -2.0, "b": 0.0, "c": 0.0}
+    _, make, task = game_env(game="tests.test_games:ThreeCounts")
+    rows = task.rows(6, seed=0, split="train", exclude=set())
+    assert sorted(r["role"] for r in rows) == ["a", "a", "b", "b", "c", "c"]
+    mixed = [rows[0], rows[3], rows[1], rows[4], rows[2], rows[5]]   # two seeds' rows interleaved
+    tables = table_rows(mixed, make())
+    assert len(tables) == 2 and all(len({mixed[i]["game_seed"] for i in t}) == 1 for t in tables)
+    assert all(sorted(mixed[i]["role"] for i in t) == ["a", "b", "c"] for t in tables)
+    trajs = GameRunner().run(MoveEngine(fmt, lambda text: "2" if "You are a" in text else "1"), rows[:3], make, fmt,
+                             BUDGETS)
+    assert [t.example["role"] for t in trajs] == ["a", "b", "c"]
+    assert len({t.info["transcript"] for t in trajs}) == 1 and all(t.num_turns == 2 for t in trajs)   # one table
+    assert [t.outcome for t in trajs] == [1.0, -0.5, -0.5]
+    trajs = GameRunner().run(MoveEngine(fmt, lambda text: "3" if "You are b" in text else "1"), rows[:3], make, fmt,
+                             BUDGETS)
+    assert [t.outcome for t in trajs] == [0.5, -1.0, 0.5] and trajs[1].finish == "illegal_move"
 
 
 def test_a_broken_game_ends_its_own_table_only(fmt, monkeypatch):

@@ -7,7 +7,7 @@ A game is a small stateful object, one per table (an episode):
     game.to_move() -> role|None   whose turn it is; None when the game is over
     game.observe(role) -> str     what `role` is shown when it is to move (the state, the rules' reminder)
     game.legal_moves() -> [str]   the mover's legal moves, each as a text it could play
-    game.play(text) -> Move       the mover's turn as it wrote it: Move(legal, why, rewards)
+    game.play(text) -> Move       the mover's turn as it wrote it (no end-of-turn token): Move(legal, why, rewards)
     game.rewards() -> {role: r}   each role's reward, once the game is over
 
 Optional: `reward_sum` (what the roles' final rewards sum to, e.g. 0.0 for a zero-sum game;

@@ -29,6 +29,16 @@ class Move:
     rewards: dict[str, float] = field(default_factory=dict)   # per-turn rewards, by role
 
 
+def illegal_move_rewards(roles: tuple[str, ...], offender: str, illegal_reward: float,
+                         zero_sum: bool) -> dict[str, float]:
+    """Every role's reward when `offender`'s illegal move ended the game: the offender gets
+    `illegal_reward`; in a zero-sum game the others share what balances it (+1 each of two, +0.5
+    each of three at -1), else they get nothing."""
+    others = len(roles) - 1
+    share = -illegal_reward / others if zero_sum and others else 0.0
+    return {r: illegal_reward if r == offender else share for r in roles}
+
+
 class Game(Protocol):
     roles: tuple[str, ...]
 

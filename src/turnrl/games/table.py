@@ -10,7 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from turnrl.data.synthetic import Demonstration, SyntheticTask, split_numbers
 from turnrl.envs.base import EnvContext, StepResult
-from turnrl.games.base import BUILTIN_PLAYERS, SELF, SYSTEM_PROMPT_DEFAULT, Checkpoint, Game, Past, Player, make_player
+from turnrl.games.base import (BUILTIN_PLAYERS, SELF, SYSTEM_PROMPT_DEFAULT, Checkpoint, Game, Past, Player,
+                               illegal_move_rewards, make_player)
 from turnrl.games.builtin import BUILTIN_GAMES
 from turnrl.plugins import PluginError, is_import_path, load_object
 
@@ -57,8 +58,8 @@ class GameOptions(BaseModel):
         "in the evaluation stages, which push no weights, models/initial), module:factory, or self (the policy "
         "against itself)"))
     illegal: IllegalRule = Field("end", description=(
-        "an illegal move: end (the game ends; the mover gets illegal_reward, every other role +1 in a zero-sum "
-        "game, else 0) or retry (the mover is told why and moves again, up to max_retries, then as end)"))
+        "an illegal move: end (the game ends; the mover gets illegal_reward, the other roles share what balances "
+        "it in a zero-sum game (+1 each of two at -1, +0.5 each of three), else 0) or retry (the mover is told why and moves again, up to max_retries, then as end)"))
     illegal_reward: float = Field(-1.0, description="the reward of a role whose illegal move ended the game")
     max_retries: int = Field(1, ge=0, description="illegal: retry: moves again at most this many times per turn")
     player_timeout_s: float = Field(60.0, gt=0, description=(
@@ -135,8 +136,9 @@ class GameTable:
         mover = self._game.to_move()
         move = self._game.play(text)
         if not move.legal and self.illegal == "end" or self._game.to_move() is None:
-            rewards = ({r: self.illegal_reward if r == mover else 0.0 for r in self.roles} if not move.legal
-                       else self._game.rewards())
+            rewards = (illegal_move_rewards(self.roles, mover, self.illegal_reward,
+                                            zero_sum=getattr(self._game, "reward_sum", None) == 0.0)
+                       if not move.legal else self._game.rewards())
             return StepResult(None, 0.0, True, {"outcome": rewards.get(mover, 0.0), "rewards": rewards,
                                                 "reason": "game_over" if move.legal else "illegal_move"})
         said = "" if move.legal else f"Illegal move: {move.why}. "

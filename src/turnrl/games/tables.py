@@ -7,9 +7,10 @@
                                          a scripted player, a frozen model on an engine of its own
                                          (checkpoint:<folder>, or past:<N>[:<K>], a past self:
                                          turnrl.games.league), or `self`: another policy seat
-    self-play pairs rows: a row training role r and a later row training another role share
-    their k-th tables (the first row's game seed), so one game trains both seats (half the
-    generation); a row left unpaired plays policy seats that are sampled and not trained.
+    self-play seats rows together: a row training role r and later rows training the game's other
+    roles share their k-th tables (the first row's game seed; rows of one seed join first), so one
+    game trains every seat (one generation, not one per role); a table whose rows do not fill every
+    role plays the rest with policy seats that are sampled and not trained.
 
 Every policy seat is a trajectory of a `BatchRollout`: its prompt is the system prompt and
 what the game shows it when it is first to move; each of its turns is a move, and the
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from turnrl.envs.base import StepResult
-from turnrl.games.base import SELF, Checkpoint, Game, Past, Player, make_player
+from turnrl.games.base import SELF, Checkpoint, Game, Past, Player, illegal_move_rewards, make_player
 from turnrl.games.league import Leagues, Tensors, model_engine
 from turnrl.games.table import GameTable, opponent_rng
 from turnrl.rollout.chat import ChatFormat
@@ -105,23 +106,27 @@ def opponent_of(example: dict, table_env: GameTable) -> str:
     return str(example.get("opponent") or table_env.opponent)
 
 
-def pair_rows(examples: Sequence[dict], table_env: GameTable) -> list[tuple[int, int | None]]:
-    """(row, its self-play partner or None) for every row that opens tables, in order: a
-    self-play row is paired with the first earlier unpaired self-play row of another role."""
-    out: list[tuple[int, int | None]] = []
-    waiting: list[int] = []          # indices into out of unpaired self-play rows
+def table_rows(examples: Sequence[dict], table_env: GameTable) -> list[tuple[int, ...]]:
+    """The rows of each table, in order: a self-play row joins an earlier table still missing its
+    role (one of its own game seed first), so that a game of N players trains up to N seats; a row
+    against an opponent sits alone."""
+    tables: list[list[int]] = []
+    open_tables: list[int] = []      # indices into tables of self-play tables with a role still free
     for e, example in enumerate(examples):
         if opponent_of(example, table_env) != SELF:
-            out.append((e, None))
+            tables.append([e])
             continue
-        match = next((w for w in waiting if examples[out[w][0]]["role"] != example["role"]), None)
+        free = [t for t in open_tables if example["role"] not in {examples[i]["role"] for i in tables[t]}]
+        same_seed = [t for t in free if examples[tables[t][0]].get("game_seed") == example.get("game_seed")]
+        match = (same_seed or free or [None])[0]
         if match is None:
-            waiting.append(len(out))
-            out.append((e, None))
-        else:
-            waiting.remove(match)
-            out[match] = (out[match][0], e)
-    return out
+            open_tables.append(len(tables))
+            tables.append([e])
+            continue
+        tables[match].append(e)
+        if len(tables[match]) == len(table_env.roles):
+            open_tables.remove(match)
+    return [tuple(rows) for rows in tables]
 
 
 class _Tables(BatchRollout):
@@ -147,12 +152,12 @@ class _Tables(BatchRollout):
         self.leagues = leagues if leagues is not None else Leagues()   # the past selves' engines
         self.seat_of: dict[int, _Seat] = {}
         self.extra = len(self.batch)        # the next index of a seat of its own (untrained)
-        self.tables = [self._open(examples, a, b, k, opponent) for a, b in pair_rows(examples, table_env)
+        self.tables = [self._open(examples, rows, k, opponent) for rows in table_rows(examples, table_env)
                        for k in range(n)]
 
     # ------------------------------------------------------------------ seating
-    def _open(self, examples: Sequence[dict], a: int, b: int | None, k: int, opponent: str | None) -> _Table:
-        first = examples[a]
+    def _open(self, examples: Sequence[dict], rows: tuple[int, ...], k: int, opponent: str | None) -> _Table:
+        first = examples[rows[0]]
         seed = int(first["game_seed"])
         table = _Table(game=None, seed=seed, players={}, rng=opponent_rng(seed, k))
         try:   # a game that cannot start, or a row's opponent that cannot be made, fails its own table
@@ -160,9 +165,7 @@ class _Tables(BatchRollout):
             table.game.reset(seed)
         except Exception as exc:   # noqa: BLE001
             table.failed = exc
-        by_role = {first["role"]: a * self.n + k}
-        if b is not None:
-            by_role[examples[b]["role"]] = b * self.n + k
+        by_role = {examples[i]["role"]: i * self.n + k for i in rows}
         name = opponent or opponent_of(first, self.env)
         for role in table.game.roles if table.failed is None else self.env.roles:
             engine = None
@@ -243,6 +246,8 @@ class _Tables(BatchRollout):
 
     def _apply(self, table: _Table, role: str, text: str) -> None:
         """The mover's move; an illegal one ends the game or is retried (env.options.illegal)."""
+        for end in (self.fmt.end_of_turn, self.fmt.eos_token):   # the token that closed a policy turn: not the move's
+            text = text[:-len(end)] if end and text.endswith(end) else text
         move = table.game.play(text)
         if not isinstance(getattr(move, "legal", None), bool):
             raise TypeError(f"the game {self.env.game_name}'s play() returned {type(move).__name__} {move!r:.60}; it "
@@ -254,8 +259,6 @@ class _Tables(BatchRollout):
         seat = table.seats.get(role)
         if seat is not None:
             seat.moves += 1
-        for end in (self.fmt.end_of_turn, self.fmt.eos_token):   # the token that closed a policy turn
-            text = text[:-len(end)] if end and text.endswith(end) else text
         table.moves.append((role, table.names.get(role, "policy"), text.strip()[:200], move.legal))
         for other, reward in (move.rewards or {}).items():
             if other in table.seats:
@@ -289,9 +292,9 @@ class _Tables(BatchRollout):
 
     def _rewards(self, table: _Table, reason: str, offender: str | None) -> dict[str, float]:
         roles = table.game.roles
-        if offender is not None:      # zero-sum: the others win; else they get nothing
-            zero_sum = getattr(table.game, "reward_sum", None) == 0.0
-            return {r: self.env.illegal_reward if r == offender else (1.0 if zero_sum else 0.0) for r in roles}
+        if offender is not None:
+            return illegal_move_rewards(roles, offender, self.env.illegal_reward,
+                                        zero_sum=getattr(table.game, "reward_sum", None) == 0.0)
         if reason == "max_turns":
             return {r: 0.0 for r in roles}
         given = table.game.rewards()
