@@ -252,6 +252,16 @@ class ShowsADict(Nim):
         return {"heap": self.heap}
 
 
+class ResetFails(Nim):
+    def reset(self, seed):
+        raise KeyError("board")
+
+
+class NoLegalMoves(Nim):
+    def legal_moves(self):
+        return []
+
+
 class NanReward(Nim):
     def rewards(self):
         return {"first": float("nan"), "second": 0.0}
@@ -458,6 +468,12 @@ def test_params_with_a_game_are_checked_before_any_work():
     problems = game_problems(bad)
     assert len(problems) == 2 and all("\n" not in p for p in problems)
     assert "train.mode = async" in problems[0] and "env.options.eval_opponents = 'grandmaster'" in problems[1]
+    for game, said in (("ResetFails", "reset(0) at the first position raised KeyError: 'board'"),
+                       ("ShowsADict", "observe('first') returned dict; it must return the text"),
+                       ("NoLegalMoves", "legal_moves() at the first position gave []")):
+        problems = game_problems(Config.model_validate({"env": {"name": "game", "options": {
+            "game": f"tests.test_games:{game}"}}}))
+        assert len(problems) == 1 and said in problems[0], (game, problems)
 
 
 def test_a_frozen_checkpoint_plays_a_role(fmt, tiny_model_dir):

@@ -282,6 +282,7 @@ def _table_problems(cfg: Config) -> list[str]:
     if options is None:
         return []
     from turnrl.games import GameTable, make_player
+    from turnrl.games.table import first_position_problem
     from turnrl.errors import one_line
     from turnrl.plugins import PluginError
     problems = []
@@ -290,6 +291,7 @@ def _table_problems(cfg: Config) -> list[str]:
                         "tables are not streamed yet); set -S train.mode=sync")
     try:
         table = GameTable(**options)
+        problems += [p for p in [first_position_problem(table)] if p]
         make_player(table.opponent, "env.options.opponent")
         past = [n for n in (table.opponent, *table.eval_opponents) if n.startswith("past:")]
         if past and weight_sync_mode(cfg) == "nccl":

@@ -59,7 +59,8 @@ class GameOptions(BaseModel):
         "against itself)"))
     illegal: IllegalRule = Field("end", description=(
         "an illegal move: end (the game ends; the mover gets illegal_reward, the other roles share what balances "
-        "it in a zero-sum game (+1 each of two at -1, +0.5 each of three), else 0) or retry (the mover is told why and moves again, up to max_retries, then as end)"))
+        "it in a zero-sum game (+1 each of two at -1, +0.5 each of three), else 0) or retry (the mover is told why "
+        "and moves again, up to max_retries, then as end)"))
     illegal_reward: float = Field(-1.0, description="the reward of a role whose illegal move ended the game")
     max_retries: int = Field(1, ge=0, description="illegal: retry: moves again at most this many times per turn")
     player_timeout_s: float = Field(60.0, gt=0, description=(
@@ -166,6 +167,35 @@ def _rows(options: dict):
                for s in seeds for role in table.trained_roles for opp in opponents]
         return out[:count]
     return rows, table
+
+
+def first_position_problem(table: GameTable) -> str | None:
+    """What goes wrong with the game's first position (reset, the first mover, what it is shown,
+    its legal moves), in one line, or None: the checks `turnrl config` runs before any work."""
+    from turnrl.errors import one_line
+    what = "reset(0)"
+    try:
+        game = table.new_game()
+        game.reset(0)
+        what = "to_move()"
+        mover = game.to_move()
+        if mover not in table.roles:
+            return (f"env.options.game = {table.game_name!r}: after reset(0), to_move() gave {mover!r}, not one of its "
+                    f"roles ({', '.join(table.roles)})")
+        what = f"observe({mover!r})"
+        shown = game.observe(mover)
+        if not isinstance(shown, str):
+            return (f"env.options.game = {table.game_name!r}: observe({mover!r}) returned {type(shown).__name__}; it "
+                    "must return the text the role is shown")
+        if getattr(game, "lists_legal_moves", True):
+            what = "legal_moves()"
+            legal = game.legal_moves()
+            if not isinstance(legal, list) or not legal or not all(isinstance(m, str) for m in legal):
+                return (f"env.options.game = {table.game_name!r}: legal_moves() at the first position gave "
+                        f"{legal!r:.80}; it must be a non-empty list of move texts (or set lists_legal_moves = False)")
+    except Exception as exc:   # noqa: BLE001 - a game of one's own
+        return f"env.options.game = {table.game_name!r}: {what} at the first position raised {one_line(exc)}"
+    return None
 
 
 def demonstration_turns(table: GameTable, row: dict, rng: random.Random) -> list[str]:
