@@ -3,6 +3,7 @@ scripted answers, latency, failures): scores, parse failures, timeouts, retries,
 requests in flight, and a batch's identical prompts asked once."""
 from __future__ import annotations
 
+import re
 import socket
 import time
 
@@ -32,6 +33,22 @@ def test_the_answer_becomes_a_score_in_0_1(score, answer, expected):
     assert parse_score(answer, _cfg(**score)) == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("score, answer, expected", [
+    ({"range": [0, 10]}, "I'd rate it 8/10", 0.8),                            # not 10, the scale's top
+    ({"range": [0, 10]}, "Score: 7 out of 10", 0.7),
+    ({"range": [0, 10]}, "Score: 6\n(checked in 3 steps)", 0.6),              # the score, not the last number
+    ({"range": [0, 10]}, "Score: 7.5e0", 0.75),
+    ({"range": [0, 10]}, "It is 4/5.", 0.8),                                  # another scale, mapped onto range
+    ({"range": [0, 10]}, "The answer 1/2 is right. Score: 9", 0.9),
+    ({"range": [1, 5]}, "Rating: 4", 0.75),
+    ({"score": "labels", "labels": {"yes": 1, "no": 0}}, "The answer is not wrong, so: yes", 1.0),   # not "no" in not
+    ({"score": "labels", "labels": {"yes": 1, "no": 0}}, "I don't know the reference, but yes", 1.0),
+    ({"score": "labels", "labels": {"good": 10, "bad": 0}, "range": [0, 10]}, "Bad.", 0.0),
+])
+def test_a_judge_s_common_answers_read_as_it_meant_them(score, answer, expected):
+    assert parse_score(answer, _cfg(**score)) == pytest.approx(expected)
+
+
 @pytest.mark.parametrize("score, answer, why", [
     ({"range": [0, 10]}, "no idea", "no number"),
     ({"range": [0, 10]}, "11", "outside range"),
@@ -41,6 +58,19 @@ def test_the_answer_becomes_a_score_in_0_1(score, answer, expected):
 def test_an_answer_without_a_score_is_a_parse_failure_saying_why(score, answer, why):
     with pytest.raises(ValueError, match=why):
         parse_score(answer, _cfg(**score))
+
+
+@pytest.mark.parametrize("changes, said", [
+    ({"template": "Rate {}: {response}"}, "a positional field {}"),
+    ({"template": "Rate {response"}, "expected '}' before end of string; write {{ and }} for a literal brace"),
+    ({"template": 'Reply as JSON {"score": N} for {response}'}, "is not a field name; write {{ and }}"),
+    ({"score": "labels", "labels": {"yes": 5, "no": -3}}, "outside range [0.0, 1.0]"),
+    ({"base_url": "judge-host:8000/v1"}, "an http:// or https:// address"),
+])
+def test_a_judge_config_that_cannot_work_is_refused_with_the_fix(changes, said):
+    with pytest.raises(ValueError, match=re.escape(said)):
+        _cfg(**changes)
+    assert _cfg(template='Reply as JSON {{"score": N}} for {response}').template   # doubled braces are literal
 
 
 def test_a_template_field_the_rows_lack_is_named_before_any_work():
@@ -148,7 +178,7 @@ def test_batches_scored_at_once_from_several_threads_share_max_concurrency(serve
     outs = {}
 
     def score(k):
-        outs[k] = judge.score_batch(_trajs(*[f"score {k} {j}" for j in range(6)]), decode=lambda ids: "")
+        outs[k] = judge.score_batch(_trajs(*[f"batch {k}: score {j}" for j in range(6)]), decode=lambda ids: "")
     threads = [threading.Thread(target=score, args=(k,)) for k in range(3)]
     for thread in threads:
         thread.start()
@@ -356,3 +386,23 @@ def test_scope_group_asks_once_per_group_and_gives_each_response_its_score():
     with pytest.raises(ValueError, match="must show the group's"):
         _cfg(scope="group", score="json:scores")
 
+
+
+def test_turnrl_config_names_an_unset_key_and_a_template_field_no_row_has(monkeypatch, tmp_path):
+    """What `turnrl config` reads (parse_config, then the checks against the data's first rows): an
+    unset api_key_env is its one line (it was a traceback); {respones} is named against the rows."""
+    from turnrl.config import ConfigError, parse_config
+    from turnrl.config.checks import all_problems
+    monkeypatch.delenv("TURNRL_TEST_JUDGE_KEY", raising=False)
+    judge = {"name": "q", "base_url": "http://127.0.0.1:1/v1", "template": "{response}"}
+    with pytest.raises(ConfigError, match=r"reward.judges\[0\] \(q\): api_key_env names TURNRL_TEST_JUDGE_KEY"):
+        parse_config({"reward": {"judges": [{**judge, "api_key_env": "TURNRL_TEST_JUDGE_KEY"}]}})
+    typo = Config.model_validate({"reward": {"judges": [{**judge, "template": "{question}: {respones}"}]}})
+    problems = [p for p in all_problems(typo) if "reward.judges" in p]
+    assert len(problems) == 1 and problems[0].startswith(
+        "reward.judges[0] (q): the template uses {respones}, and row 0 of the first rows of synthetic")
+    mine = tmp_path / "rows.jsonl"
+    mine.write_text('{"problem": "1+1?", "answer": "2", "rubric": "exact"}\n')
+    ok = Config.model_validate({"data": {"train_set": str(mine), "heldout_set": str(mine)},
+                                "reward": {"judges": [{**judge, "template": "{rubric} {question} {response}"}]}})
+    assert not [p for p in all_problems(ok) if "reward.judges" in p]

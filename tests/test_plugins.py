@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -461,3 +462,41 @@ def test_reward_functions_that_are_async_classes_or_misweighted(plugin_dir):
         RewardFunctions(["mytask_shapes:Scorer"])
     with pytest.raises(ValueError, match="1 weights for 2 reward functions"):
         RewardFunctions(["mytask_shapes:waits", "mytask_shapes:SCORER"], [2.0])
+
+
+def test_reward_functions_that_answer_with_a_verdict_or_lack_info_and_scorers_of_one_name(plugin_dir):
+    """True / False (numpy's too) and a Decimal are values; a function without **info is told to
+    add it; two scorers logged under one name (a judge named overlong replaced the penalty, a
+    function named like a judge shared its metric) are refused, naming both."""
+    import decimal
+    _write(plugin_dir, "mytask_verdicts.py", """
+        import decimal
+        import numpy as np
+        def says(prompt, completion, answer, **info):
+            return answer in completion
+        def np_says(prompt, completion, answer, **info):
+            return np.bool_(False)
+        def exact(prompt, completion, answer, **info):
+            return decimal.Decimal("0.25")
+        def noinfo(prompt, completion, answer):
+            return 1.0
+        def overlong(prompt, completion, answer, **info):
+            return 0.0
+    """)
+    fns = RewardFunctions(["mytask_verdicts:says", "mytask_verdicts:np_says", "mytask_verdicts:exact"])
+    trajs = [_traj(0.0)]
+    fns.score(trajs, decode=lambda ids: "7")
+    assert trajs[0].rewards == {"says": 1.0, "np_says": 0.0, "exact": 0.25}
+    assert all(type(v) is float for v in trajs[0].rewards.values()) and decimal   # numbers, not their types
+    with pytest.raises(PluginError, match=r"noinfo\(prompt, completion, answer\) cannot be called as .* add \*\*kwargs"):
+        RewardFunctions(["mytask_verdicts:noinfo"])
+    judge = {"base_url": "http://127.0.0.1:1/v1", "template": "{response}"}
+    for reward, said in (
+            ({"functions": ["mytask_verdicts:overlong"], "overlong": {"buffer": 32}},
+             "reward.overlong and reward.functions (mytask_verdicts:overlong) are both scored as 'overlong'"),
+            ({"overlong": {"buffer": 32}, "judges": [{**judge, "name": "overlong"}]},
+             "reward.judges[0] (overlong) and reward.overlong are both scored as 'overlong'"),
+            ({"functions": ["mytask_verdicts:says"], "judges": [{**judge, "name": "says_errors"}]},
+             "both scored as 'says_errors'")):
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            parse_config({"reward": reward})

@@ -194,7 +194,9 @@ def check_call(fn: Any, key: str, what: str, positional: int = 0, keywords: tupl
     try:
         signature.bind(*args, **kwargs)
     except TypeError as exc:
-        raise PluginError(f"{key}: {_name(fn)}{signature} cannot be called as {what} ({exc})") from None
+        why = ("it takes no other keyword arguments: add **kwargs (or **info) to its parameters"
+               if "__turnrl_extra__" in str(exc) else str(exc))
+        raise PluginError(f"{key}: {_name(fn)}{signature} cannot be called as {what} ({why})") from None
 
 
 def _name(fn: Any) -> str:

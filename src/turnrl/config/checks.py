@@ -28,7 +28,8 @@ FIRST_ROWS = 20   # the rows a field mapping is checked against (preprocess then
 
 def all_problems(cfg: Config) -> list[str]:
     """Everything: what `turnrl config` and the Prefect flow's first task check."""
-    return data_problems(cfg) + sft_problems(cfg) + benchmark_problems(cfg) + tool_problems(cfg) + game_problems(cfg) + model_problems(cfg)
+    return (data_problems(cfg) + sft_problems(cfg) + benchmark_problems(cfg) + judge_problems(cfg) + tool_problems(cfg)
+            + game_problems(cfg) + model_problems(cfg))
 
 
 def stage_problems(cfg: Config, stage: str) -> list[str]:
@@ -104,6 +105,40 @@ def data_problems(cfg: Config) -> list[str]:
             continue
         problems += mapping_problems(Path(name), cfg.data.fields or None, "data.fields")
     return problems
+
+
+def judge_problems(cfg: Config) -> list[str]:
+    """reward.judges: a template field that is neither built in nor a field of the training
+    data's first rows (a typo such as {respones}), checked here rather than at the train stage."""
+    if not cfg.reward.judges:
+        return []
+    from turnrl.rewards.judge import check_rows
+    rows = _first_training_rows(cfg)
+    if not rows:
+        return []   # a registered set, or data the other checks report
+    try:
+        check_rows(cfg.reward.judges, rows, f"the first rows of {cfg.data.train_set}")
+    except ValueError as exc:
+        return [str(exc)]
+    return []
+
+
+def _first_training_rows(cfg: Config) -> list[dict]:
+    """The first rows of data.train_set as the judges see them (its own fields and the schema's),
+    where they can be had without preprocess: the environment's synthetic task, or a file."""
+    from turnrl.data import sources
+    name = cfg.data.train_set
+    try:
+        if name == "synthetic":
+            from turnrl import envs
+            task = envs.resolve(cfg.env.name).task_for(cfg.env.checked_options())
+            return task.rows(FIRST_ROWS, seed=cfg.seed, split="train", exclude=set()) if task and task.rows else []
+        if name in sources.DATASETS or not _looks_like_path(name) or not Path(name).is_file():
+            return []
+        records = [rec for _, rec in islice(sources._iter_records(Path(name)), FIRST_ROWS) if isinstance(rec, Mapping)]
+        return [{**dict.fromkeys(sources.SCHEMA_FIELDS, ""), **rec} for rec in records]
+    except Exception:   # noqa: BLE001 - data the other checks (data_problems, check_plugins) report
+        return []
 
 
 def benchmark_problems(cfg: Config) -> list[str]:

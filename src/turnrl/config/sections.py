@@ -348,6 +348,23 @@ class OverlongCfg(_Section):
     max_penalty: float = Field(1.0, ge=0, description="the penalty at (and past) the budget")
 
 
+def _check_template(template: str) -> None:
+    """A judge template that str.format cannot fill, as one line with the fix: braces that do
+    not pair, a positional {} or a field that is not a name (JSON written with single braces)."""
+    import string
+    literal = "write {{ and }} for a literal brace (a JSON example: {{\"score\": 7}})"
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as exc:
+        raise ValueError(f"template: {exc}; {literal}") from None
+    for name in names:
+        if name == "" or name.isdigit():
+            raise ValueError(f"template: a positional field {{{name}}}; name what goes there, e.g. {{response}}, "
+                             f"or {literal}")
+        if not re.match(r"[A-Za-z_]\w*$", name.split(".")[0].split("[")[0]):
+            raise ValueError(f"template: {{{name}}} is not a field name; {literal}")
+
+
 class JudgeCfg(_Section):
     """A model that scores trajectories (turnrl.rewards.judge), served behind an OpenAI-compatible
     endpoint; its score (times its weight) is added to the reward and logged as reward_<name>_mean."""
@@ -367,12 +384,14 @@ class JudgeCfg(_Section):
         "turns and observations before {response}), {turn} (its number) and any other field of the row by "
         "name, e.g. {rubric}"))
     score: str = Field("number", description=(
-        "how its answer becomes a score: number (the last number in it), json:<field> (a number in its JSON "
-        "answer), or labels (the first of `labels` it says)"))
+        "how its answer becomes a score: number (the number after a score word, 'Score: 7', 'rating 8/10'; "
+        "else the last 'N/M' or 'N out of M'; else the last number), json:<field> (a number in its JSON answer), "
+        "or labels (the first of `labels` it says, as a word)"))
     range: tuple[float, float] = Field((0.0, 1.0), description=(
-        "number / json: the scale the judge answers on; the score is mapped onto [0, 1], outside it is a "
-        "parse failure"))
-    labels: dict[str, float] = Field(default_factory=dict, description="labels: label -> score, e.g. {yes: 1, no: 0}")
+        "the scale the judge answers on (and labels' scores are on); the score is mapped onto [0, 1], outside "
+        "it is a parse failure; an 'N/M' of another scale M is mapped onto it"))
+    labels: dict[str, float] = Field(default_factory=dict, description=(
+        "labels: label -> score (within range), e.g. {yes: 1, no: 0}"))
     weight: float = 1.0
     scope: Literal["episode", "turn", "group"] = Field("episode", description=(
         "episode: one call per trajectory, about its last turn; turn: one per policy turn ({response} that "
@@ -406,6 +425,13 @@ class JudgeCfg(_Section):
                              f"turnrl serves), not {'both' if self.base_url else 'neither'}")
         if self.range[1] <= self.range[0]:
             raise ValueError(f"range = {list(self.range)}: the first must be below the second")
+        outside = {label: v for label, v in self.labels.items() if not self.range[0] <= v <= self.range[1]}
+        if self.score == "labels" and outside:
+            raise ValueError(f"labels {outside}: outside range {list(self.range)}; a label's score is on the judge's "
+                             "scale (range), mapped onto [0, 1]: set range to cover them")
+        if not self.base_url.startswith(("http://", "https://")) and self.base_url:
+            raise ValueError(f"base_url = {self.base_url!r}: an http:// or https:// address, e.g. http://host:8000/v1")
+        _check_template(self.template)
         if self.scope == "group" and not self.score.startswith("json:"):
             raise ValueError(f"scope = group needs score = json:<field> (the field holding the list of scores), "
                              f"not {self.score!r}")

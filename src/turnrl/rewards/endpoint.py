@@ -18,6 +18,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+from turnrl.plugins import PluginError
+
 RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}
 
 
@@ -128,7 +130,7 @@ class Session:
         if cfg.api_key_env:
             api_key = os.environ.get(cfg.api_key_env)
             if not api_key:
-                raise ValueError(f"{key}: api_key_env names {cfg.api_key_env}, which is not set in this "
+                raise PluginError(f"{key}: api_key_env names {cfg.api_key_env}, which is not set in this "
                                  "environment: export it, or set api_key_env: \"\" for a server without a key")
             headers["Authorization"] = f"Bearer {api_key}"
         return cls(cfg.max_concurrency, cfg.timeout_s, headers)

@@ -11,8 +11,8 @@ Built-in shaping configured in params (`reward.overlong`: turnrl.rewards.shaping
 function too, given to `RewardFunctions` by name (`builtin`).
 A trajectory's reward is its outcome (times `reward.outcome_weight`, 1 by default; 0 where a
 judge or the functions are the whole reward) plus the weighted sum of the functions' values; each value
-is also logged per step as `reward_<name>_mean`. A function that raises or returns NaN, None or
-a non-number stops the step with a `RewardFunctionError` naming it, or, with
+is also logged per step as `reward_<name>_mean` (True / False score 1 / 0). A function that
+raises or returns NaN, None or a non-number stops the step with a `RewardFunctionError` naming it, or, with
 `reward.on_error: zero`, scores 0 and is counted (`reward_<name>_errors`).
 
 Each entry of `reward.functions` resolves through a `turnrl.plugins.Registry`, as environments
@@ -21,6 +21,7 @@ and algorithms do: an import path, or a name that `register` added.
 from __future__ import annotations
 
 import asyncio
+import decimal
 import functools
 import inspect
 import logging
@@ -88,7 +89,11 @@ def from_config(reward: Any, rollout: Any, judges: bool = True) -> "RewardFuncti
     if reward.judges and judges:
         from turnrl.rewards.judge import Judge
         for k, judge in enumerate(reward.judges):
-            builtin[judge.name] = Judge(judge, key=f"reward.judges[{k}] ({judge.name})")
+            key = f"reward.judges[{k}] ({judge.name})"
+            if judge.name in builtin:   # the overlong penalty's name: it would be replaced
+                raise PluginError(f"{key} and reward.{judge.name} are both scored as {judge.name!r} "
+                                  f"(reward_{judge.name}_mean): give the judge another `name`")
+            builtin[judge.name] = Judge(judge, key=key)
     return RewardFunctions(reward.functions, reward.weights, reward.on_error, builtin=builtin,
                            outcome_weight=reward.outcome_weight)
 
@@ -118,6 +123,7 @@ class RewardFunctions:
             self.names.append(name)
             self.fns.append(fn)
             self.weights.append(float(getattr(fn, "weight", 1.0)))
+        _check_names(self.names, self.paths)
         self._warned: set[str] = set()
 
     def __bool__(self) -> bool:
@@ -191,7 +197,10 @@ def _given(value: Any) -> Any:
 def _not_a_number(value: Any) -> str | None:
     if value is None:
         return "returned None"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", "") == "b" \
+            or isinstance(value, decimal.Decimal):
+        return None   # True / False (numpy's too) score 1 / 0, as a grader's verdict does; a Decimal its value
+    if not isinstance(value, (int, float)):
         try:   # numpy / torch scalars
             import numbers
             if isinstance(value, numbers.Real) and not isinstance(value, bool):
@@ -203,6 +212,20 @@ def _not_a_number(value: Any) -> str | None:
     if not math.isfinite(float(value)):
         return f"returned {value}"
     return None
+
+
+def _check_names(names: Sequence[str], paths: Sequence[str]) -> None:
+    """PluginError where two scorers would log under one name (reward_<name>_mean, and the
+    <name>_errors counter): a judge named like the overlong penalty replaced it, a function named
+    like a judge logged one value for both."""
+    taken: dict[str, str] = {}
+    for name, path in zip(names, paths):
+        where = path if path.startswith("reward.") else f"reward.functions ({path})"
+        for key in (name, f"{name}_errors"):
+            if key in taken:
+                raise PluginError(f"{where} and {taken[key]} are both scored as {key!r} (reward_{key}_mean): rename "
+                                  "one (a judge's `name`, a function's own name)")
+        taken[name] = taken[f"{name}_errors"] = where
 
 
 def _short_names(paths: Sequence[str]) -> list[str]:

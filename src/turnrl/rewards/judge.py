@@ -65,7 +65,13 @@ from turnrl.rewards import endpoint
 HEDGE_MIN_CALLS = 20   # answered calls before a quantile of them sets hedge_after: pNN
 MAX_SHARED_PROMPTS = 4096   # a step's prompts kept for identical ones (Judge._asked)
 BUILT_IN_FIELDS = ("question", "response", "transcript", "reference", "history", "turn", "responses", "count")
-_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
+_NUM = r"[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"
+_NUMBER = re.compile(_NUM)
+# "8/10", "7 out of 10": a score on a scale the judge states
+_FRACTION = re.compile(rf"({_NUM})\s*(?:/|out of)\s*({_NUM})", re.IGNORECASE)
+# "Score: 7", "rating is 8/10", "I'd rate it 6": the number a score word introduces
+_LABELED = re.compile(rf"\b(?:score|rating|rate|grade)[a-z]*\b[^\d\n+-]{{0,24}}({_NUM})(?:\s*(?:/|out of)\s*({_NUM}))?",
+                      re.IGNORECASE)
 
 
 class JudgeError(RuntimeError):
@@ -100,26 +106,44 @@ def check_rows(judges: Sequence[Any], rows: Sequence[dict], what: str) -> None:
                              f"{', '.join(sorted(rows[i]))}. Built-in fields: {', '.join(BUILT_IN_FIELDS)}")
 
 
+def _label_at(text: str, label: str) -> int:
+    """Where `label` first stands as a word of `text` (not inside one: "no" in "know"), or -1."""
+    m = re.search(rf"(?<!\w){re.escape(label.lower())}(?!\w)", text.lower())
+    return m.start() if m else -1
+
+
+def _number_in(text: str, low: float, high: float) -> float:
+    """The score a free-text answer gives: the number a score word introduces ("Score: 7",
+    "rating 8/10"; the last such), else the last "N/M" or "N out of M", else the last number.
+    N of a scale M other than the range's top is mapped onto the range (4/5 on [0, 10] is 8)."""
+    found = _LABELED.findall(text) or _FRACTION.findall(text) or [(n, "") for n in _NUMBER.findall(text)]
+    if not found:
+        raise ValueError("no number in the answer")
+    number, scale = found[-1]
+    value = float(number)
+    if scale and float(scale) != high:
+        if float(scale) <= 0:
+            raise ValueError(f"the score {number}/{scale} has no scale")
+        value = low + value / float(scale) * (high - low)
+    return value
+
+
 def parse_score(text: str, cfg: Any) -> float:
     """The judge's answer as a score in [0, 1]; ValueError saying why not."""
     if cfg.score == "labels":
-        lowered = text.lower()
-        found = [(lowered.find(label.lower()), -len(label), label) for label in cfg.labels
-                 if label.lower() in lowered]
+        found = [(at, -len(label), label) for label in cfg.labels if (at := _label_at(text, label)) >= 0]
         if not found:
             raise ValueError(f"none of the labels {sorted(cfg.labels)} in the answer")
-        return float(cfg.labels[min(found)[2]])
+        low, high = cfg.range   # (the config keeps every label's score within it)
+        return (float(cfg.labels[min(found)[2]]) - low) / (high - low)
+    low, high = cfg.range
     if cfg.score.startswith("json:"):
         field = cfg.score[5:]
         value = _json_field(text, field)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"no number in the JSON field {field!r} of the answer")
     else:
-        numbers = _NUMBER.findall(text)
-        if not numbers:
-            raise ValueError("no number in the answer")
-        value = float(numbers[-1])
-    low, high = cfg.range
+        value = _number_in(text, low, high)
     if not math.isfinite(value) or not low <= value <= high:
         raise ValueError(f"the score {value:g} is outside range [{low:g}, {high:g}]")
     return (value - low) / (high - low)
