@@ -27,6 +27,27 @@ def test_a_group_has_signal_when_its_values_differ_by_the_stated_criterion():
     assert has_signal(same_outcome, "fmt") and not has_signal(same_outcome, "outcome")
     with pytest.raises(KeyError, match="no reward by that name .*'fmt'"):
         has_signal(same_outcome, "brevity")
+    rounded = [_traj(0, 0.7), _traj(0, (0.7 + 0.7 + 0.7) / 3)]     # 0.7 and 0.6999999999999998: equal
+    assert rounded[0].outcome != rounded[1].outcome and not has_signal(rounded)
+
+
+def test_the_judges_calls_of_dropped_groups_count_in_the_step_and_a_budget_spent_on_nothing_says_so(caplog):
+    """A judge answered every group's trajectories; the step's judge_<name>_calls counts the dropped
+    groups' calls too (they were made and waited for). A budget spent without one group with signal
+    is a warning naming what to check, not only a metric."""
+    def judged(prompt, reward):
+        t = _traj(prompt, reward)
+        t.info["judge_q"] = [{"prompt": f"p{prompt}", "answer": "7", "score": 0.7, "seconds": 0.1, "tries": 1,
+                              "cached": False, "unparsable": False, "hedged": False}]
+        return t
+    f = StepFilter(DynamicSamplingCfg(enabled=True, budget=1.0), prompts_per_step=2, n=2)
+    flat = [[judged(k, 1.0), judged(k, 1.0)] for k in range(2)]
+    f.rolled = 2
+    assert not any(f.keep(g) for g in flat)
+    with caplog.at_level("WARNING"):
+        batch = [t for g in fill_up([], f) for t in g]
+    assert len(batch) == 2 and "none of the 2 groups rolled out this step had signal" in caplog.text
+    assert f.metrics(batch)["judge_q_calls"] == 4.0    # 2 trained on, 2 dropped
 
 
 def test_the_step_filter_drops_groups_without_signal_until_its_budget_is_spent():
@@ -38,7 +59,7 @@ def test_the_step_filter_drops_groups_without_signal_until_its_budget_is_spent()
     f.rolled = 6
     assert not f.keep(flat) and f.spent() and not f.budget_hit
     assert fill_up([mixed], f) == [mixed] and f.budget_hit   # spent: the one with signal alone, and said so
-    m = f.metrics()
+    m = f.metrics([*mixed])
     assert m == {"dynamic_dropped_groups": 2.0, "dynamic_extra_trajectories": 4.0, "dynamic_budget_hit": 1.0,
                  "dynamic_padded_groups": 0.0, "dynamic_signal_frac": pytest.approx(1 / 3)}
 
@@ -53,7 +74,7 @@ def test_groups_without_signal_make_up_only_what_the_trainer_ranks_need():
     f.rolled = 4
     assert [f.keep(g) for g in [*flat, mixed]] == [False, False, False, True] and f.spent()
     assert fill_up([mixed], f) == [mixed, flat[0]]        # one with signal, one padded to the 2 needed
-    assert f.metrics()["dynamic_padded_groups"] == 1.0 and f.metrics()["dynamic_dropped_groups"] == 2.0
+    assert f.metrics([])["dynamic_padded_groups"] == 1.0 and f.metrics([])["dynamic_dropped_groups"] == 2.0
     none = StepFilter(DynamicSamplingCfg(enabled=True), prompts_per_step=4, n=2, min_groups=9)
     assert none.min_groups == 4                            # never more than the batch
 

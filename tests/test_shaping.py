@@ -38,6 +38,10 @@ def test_reward_overlong_is_a_reward_function_added_to_the_reward_and_logged_by_
     scorer.score([short, long_], decode=lambda ids: "x" * len(ids))
     assert short.rewards == {"overlong": 0.0} and short.reward == pytest.approx(1.0)
     assert long_.rewards == {"overlong": pytest.approx(-0.25)} and long_.reward == pytest.approx(0.75)
+    # the episode's budget ended it short of the limit (its next observation would not fit): the whole penalty
+    cut = _traj(70, "token_budget", outcome=0.0)
+    scorer.score([cut], decode=lambda ids: "x" * len(ids))
+    assert cut.rewards == {"overlong": -0.5}
 
 
 def test_no_buffer_no_overlong_function():

@@ -102,3 +102,5 @@ def test_prompt_sampler_is_a_seeded_function_of_its_position():
     assert sorted(r["i"] for r in first[:10]) == list(range(10))
     resumed = PromptSampler(rows, seed=0, position=7)
     assert resumed.next(7) == first[7:]
+    tiny = PromptSampler([{"i": 0}, {"i": 1}], seed=0).next(4)   # each row twice: four prompts, four objects
+    assert sorted(r["i"] for r in tiny) == [0, 0, 1, 1] and len({id(r) for r in tiny}) == 4

@@ -4,12 +4,14 @@
 
     penalty(L) = 0                                       L <= limit - buffer
                = -max_penalty * (L - (limit - buffer)) / buffer     limit - buffer < L <= limit
-               = -max_penalty                            L > limit
+               = -max_penalty                            L > limit, or the episode's budget ended it
 
 L is the trajectory's response tokens (policy and observation tokens after the prompt: what
 `rollout.max_tokens_total`, the limit, counts). A response that nears the budget is penalised
 gradually, so a long answer learns to shorten before it is cut off, instead of a cut-off answer
-being scored as an ordinary wrong one. Its companion, `train.mask_truncated`, leaves trajectories
+being scored as an ordinary wrong one. A multi-turn episode the total budget ended (finish
+`token_budget`: its next observation would not fit, so it stops short of the limit) is the cut
+DAPO's L > limit stands for, and gets the whole penalty. Its companion, `train.mask_truncated`, leaves trajectories
 the budget cut out of the loss (`truncated_rows`).
 """
 from __future__ import annotations
@@ -34,6 +36,8 @@ def overlong_reward(limit: int, buffer: int, max_penalty: float) -> Callable[...
     """The penalty as a reward function `fn(prompt, completion, answer, **info)` reading the
     trajectory's `response_tokens` from its info (turnrl.rewards.functions passes it)."""
     def overlong(prompt: str, completion: str, answer: str, **info: Any) -> float:
+        if info.get("finish") == "token_budget" and buffer > 0:   # cut by the budget, a little short of it
+            return -max_penalty
         return soft_overlong_penalty(int(info["response_tokens"]), limit, buffer, max_penalty)
     return overlong
 

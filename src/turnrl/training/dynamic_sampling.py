@@ -21,12 +21,17 @@ dynamic_padded_groups, dynamic_signal_frac (the share of the groups looked at th
 """
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from typing import Sequence
 
 from turnrl.config.sections import DynamicSamplingCfg
+from turnrl.rewards.judge import judge_metrics
 from turnrl.rollout.multi_turn import Trajectory
+
+log = logging.getLogger(__name__)
+SAME = 1e-9   # values closer than this are equal (0.7 and a mean of three 0.7s, 0.6999999999999998)
 
 
 def signal_of(t: Trajectory, signal: str) -> float:
@@ -43,10 +48,10 @@ def signal_of(t: Trajectory, signal: str) -> float:
 
 def has_signal(group: Sequence[Trajectory], signal: str = "reward", min_std: float = 0.0) -> bool:
     """Whether the group's values differ: their (population) standard deviation above `min_std`,
-    or, with min_std 0, not all equal."""
+    or, with min_std 0, not all equal (to rounding)."""
     values = [signal_of(t, signal) for t in group]
     if min_std == 0.0:
-        return len(set(values)) > 1
+        return max(values) - min(values) > SAME
     return len(values) > 1 and statistics.pstdev(values) > min_std
 
 
@@ -92,15 +97,18 @@ class StepFilter:
         rate = max(0.25, self.with_signal / max(1, self.looked))
         return min(self.left(), math.ceil(missing / rate))
 
-    def metrics(self, extra_groups: int | None = None) -> dict[str, float]:
-        """`extra_groups`: groups generated beyond the batch (default: the prompts rolled out past
-        prompts_per_step, as in sync mode; async passes the dropped ones, whose prompts were fed anew)."""
+    def metrics(self, batch: Sequence[Trajectory], extra_groups: int | None = None) -> dict[str, float]:
+        """`batch`: the trajectories trained on; `extra_groups`: groups generated beyond the batch
+        (default: the prompts rolled out past prompts_per_step, as in sync mode; async passes the
+        dropped ones, whose prompts were fed anew). The judges' call metrics count the dropped
+        groups' calls too (they were made this step); they replace the batch's own."""
         extra = max(0, self.rolled - self.prompts) if extra_groups is None else extra_groups
         return {"dynamic_dropped_groups": float(len(self.dropped)),   # judged without signal and not trained on
                 "dynamic_extra_trajectories": float(extra * self.n),
                 "dynamic_budget_hit": float(self.budget_hit),
                 "dynamic_padded_groups": float(self.padded),
-                "dynamic_signal_frac": self.with_signal / max(1, self.looked)}
+                "dynamic_signal_frac": self.with_signal / max(1, self.looked),
+                **judge_metrics([*batch, *(t for group in self.dropped for t in group)])}
 
 
 def filter_batch(trajs: Sequence[Trajectory], step_filter: StepFilter, kept: list[list[Trajectory]]) -> None:
@@ -117,6 +125,12 @@ def fill_up(kept: list[list[Trajectory]], step_filter: StepFilter) -> list[list[
     `min_groups` with dropped ones only where they are fewer."""
     if len(kept) < step_filter.prompts:
         step_filter.budget_hit = True
+        if not step_filter.with_signal:   # the whole budget paid for a batch that teaches nothing
+            log.warning("dynamic sampling: none of the %d groups rolled out this step had signal (%s differing by "
+                        "more than min_std %g); it trains on %d without. If every step says so, the task is solved "
+                        "or never rewarded here: check reward_mean, or lower algorithm.dynamic_sampling.min_std",
+                        step_filter.looked, step_filter.cfg.signal, step_filter.cfg.min_std,
+                        min(step_filter.min_groups, len(step_filter.dropped)))
         missing = step_filter.min_groups - len(kept)
         if missing > 0:
             reused, step_filter.dropped = step_filter.dropped[:missing], step_filter.dropped[missing:]

@@ -307,7 +307,9 @@ class PromptSampler:
             epoch, index = divmod(self.position, len(self.rows))
             if epoch != self._epoch:
                 self._epoch, self._perm = epoch, self._order(epoch)
-            batch.append(self.rows[self._perm[index]])
+            # a copy per draw: a row drawn twice in a step is two prompts, two groups, never one
+            # (groups are told apart by their example, e.g. a judge's scope: group)
+            batch.append(dict(self.rows[self._perm[index]]))
             self.position += 1
         return batch
 

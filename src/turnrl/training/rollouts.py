@@ -82,7 +82,7 @@ class SyncRollouts:
             engine_busy = [a + b for a, b in zip_longest(engine_busy, busy, fillvalue=0.0)]
             filter_batch(more, step_filter, kept)
         batch = [t for group in fill_up(kept, step_filter) for t in group]
-        return batch, engine_busy, step_filter.metrics()
+        return batch, engine_busy, step_filter.metrics(batch)
 
     def push(self, pushes: Sequence) -> None:
         for sync in pushes:   # with overlap, the engines load after the rollout in flight
@@ -194,7 +194,8 @@ class AsyncRollouts:
             "queue_groups": float(len(self.buffer) + sum(s["finished"] for s in states.values())),
             "in_flight_groups": float(sum(s["in_flight"] + s["inbox"] for s in states.values())),
             "batch_wait_s": time.perf_counter() - waited, "policy_version": float(self.version),
-            **(step_filter.metrics(len(step_filter.dropped)) if step_filter is not None else {})}
+            **(step_filter.metrics([t for group in batch for t in group], len(step_filter.dropped))
+               if step_filter is not None else {})}
         return [t for group in batch for t in group], engine_busy, metrics
 
     def push(self, pushes: Sequence) -> None:
