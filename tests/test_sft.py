@@ -290,6 +290,34 @@ def test_the_heldout_split_is_by_conversation_and_seeded():
     assert len(held) == 10 and sorted(train + held) == items and not set(train) & set(held)
     assert split_heldout(items, 0.1, seed=3) == (train, held) and split_heldout(items, 0.1, seed=4)[1] != held
     assert split_heldout(items[:19], 0.5, seed=3) == (items[:19], [])
+    train, held = split_heldout(items[:40], 0.99, seed=3)          # a fraction near 1 leaves some to train on
+    assert (len(train), len(held)) == (1, 39)
+    train, held = split_heldout(items, 0.01, seed=3, keep=2)      # each of 2 trainer ranks gets a held-out row
+    assert (len(train), len(held)) == (98, 2)
+
+
+class _Ranks:
+    """Two trainer ranks' `supervised` results on a held-out chunk: each half, as the real ranks
+    split a batch (training.workers refuses a chunk of fewer rows than ranks)."""
+
+    def __init__(self):
+        self.chunks = []
+
+    def results(self, method, batch, update):
+        rows = batch["loss_mask"].shape[0]
+        assert rows >= 2, f"a chunk of {rows} rows for 2 ranks"
+        self.chunks.append(rows)
+        return [{"loss": 0.5, "tokens": 1.0}, {"loss": 0.5, "tokens": 1.0}]
+
+
+def test_a_held_out_remainder_smaller_than_the_ranks_joins_the_batch_before():
+    from turnrl.rollout.multi_turn import Trajectory
+    from turnrl.training.sft import heldout_loss
+    sample = Trajectory(example={}, prompt_ids=[1, 2])
+    sample.add_turn(0, [3, 4], [0.0, 0.0], "x")
+    ranks = _Ranks()
+    assert heldout_loss(ranks, [sample] * 17, batch_size=16, pad_id=0, ranks=2) == 1.0
+    assert ranks.chunks == [17]
 
 
 # --------------------------------------------------------------------------- fine-tuning, for real
@@ -379,6 +407,10 @@ def test_demonstrations_as_sft_data_are_the_environment_s_good_replays(fmt):
     for s in train + heldout:
         taught = fmt.tokenizer.decode([t for t, m in zip(s.response_ids, s.loss_mask) if m])
         assert "<code>" in taught and "<answer>" in taught and "<output>" not in taught
+    longest = max(len(s.prompt_ids) + len(s.response_ids) for s in train)
+    short = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"max_length": longest - 5})})
+    cut, _, counts = demonstration_split(short, fmt)                 # sft.max_length holds here too
+    assert max(len(s.prompt_ids) + len(s.response_ids) for s in cut) <= longest - 5 and counts["truncated"] >= 1
 
 
 def test_sft_off_passes_the_model_through(tmp_path, tiny_model_dir):
@@ -536,3 +568,12 @@ def test_parallel_calls_results_are_the_frame_rl_gives_them_in_every_family(fami
     assert runs == [1, 0, 1]
     assert [t for t, m in zip(s.response_ids, s.loss_mask) if not m] == \
         fmt.observation_ids(["6", "20"], "tool", after_eos=True)
+
+
+def test_an_sft_batch_smaller_than_the_trainer_ranks_is_a_params_problem():
+    from turnrl.config import Config
+    from turnrl.config.checks import sft_problems
+    cfg = Config.model_validate({"sft": {"data": "demonstrations", "batch_size": 1}, "cluster": {"trainer_ranks": 2}})
+    assert sft_problems(cfg) == ["sft.batch_size = 1: fewer samples than cluster.trainer_ranks = 2, each of which "
+                                 "takes a share of a batch; set sft.batch_size to at least 2"]
+    assert sft_problems(cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"batch_size": 2})})) == []

@@ -104,6 +104,27 @@ def test_opd_without_a_teacher_is_refused_when_params_are_checked():
         TeacherCfg(base_url="http://t/v1", serve="some/model")
 
 
+def test_a_teacher_the_algorithm_does_not_learn_from_is_left_out_and_a_served_context_fits_the_checkpoint(
+        tmp_path, caplog):
+    """reward.teacher left in params with algorithm grpo: neither served nor asked (said once). A served
+    model's max_model_len above the checkpoint's positions (the tiny model's 2048 against the default
+    4096: vLLM would not start) is served with the checkpoint's."""
+    import json
+    from turnrl.training.loop import without_unused_teacher
+    from turnrl.training.served_models import context_length
+    teacher = {"teacher": {"base_url": "http://t:8000/v1"}}
+    grpo = Config.model_validate({"algorithm": {"name": "grpo"}, "reward": teacher})
+    with caplog.at_level("WARNING"):
+        assert not without_unused_teacher(grpo).reward.teacher.enabled and grpo.reward.teacher.enabled
+    assert "algorithm.name = grpo learns from no teacher: it is not served nor asked" in caplog.text
+    opd = Config.model_validate({"algorithm": {"name": "opd"}, "reward": teacher})
+    assert without_unused_teacher(opd) is opd
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
+    assert context_length(str(tmp_path), 4096, "reward.teacher") == 2048
+    assert context_length(str(tmp_path), 1024, "reward.teacher") == 1024
+    assert context_length("Qwen/Qwen3-8B", 4096, "reward.teacher") == 4096   # a hub id: vLLM decides
+
+
 def test_a_teacher_with_another_tokenizer_is_named(tiny_model_dir, tmp_path):
     from transformers import AutoTokenizer
     assert tokenizer_mismatch(str(tiny_model_dir), str(tiny_model_dir)) is None

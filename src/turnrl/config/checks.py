@@ -43,11 +43,17 @@ def stage_problems(cfg: Config, stage: str) -> list[str]:
 
 
 def sft_problems(cfg: Config) -> list[str]:
-    """sft.data naming a file that is not there (none, demonstrations and hf: ids are not files),
-    or whose first rows are not conversations in sft.messages_field (the sft stage reads them all
+    """sft.batch_size below the trainer ranks that share it; sft.data naming a file that is not
+    there (none, demonstrations and hf: ids are not files), or whose first rows are not conversations in sft.messages_field (the sft stage reads them all
     and renders them with the model's template)."""
     data = cfg.sft.data
-    if data in ("none", "demonstrations") or data.startswith("hf:"):
+    if data == "none":
+        return []
+    if cfg.sft.batch_size < cfg.cluster.trainer_ranks:
+        return [f"sft.batch_size = {cfg.sft.batch_size}: fewer samples than cluster.trainer_ranks = "
+                f"{cfg.cluster.trainer_ranks}, each of which takes a share of a batch; set sft.batch_size to at least "
+                f"{cfg.cluster.trainer_ranks}"]
+    if data == "demonstrations" or data.startswith("hf:"):
         return []
     problem = _missing_file("sft.data", data, "of conversations, or none, demonstrations, hf:<dataset id>")
     if problem:

@@ -40,7 +40,7 @@ def conversation_split(cfg: Config, fmt: ChatFormat) -> tuple[list[Trajectory], 
     from turnrl.training.sft import split_heldout
     spec = cfg.sft
     conversations = load_conversations(spec.data, spec.messages_field, spec.tools_field)
-    train, heldout = split_heldout(conversations, spec.heldout_fraction, cfg.seed)
+    train, heldout = split_heldout(conversations, spec.heldout_fraction, cfg.seed, keep=cfg.cluster.trainer_ranks)
     counts = {"conversations": len(conversations), "heldout_conversations": len(heldout), "truncated": 0, "dropped": 0}
 
     def samples(part):
@@ -61,17 +61,31 @@ def conversation_split(cfg: Config, fmt: ChatFormat) -> tuple[list[Trajectory], 
 def demonstration_split(cfg: Config, fmt: ChatFormat) -> tuple[list[Trajectory], list[Trajectory], dict]:
     """(training samples, held-out samples, counts): sft.demonstrations of the environment's
     good demonstrations, replayed through it (an agent program's episode: its samples)."""
+    from turnrl.data.sources import DataSourceError
+    from turnrl.gateway.conversations import fit
     from turnrl.pipeline.prepare_model import demonstration_setup, demonstrations
     from turnrl.training.sft import split_heldout
     with tempfile.TemporaryDirectory(prefix="turnrl-sft-") as data_dir:
         task, rows, _, _, replays = demonstration_setup(cfg, data_dir)
         replayed = replays(fmt, demonstrations(task, rows, cfg.sft.demonstrations, 1.0, cfg.seed, "sft", cfg.env.name))
-    train, heldout = split_heldout(replayed, cfg.sft.heldout_fraction, cfg.seed)
+    train, heldout = split_heldout(replayed, cfg.sft.heldout_fraction, cfg.seed, keep=cfg.cluster.trainer_ranks)
+    counts = {"conversations": len(replayed), "heldout_conversations": len(heldout), "truncated": 0, "dropped": 0}
 
-    def samples(part):
-        return [s for t in part for s in (t.samples or [t])]
-    return samples(train), samples(heldout), {"conversations": len(replayed), "heldout_conversations": len(heldout),
-                                              "truncated": 0, "dropped": 0}
+    def samples(part):   # at sft.max_length, as a conversation file's are: cut at the right, or dropped
+        out = []
+        for sample in (s for t in part for s in (t.samples or [t])):
+            full = len(sample.prompt_ids) + len(sample.response_ids)
+            kept = fit(sample, cfg.sft.max_length)
+            counts["dropped"] += kept is None
+            counts["truncated"] += kept is not None and len(kept.prompt_ids) + len(kept.response_ids) < full
+            out += [kept] if kept is not None else []
+        return out
+    train_samples, heldout_samples = samples(train), samples(heldout)
+    if not train_samples:
+        raise DataSourceError(f"sft.data = demonstrations: no demonstration fits in sft.max_length = "
+                              f"{cfg.sft.max_length} ({counts['dropped']} dropped: their prompt alone fills it); raise "
+                              "sft.max_length")
+    return train_samples, heldout_samples, counts
 
 
 def run_sft(cfg: Config, model_dir: str, out: Path, on_step: Callable[[int, dict], None] | None = None) -> dict:

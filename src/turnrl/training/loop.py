@@ -314,6 +314,18 @@ class PromptSampler:
         return batch
 
 
+def without_unused_teacher(cfg: Config) -> Config:
+    """`cfg` without a reward.teacher its algorithm does not learn from (left in params.yaml
+    while comparing with grpo): said once, then neither served nor asked (it was called for every
+    trajectory, and a failing one stopped a run that never used it)."""
+    if not cfg.reward.teacher.enabled or resolve_algorithm(cfg.algorithm.name).teacher:
+        return cfg
+    log.warning("reward.teacher is set, and algorithm.name = %s learns from no teacher: it is not served nor "
+                "asked in this run (algorithm.name: opd distills from it)", cfg.algorithm.name)
+    unset = type(cfg.reward.teacher)()
+    return cfg.model_copy(update={"reward": cfg.reward.model_copy(update={"teacher": unset})})
+
+
 # --------------------------------------------------------------------------- the loop
 def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], out_dir: str,
           on_step: Callable[[int, dict, list[Trajectory]], None] | None = None,
@@ -327,6 +339,7 @@ def train(cfg: Config, model_dir: str, data_dir: str, train_rows: list[dict], ou
     step 1 (a resumed run's earlier steps come from the checkpoint). `info`, if given, gets
     where the actors ran (ranks, engines, nodes). `heldout_rows`: what `train.eval_every` scores."""
     check_cluster(cfg)
+    cfg = without_unused_teacher(cfg)
     check_judge_rows(cfg.reward.judges, train_rows, "the training rows")   # before any work
     mismatch = check_teacher_tokenizer(cfg.reward.teacher, model_dir)
     if mismatch:

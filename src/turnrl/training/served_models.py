@@ -13,6 +13,7 @@ it like any endpoint (turnrl.rewards.judge, turnrl.rewards.teacher).
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -118,6 +119,22 @@ class ServedModels:
         self.actors = {}
 
 
+def context_length(checkpoint: str, wanted: int, key: str) -> int:
+    """The context a served model gets: `wanted` (its max_model_len), or, where the checkpoint's
+    own config says it holds fewer positions (the tiny model's 2048 against the default 4096,
+    which vLLM refuses to start with), that many, said once."""
+    config = Path(checkpoint) / "config.json"
+    try:
+        positions = int(json.loads(config.read_text()).get("max_position_embeddings") or 0)
+    except (OSError, ValueError, TypeError):   # a hub id, or no such key: vLLM's own check decides
+        return wanted
+    if 0 < positions < wanted:
+        log.warning("%s: max_model_len %d, and %s holds %d positions: served with %d", key, wanted, checkpoint,
+                    positions, positions)
+        return positions
+    return wanted
+
+
 def launch(cfg: Any) -> ServedModels:
     """Start an actor for every judge and teacher with `serve`; the returned `.cfg` is `cfg` with
     their `base_url` set to the servers' addresses (the rest of `cfg` unchanged)."""
@@ -131,7 +148,8 @@ def launch(cfg: Any) -> ServedModels:
     remote = ray.remote(ServedModel).options(num_cpus=c.served_cpus, num_gpus=c.served_gpus)
     # the actors run in another working directory (or node): a local folder by its absolute path
     where = {key: str(Path(m.serve).resolve()) if Path(m.serve).exists() else m.serve for key, m in wanted.items()}
-    actors = {key: remote.remote(key, where[key], m.model, cfg.model.dtype, m.max_model_len, cfg.rollout.kv_cache_gib,
+    actors = {key: remote.remote(key, where[key], m.model, cfg.model.dtype,
+                                 context_length(where[key], m.max_model_len, key), cfg.rollout.kv_cache_gib,
                                  c.engine_gpu_memory, c.served_gpus) for key, m in wanted.items()}
     urls = dict(zip(actors, ray.get([a.address.remote() for a in actors.values()])))
     url_of = {id(m): urls[key] for key, m in wanted.items()}

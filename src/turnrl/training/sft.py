@@ -45,7 +45,8 @@ def fine_tune(cfg: Config, model_dir: str, train: list[Trajectory], heldout: lis
     rng = random.Random(f"{cfg.seed}:sft")
     history: list[dict] = []
     try:
-        start_loss = heldout_loss(group, heldout, spec.batch_size, pad_id) if heldout else None
+        ranks = cfg.cluster.trainer_ranks
+        start_loss = heldout_loss(group, heldout, spec.batch_size, pad_id, ranks) if heldout else None
         if start_loss is not None:   # step 0: the model as it came
             history.append({"step": 0, "heldout_loss": start_loss})
             if on_step is not None:
@@ -60,7 +61,7 @@ def fine_tune(cfg: Config, model_dir: str, train: list[Trajectory], heldout: lis
                        "tokens_per_s": sum(s["tokens"] for s in shares) / seconds,
                        "grad_norm": max(s["grad_norm"] for s in shares), "lr": shares[0]["lr"], "step_s": seconds}
             if heldout and (step == spec.steps or (spec.eval_every and step % spec.eval_every == 0)):
-                metrics["heldout_loss"] = heldout_loss(group, heldout, spec.batch_size, pad_id)
+                metrics["heldout_loss"] = heldout_loss(group, heldout, spec.batch_size, pad_id, ranks)
             history.append(metrics)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
             if on_step is not None:
@@ -72,11 +73,15 @@ def fine_tune(cfg: Config, model_dir: str, train: list[Trajectory], heldout: lis
     return history
 
 
-def heldout_loss(group, samples: list[Trajectory], batch_size: int, pad_id: int) -> float:
-    """The token-mean NLL over all of `samples`, in batches of `batch_size`, no update."""
+def heldout_loss(group, samples: list[Trajectory], batch_size: int, pad_id: int, ranks: int = 1) -> float:
+    """The token-mean NLL over all of `samples`, in batches of `batch_size`, no update (a last
+    batch of fewer rows than the `ranks` that share it joins the one before)."""
     loss_sum = tokens = 0.0
-    for k in range(0, len(samples), batch_size):
-        chunk = samples[k:k + batch_size]
+    starts = list(range(0, len(samples), max(batch_size, ranks)))
+    if len(starts) > 1 and len(samples) - starts[-1] < ranks:
+        starts.pop()
+    for k, start in enumerate(starts):
+        chunk = samples[start:starts[k + 1] if k + 1 < len(starts) else len(samples)]
         shares = group.results("supervised", sft_batch(chunk, pad_id), False)
         count = sum(s["tokens"] for s in shares)
         loss_sum += sum(s["loss"] for s in shares) * count
@@ -84,12 +89,14 @@ def heldout_loss(group, samples: list[Trajectory], batch_size: int, pad_id: int)
     return loss_sum / max(tokens, 1.0)
 
 
-def split_heldout(items: list, fraction: float, seed: int) -> tuple[list, list]:
-    """(train, held out): a seeded share `fraction` held out, none with fewer than 20 items."""
-    if fraction <= 0 or len(items) < 20:
+def split_heldout(items: list, fraction: float, seed: int, keep: int = 1) -> tuple[list, list]:
+    """(train, held out): a seeded share `fraction` held out, none with fewer than 20 items; at
+    least `keep` items (the trainer ranks, which each take a share of a batch) on either side, so
+    a fraction near 1 leaves something to train on."""
+    if fraction <= 0 or len(items) < max(20, 2 * keep):
         return list(items), []
     order = list(range(len(items)))
     random.Random(f"{seed}:sft-heldout").shuffle(order)
-    count = max(1, round(fraction * len(items)))
+    count = min(max(keep, round(fraction * len(items))), len(items) - keep)
     held = set(order[:count])
     return [x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held]
