@@ -44,8 +44,9 @@ def stage_problems(cfg: Config, stage: str) -> list[str]:
 
 def sft_problems(cfg: Config) -> list[str]:
     """sft.batch_size below the trainer ranks that share it; sft.data naming a file that is not
-    there (none, demonstrations and hf: ids are not files), or whose first rows are not conversations in sft.messages_field (the sft stage reads them all
-    and renders them with the model's template)."""
+    there (none, demonstrations and hf: ids are not files), or whose first rows are not
+    conversations in sft.messages_field (the sft stage reads them all and renders them with the
+    model's template)."""
     data = cfg.sft.data
     if data == "none":
         return []
