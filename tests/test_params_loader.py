@@ -87,6 +87,10 @@ def test_an_override_keeps_dvc_s_dash_s_syntax():
     with pytest.raises(ConfigError) as err:
         load_config(ROOT / "params.yaml", ["reward.functions=[my_tasks.rewards:nope]"])
     assert "reward.functions[0] = 'my_tasks.rewards:nope'" in str(err.value)
+    # key= is the empty string, as dvc exp run -S writes it: a teacher switched from serve to base_url
+    cfg = load_config(ROOT / "params.yaml", ["algorithm.name=opd", "reward.teacher.serve=",
+                                             "reward.teacher.base_url=http://teacher:8000/v1"])
+    assert cfg.reward.teacher.serve == "" and cfg.reward.teacher.base_url == "http://teacher:8000/v1"
 
 
 # ----------------------------------------------------------------------------- unknown keys

@@ -102,6 +102,11 @@ def test_opd_without_a_teacher_is_refused_when_params_are_checked():
     assert any("turn dynamic sampling off" in p for p in check_plugins(Config.model_validate(both)))
     with pytest.raises(ValueError, match="not both"):
         TeacherCfg(base_url="http://t/v1", serve="some/model")
+    with pytest.raises(ValueError, match="base_url = 'notaurl': an http:// or https:// address"):
+        TeacherCfg(base_url="notaurl")
+    with pytest.raises(ValueError, match="tokenizer = '/nonexistent/tok': no such folder"):
+        TeacherCfg(base_url="http://t/v1", tokenizer="/nonexistent/tok")
+    assert TeacherCfg(serve="Qwen/Qwen3-8B").serve == "Qwen/Qwen3-8B"   # a hub id is not a folder to check
 
 
 def test_a_teacher_the_algorithm_does_not_learn_from_is_left_out_and_a_served_context_fits_the_checkpoint(

@@ -326,7 +326,9 @@ def test_annotate_sends_the_teachers_tokens_and_maps_its_logprobs_back(tokenizer
     assert all(lp == 0.0 for lp, m in zip(t.teacher_logprobs, t.loss_mask) if not m)   # the tool's output
     assert t.finish != "env_error"
     exact = plan.counts()["exact"] / plan.counts()["tokens"]
-    assert teacher_metrics([t]) == {"teacher_exact_frac": pytest.approx(exact), "teacher_unreadable_frac": 0.0}
+    kl = [e - lp for e, lp, m in zip(t.engine_logprobs, t.teacher_logprobs, t.loss_mask) if m]
+    assert teacher_metrics([t]) == {"teacher_exact_frac": pytest.approx(exact), "teacher_unreadable_frac": 0.0,
+                                    "teacher_reverse_kl": pytest.approx(sum(kl) / len(kl))}
     assert 0.0 < exact < 1.0 and teacher_metrics([Trajectory(example={}, prompt_ids=[1])]) == {}
 
 

@@ -301,8 +301,9 @@ def load_config(path: str | Path = "params.yaml", overrides: list[str] | tuple[s
         key = key.strip().lstrip("+")   # DVC's ++key (add or override) and +key (add) set the key too
         if not eq or not key or not all(key.split(".")):
             raise ConfigError(f"override {item!r}: expected key.path=value, e.g. train.steps=60")
-        value = _yaml(raw, f"override {key}: the value {raw!r} is not valid YAML",
-                      f"quote it if it is a string, e.g. {key}='\"...\"'", override=True)
+        # key= is the empty string, as DVC (Hydra) writes it: how a user clears reward.teacher.serve
+        value = "" if not raw.strip() else _yaml(raw, f"override {key}: the value {raw!r} is not valid YAML",
+                                                 f"quote it if it is a string, e.g. {key}='\"...\"'", override=True)
         if isinstance(data, dict):
             _set_dotted(data, key, value)
     return parse_config(data, source=str(path.name))

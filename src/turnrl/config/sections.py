@@ -491,6 +491,13 @@ class TeacherCfg(_Section):
             raise ValueError(f"top_k = {self.top_k} with tokenizer = {self.tokenizer!r}: the teacher's top tokens are "
                              "ids of its own vocabulary, which the policy does not share; set top_k to 0 (the sampled "
                              "token's logprob, mapped through the text) or pick a teacher of the policy's tokenizer")
+        if self.base_url and not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url = {self.base_url!r}: an http:// or https:// address, e.g. http://host:8000/v1")
+        for key in ("serve", "tokenizer"):   # a local folder named by path (a hub id is owner/name, no ./ or /)
+            value = getattr(self, key)
+            if value.startswith(("/", "./", "../", "~")) and not Path(value).expanduser().exists():
+                raise ValueError(f"{key} = {value!r}: no such folder; name the teacher's checkpoint folder (or a hub "
+                                 "id, owner/name)")
         return self
 
 

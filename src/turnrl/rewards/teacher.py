@@ -113,16 +113,22 @@ class Teacher:
 
 
 def teacher_metrics(trajs: Sequence[Any]) -> dict[str, float]:
-    """A teacher of another tokenizer (reward.teacher.tokenizer), over a batch's sampled tokens:
+    """Over a batch's sampled tokens the teacher scored: `teacher_reverse_kl`, the mean of
+    log pi(token) - log pi_T(token) (the sampled-token estimate of KL(policy || teacher), what
+    distillation drives down); and, for a teacher of another tokenizer (reward.teacher.tokenizer),
     `teacher_exact_frac` (their chunk is one token each side: the teacher's own logprob) and
     `teacher_unreadable_frac` (a special token the teacher has no counterpart of, or bytes that
-    are no UTF-8: no signal). Empty when nothing was mapped."""
+    are no UTF-8: no signal). Empty when no teacher scored anything."""
+    gaps = [engine - teacher for t in trajs if t.finish != "env_error" for row in (t.samples or [t])
+            if row.teacher_logprobs
+            for engine, teacher, m in zip(row.engine_logprobs, row.teacher_logprobs, row.loss_mask) if m]
+    out = {"teacher_reverse_kl": sum(gaps) / len(gaps)} if gaps else {}
     counts = [t.info[MAPPING_INFO] for t in trajs if MAPPING_INFO in (t.info or {})]
     tokens = sum(c["tokens"] for c in counts)
-    if not tokens:
-        return {}
-    return {"teacher_exact_frac": sum(c["exact"] for c in counts) / tokens,
-            "teacher_unreadable_frac": sum(c["unreadable"] for c in counts) / tokens}
+    if tokens:
+        out.update(teacher_exact_frac=sum(c["exact"] for c in counts) / tokens,
+                   teacher_unreadable_frac=sum(c["unreadable"] for c in counts) / tokens)
+    return out
 
 
 def _untrained(t: Any, reason: str) -> None:
