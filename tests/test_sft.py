@@ -577,3 +577,10 @@ def test_an_sft_batch_smaller_than_the_trainer_ranks_is_a_params_problem():
     assert sft_problems(cfg) == ["sft.batch_size = 1: fewer samples than cluster.trainer_ranks = 2, each of which "
                                  "takes a share of a batch; set sft.batch_size to at least 2"]
     assert sft_problems(cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"batch_size": 2})})) == []
+
+
+def test_an_sft_warmup_as_long_as_the_run_is_refused_naming_both_keys():
+    from turnrl.config import ConfigError, parse_config
+    with pytest.raises(ConfigError, match=r"sft: warmup_steps = 10 with steps = 3: the rate would never reach lr"):
+        parse_config({"sft": {"data": "demonstrations", "steps": 3, "warmup_steps": 10}}, plugins=False)
+    assert parse_config({"sft": {"steps": 3, "warmup_steps": 10}}, plugins=False).sft.data == "none"   # off: moot

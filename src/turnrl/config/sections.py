@@ -157,6 +157,13 @@ class SftCfg(_Section):
     def enabled(self) -> bool:
         return self.data != "none"
 
+    @model_validator(mode="after")
+    def _warmup_within_the_run(self) -> "SftCfg":
+        if self.enabled and self.warmup_steps >= self.steps:   # the rate would never reach lr, nor decay
+            raise ValueError(f"warmup_steps = {self.warmup_steps} with steps = {self.steps}: the rate would never reach "
+                             "lr; set warmup_steps below steps (e.g. a tenth of them)")
+        return self
+
 
 # --------------------------------------------------------------------------- data
 # how a file's answer field holds the answer (turnrl.data.sources.ANSWER_TRANSFORMS does the reading)
