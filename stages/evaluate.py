@@ -52,7 +52,8 @@ def main(cfg, which: str):
 
 
 if __name__ == "__main__":
-    which = sys.argv[1] if len(sys.argv) > 1 else "final"
+    which = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else "final"
     if which not in WHICH:
-        raise SystemExit(f"usage: python stages/evaluate.py {{{'|'.join(WHICH)}}}")
+        print(f"usage: python stages/evaluate.py {{{'|'.join(WHICH)}}}", file=sys.stderr)
+        raise SystemExit(2)
     run_stage(WHICH[which][0], lambda cfg: main(cfg, which))

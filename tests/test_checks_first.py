@@ -246,3 +246,50 @@ def test_a_reward_failure_in_baseline_eval_is_one_line(tiny_model_dir, tmp_path)
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("turnrl baseline_eval: reward function failing_reward:score (reward.functions) raised "
                            "ValueError: the grading service went away"), last
+
+
+def test_turnrl_evaluate_refuses_a_folder_that_is_no_model_data_of_another_environment_and_a_file_as_out(
+        tmp_path, monkeypatch, capsys, tiny_model_dir):
+    """Each before loading anything: a config.json without model_type, a config without weights,
+    data/processed made for another env.name (it scored code_tool's rows through math_refine, exit
+    0), and --out naming a file: exit 2, one line."""
+    import shutil
+    from turnrl import cli
+    from turnrl.pipeline.preprocess import preprocess
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"data": {"train_examples": 8, "heldout_examples": 4},
+                                                          "eval": {"benchmarks": []}}))
+    preprocess(Config.model_validate({"data": {"train_examples": 8, "heldout_examples": 4},
+                                      "eval": {"benchmarks": []}}), tmp_path / "data" / "processed")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text("{}")
+    shutil.copytree(tiny_model_dir, tmp_path / "no_weights", ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    (tmp_path / "a_file").write_text("x")
+    for args, said in ((["empty"], "config.json: no model_type"),
+                       (["no_weights"], "no weights (*.safetensors or *.bin)"),
+                       ([str(tiny_model_dir), "-S", "env.name=math_refine"],
+                        "was made for env.name = code_tool, not math_refine"),
+                       ([str(tiny_model_dir), "--out", "a_file"], "--out a_file: a file, not a folder")):
+        out = [] if "--out" in args else ["--out", "eval-out"]
+        assert cli.main(["evaluate", *args, *out]) == 2, args
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err, (args, err)
+    assert json.loads((tmp_path / "empty" / "config.json").read_text()) == {}
+
+
+def test_commands_say_what_they_take(tmp_path, monkeypatch, capsys):
+    """`turnrl presets --help` is help (it was read as a preset name), an unknown command is named,
+    a stage script's --help describes it instead of running it, and its other options are refused."""
+    from turnrl import cli
+    with pytest.raises(SystemExit) as done:
+        cli.main(["presets", "--help"])
+    assert done.value.code == 0 and "usage: turnrl presets" in capsys.readouterr().out
+    assert cli.main(["foo"]) == 2 and "unknown command 'foo'" in capsys.readouterr().err
+    assert cli.main(["--help"]) == 0 and "turnrl config" in capsys.readouterr().out
+    monkeypatch.chdir(tmp_path)
+    helped = subprocess.run([sys.executable, str(ROOT / "stages" / "preprocess.py"), "--help"], capture_output=True,
+                            text=True, timeout=120)
+    assert helped.returncode == 0 and "DVC stage `preprocess`" in helped.stdout and not (tmp_path / "data").exists()
+    refused = subprocess.run([sys.executable, str(ROOT / "stages" / "train.py"), "--steps", "3"], capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode == 2 and "turnrl train: --steps: the stage takes no options" in refused.stderr

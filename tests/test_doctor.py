@@ -78,7 +78,7 @@ def test_judges_and_a_teacher_at_their_servers_are_checked(tmp_path, monkeypatch
 
 def test_bad_params_fail_first(tmp_path, capsys):
     (tmp_path / "params.yaml").write_text("train: {steps: -1}\n")
-    assert doctor.main([str(tmp_path / "params.yaml")]) == 1
+    assert doctor.main([str(tmp_path / "params.yaml")]) == 2
     assert "train.steps = -1" in capsys.readouterr().out
 
 

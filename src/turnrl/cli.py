@@ -24,10 +24,19 @@ COMMANDS = {"config": "turnrl.config", "presets": "turnrl.presets",
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return 0
     if not args or args[0] not in COMMANDS:
         print(__doc__.strip(), file=sys.stderr)
-        return 0 if args[:1] in (["-h"], ["--help"]) else 2
-    return importlib.import_module(COMMANDS[args[0]]).main(args[1:])
+        if args:
+            print(f"\nerror: unknown command {args[0]!r}; the commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    try:
+        return importlib.import_module(COMMANDS[args[0]]).main(args[1:])
+    except KeyboardInterrupt:   # Ctrl-C: one line, the shell's code for it, no traceback
+        print(f"turnrl {args[0]}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

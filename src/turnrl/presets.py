@@ -78,18 +78,27 @@ def apply(keys: dict[str, Any], params: str | Path = "params.yaml") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if not args:
+    import argparse
+    parser = argparse.ArgumentParser(prog="turnrl presets", description=(
+        "List the presets (the papers' settings as params keys); with NAME print them as dvc exp run -S "
+        "arguments, or with --apply write them into ./params.yaml."))
+    parser.add_argument("name", nargs="?", help="a preset (none: list them)")
+    parser.add_argument("--apply", action="store_true", help="write the preset's keys into ./params.yaml")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.name is None:
+        if args.apply:
+            parser.error("--apply needs a preset NAME")
+        width = max(len(name) for name in names())
         for name in names():
             first = (PRESETS / f"{name}.yaml").read_text().splitlines()[0].lstrip("# ")
-            print(f"{name:10s} {first}")
+            print(f"{name:{width}s}  {first}")
         return 0
     try:
-        keys = load(args[0])
+        keys = load(args.name)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if "--apply" in args[1:]:
+    if args.apply:
         apply(keys)
         print(f"params.yaml: set {', '.join(f'{k}={v}' for k, v in keys.items())}", file=sys.stderr)
     else:

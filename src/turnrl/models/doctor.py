@@ -295,7 +295,7 @@ def check_model(cfg: Config) -> list[Check]:
     folder, why = model_folder(path)
     if folder is None:
         return [Check("model", "FAIL", why, "set model.path to a local checkpoint folder, or download the hub id "
-                                            "first (huggingface-cli download ID --local-dir FOLDER)")]
+                                            "first (hf download ID --local-dir FOLDER)")]
     from turnrl.models import check as modelcheck
     engines = ("vllm", "hf") if cfg.rollout.engine == "vllm" else ("hf",)
     with tempfile.TemporaryDirectory(prefix="turnrl-doctor-") as work:
@@ -330,8 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.params, args.overrides)
     except ConfigError as exc:
-        _print(Check("params", "FAIL", str(exc), "fix the key named above (python -m turnrl.config prints the rest)"))
-        return 1
+        _print(Check("params", "FAIL", str(exc), "fix the params named above (`turnrl config` lists every problem)"))
+        return 2   # bad input, as every turnrl command says it
     _print(Check("params", "OK", f"{args.params} is valid"))
     failed = 0
     for check in CHECKS:

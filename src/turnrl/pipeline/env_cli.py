@@ -52,7 +52,11 @@ def _options(pairs: list[str]) -> dict[str, Any]:
         if not sep or not key.strip():
             raise EnvCliError(f"-S {pair!r}: write an option as key=value (e.g. -S max_guesses=3)")
         try:
-            out[key.strip().removeprefix("env.options.")] = yaml.safe_load(value) if value else ""
+            key = key.strip().lstrip("+")   # dvc exp run's ++key / +key
+            if key.startswith("env.") and not key.startswith("env.options."):
+                raise EnvCliError(f"-S {pair!r}: here -S sets an environment option (e.g. -S max_guesses=3 or "
+                                  "-S env.options.max_guesses=3); the environment is NAME, the first argument")
+            out[key.removeprefix("env.options.")] = yaml.safe_load(value) if value else ""
         except yaml.YAMLError as exc:
             raise EnvCliError(f"-S {pair!r}: the value is not YAML ({first_line(exc)}); quote it") from None
     return out
@@ -188,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", default=None, help="rows from this file instead of data/processed/heldout.parquet")
     parser.add_argument("--params", default="params.yaml", help="the params file NAME defaults from")
     args = parser.parse_args(argv)
+    if args.row < 0:
+        parser.error(f"--row {args.row}: a row number, 0 or more")
     from turnrl.config import ConfigError
     from turnrl.data.sources import DataSourceError
     try:
@@ -196,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             name, options, max_turns, stop = _from_params(args.params)
         explore(name, {**options, **_options(args.options)}, args.row, args.steps, args.data, max_turns,
                 args.stop if args.stop is not None else stop)
-    except (EnvCliError, PluginError, ConfigError, DataSourceError) as exc:
-        print(f"turnrl env: {exc}", file=sys.stderr)
+    except (EnvCliError, PluginError, ConfigError, DataSourceError, FileNotFoundError) as exc:
+        print(f"turnrl env: {exc}", file=sys.stderr)   # (a data file missing: what to run says the message)
         return 2
     except MalformedStep as exc:   # reset or step returned what a rollout refuses: the plugin's to fix
         print(f"turnrl env: {exc}", file=sys.stderr)

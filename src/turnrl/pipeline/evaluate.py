@@ -40,7 +40,7 @@ Any Hugging Face checkpoint folder, evaluated exactly as `baseline_eval` and `ev
     turnrl evaluate PATH --out DIR [--params params.yaml] [--data data/processed] [-S key=value ...] [--mlflow]
 
 (or `python -m turnrl.pipeline.evaluate ...`). PATH is a Hugging Face model folder (config.json,
-weights, tokenizer), e.g. a published model fetched with `huggingface-cli download
+weights, tokenizer), e.g. a published model fetched with `hf download
 Qwen/Qwen2.5-Math-1.5B --local-dir ckpt/qwen-math`, or a pipeline model out (models/final; with
 `levels.high_model: separate` its high_level/ folder plays the high-level turns). The params are
 `--params` with the overrides of `-S` (same syntax as `dvc exp run -S`): the held-out task from
@@ -465,15 +465,40 @@ def load_levels(cfg: Config, model_folder: str | Path, high_folder: str | Path |
 BAD_INPUT_EXIT = 2
 
 
+def _points_elsewhere(model: Path) -> bool:
+    """Whether `model` is prepare_model's pointer to a checkpoint (turnrl_model.json of kind
+    checkpoint) rather than a model folder of its own."""
+    try:
+        return json.loads((model / "turnrl_model.json").read_text()).get("kind") == "checkpoint"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def check_inputs(cfg: Config, model: Path, data_dir: Path) -> None:
     """Fail early, saying what to do, when the checkpoint or the preprocessed data is missing."""
     if not model.is_dir():
         raise FileNotFoundError(f"{model}: not a folder. Pass a Hugging Face checkpoint folder (config.json, "
                                 "weights, tokenizer); for a hub id download it first: "
-                                f"huggingface-cli download <id> --local-dir {model}")
+                                f"hf download <id> --local-dir {model}")
     if not (model / "config.json").exists() and not (model / "turnrl_model.json").exists():
         raise FileNotFoundError(f"{model}: no config.json, so not a Hugging Face checkpoint folder")
-    check_data(cfg, data_dir)
+    if not _points_elsewhere(model):   # (a pointer to a checkpoint is read where it points)
+        try:
+            model_type = json.loads((model / "config.json").read_text()).get("model_type")
+        except (ValueError, AttributeError):
+            model_type = None
+        if not model_type:
+            raise FileNotFoundError(f"{model}/config.json: no model_type, so not a Hugging Face model's config; pass "
+                                    "the folder save_pretrained wrote")
+        if not any(next(model.glob(pattern), None) for pattern in ("*.safetensors", "*.bin", "*.safetensors.index.json")):
+            raise FileNotFoundError(f"{model}: no weights (*.safetensors or *.bin); pass the folder save_pretrained "
+                                    "wrote (a LoRA adapter folder: merge it first, as the train stage's models/final is)")
+    manifest = check_data(cfg, data_dir)
+    made_for = (manifest.get("env") or {}).get("name")
+    if made_for and made_for != cfg.env.name:
+        raise FileNotFoundError(f"{data_dir} was made for env.name = {made_for}, not {cfg.env.name}: its held-out "
+                                f"rows are that environment's; run `dvc repro preprocess` with env.name = {cfg.env.name} "
+                                "(or pass --data a folder made for it)")
 
 
 def evaluate_checkpoint(cfg: Config, model: str | Path, out: str | Path,
@@ -517,6 +542,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.params, args.overrides)
         checks.before_evaluate(cfg)   # benchmark files, their fields, MCP commands: before evaluating anything
         check_inputs(cfg, args.model, args.data)
+        if args.out.exists() and not args.out.is_dir():
+            raise FileNotFoundError(f"--out {args.out}: a file, not a folder; name a folder for the metrics and "
+                                    "generations")
     except (ConfigError, FileNotFoundError, DataSourceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return BAD_INPUT_EXIT

@@ -412,16 +412,22 @@ def _metrics_file(path: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m turnrl.pipeline.report", description="Compare two evaluations.")
+    p = argparse.ArgumentParser(prog="turnrl report", description="Compare two evaluations.")
     p.add_argument("baseline", type=Path, help="metrics json of the first evaluation")
     p.add_argument("trained", type=Path, help="metrics json of the second evaluation")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--labels", nargs=2, default=("baseline", "trained"))
+    p.add_argument("--out", type=Path, required=True, help="the folder the report (report.md, plots) goes to")
+    p.add_argument("--labels", nargs=2, default=("baseline", "trained"), help="the two columns' names")
     p.add_argument("--gens", nargs=2, type=Path, default=(None, None), help="the two generations folders")
     p.add_argument("--curves", type=Path, help="a training curve csv (plots/train.csv)")
     args = p.parse_args(argv)
     try:
         baseline, trained = (_metrics_file(path) for path in (args.baseline, args.trained))
+        if args.out.exists() and not args.out.is_dir():
+            raise ValueError(f"--out {args.out}: a file, not a folder; name a folder for the report")
+        missing = [f"{flag} {path}" for flag, path in (("--curves", args.curves), *(("--gens", g) for g in args.gens))
+                   if path is not None and not path.exists()]
+        if missing:
+            raise ValueError(f"{', '.join(missing)}: no such file or folder")
     except ValueError as exc:
         print(f"turnrl report: {exc}", file=sys.stderr)
         return 2

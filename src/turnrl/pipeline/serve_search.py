@@ -29,12 +29,14 @@ from turnrl.envs.search import build_index
 from turnrl.envs.search_server import SearchService
 
 
-def settings(cfg, data_dir: str | Path = "data/processed") -> dict:
-    """The search environment's corpus, top_k and max_passage_chars under these params."""
+def settings(cfg, data_dir: str | Path = "data/processed", given: dict | None = None) -> dict:
+    """The search environment's corpus, top_k and max_passage_chars under these params (`cfg`
+    None: its defaults), with `given` (-S env.options.KEY=VALUE) over them."""
     from turnrl import envs
     from turnrl.envs.search import CORPUS_FILE
     spec = envs.resolve("search")
-    options = envs.check_options(spec, cfg.env.options if cfg.env.name == "search" else {})
+    own = dict(cfg.env.options) if cfg is not None and cfg.env.name == "search" else {}
+    options = envs.check_options(spec, {**own, **(given or {})})
     corpus = options["corpus"] or str(Path(data_dir) / CORPUS_FILE)
     return {"corpus": corpus, "top_k": options["top_k"], "max_passage_chars": options["max_passage_chars"]}
 
@@ -54,17 +56,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import yaml
+
     args = parse_args(argv)
     from turnrl.config import ConfigError, load_config
+    from turnrl.plugins import PluginError
+    # -S env.options.KEY=VALUE are the search environment's options, whatever env.name params has
+    given = {k.split("=", 1)[0].strip().lstrip("+")[len("env.options."):]: v for k, v in
+             (o.split("=", 1) if "=" in o else (o, "") for o in args.overrides)
+             if k.strip().lstrip("+").startswith("env.options.")}
+    rest = [o for o in args.overrides if not o.strip().lstrip("+").startswith("env.options.")]
     try:
-        cfg = load_config(args.params, args.overrides) if Path(args.params).exists() or args.overrides else None
-        chosen = settings(cfg, args.data) if cfg is not None else {"corpus": "", "top_k": 1, "max_passage_chars": 120}
-    except ConfigError as exc:
+        if args.params != "params.yaml" and not Path(args.params).is_file():
+            raise ConfigError(f"--params {args.params}: no such file")
+        cfg = load_config(args.params, rest) if Path(args.params).is_file() or rest else None
+        chosen = settings(cfg, args.data, {k: yaml.safe_load(v) if v else "" for k, v in given.items()})
+    except (ConfigError, PluginError, yaml.YAMLError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     corpus = args.corpus or chosen["corpus"]
-    top_k = args.top_k or chosen["top_k"]
-    max_chars = args.max_passage_chars or chosen["max_passage_chars"]
+    top_k = args.top_k if args.top_k is not None else chosen["top_k"]
+    max_chars = args.max_passage_chars if args.max_passage_chars is not None else chosen["max_passage_chars"]
     if top_k < 1 or max_chars < 1:
         print("error: --top-k and --max-passage-chars must be at least 1", file=sys.stderr)
         return 2
@@ -74,7 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the corpus {corpus!r}: {exc}. Run `dvc repro preprocess` with env.name=search, or pass "
               "--corpus FILE", file=sys.stderr)
         return 2
-    service = SearchService(index, top_k=top_k, max_passage_chars=max_chars, host=args.host, port=args.port)
+    try:
+        service = SearchService(index, top_k=top_k, max_passage_chars=max_chars, host=args.host, port=args.port)
+    except (OSError, OverflowError) as exc:   # the port in use or out of range, an unknown host
+        print(f"error: cannot serve at {args.host}:{args.port} ({exc}); pick another --port (0: any free one) or "
+              "--host", file=sys.stderr)
+        return 2
     print(f"serving {len(index)} passages of {corpus} (top_k {top_k}, max_passage_chars {max_chars}) at "
           f"{service.url}  (env.options.endpoint: {service.url})", flush=True)
     try:

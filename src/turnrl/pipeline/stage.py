@@ -33,12 +33,13 @@ def run_stage(name: str, body: Callable[[Config], Any],
               resume_run: Callable[[Config], str | None] | None = None) -> None:
     """Validate params, then run `body` inside the stage's MLflow run. `resume_run(cfg)` may
     name an earlier run of this stage to continue (train after a crash)."""
+    _stage_arguments(name, sys.argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     params = os.environ.get("TURNRL_PARAMS", "params.yaml")
     try:
         cfg = load_config(params)
     except ConfigError as exc:
-        print(f"turnrl {name}: invalid params\n{exc}", file=sys.stderr)
+        print("\n".join(f"turnrl {name}: invalid params: {line}" for line in str(exc).splitlines()), file=sys.stderr)
         raise SystemExit(BAD_INPUT_EXIT) from None
     from turnrl.config.checks import stage_problems
     problems = stage_problems(cfg, name)   # files and commands params name: before the MLflow run and any work
@@ -54,6 +55,9 @@ def run_stage(name: str, body: Callable[[Config], Any],
     except (DataSourceError, FileNotFoundError, ConfigError) as exc:   # e.g. params that cannot work together
         print(f"turnrl {name}: {exc}", file=sys.stderr)
         raise SystemExit(BAD_INPUT_EXIT) from None
+    except KeyboardInterrupt:   # Ctrl-C: the MLflow run was closed as killed; a rerun resumes (train)
+        print(f"turnrl {name}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
     except runs.TrackingUnavailable as exc:   # a server that is down: starting it and rerunning will do
         print(f"turnrl {name}: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
@@ -64,6 +68,21 @@ def run_stage(name: str, body: Callable[[Config], Any],
         raise SystemExit(1) from None
     except Exception as exc:   # noqa: BLE001 - every failure is its one-line message, never a bare traceback
         raise SystemExit(failure_exit(name, exc)) from None
+
+
+def _stage_arguments(name: str, argv: list[str]) -> None:
+    """A stage script takes no options (params.yaml is its input): --help prints what it does and
+    exits, another option is refused, before any work (`python stages/train.py --help` trained)."""
+    if any(arg in ("-h", "--help") for arg in argv):
+        doc = (getattr(sys.modules.get("__main__"), "__doc__", None) or f"The {name} stage.").strip()
+        print(f"{doc}\n\nRun by `dvc repro` (params from params.yaml, or the file $TURNRL_PARAMS names); change a "
+              "value with `dvc exp run -S key=value`.")
+        raise SystemExit(0)
+    flags = [arg for arg in argv if arg.startswith("-")]
+    if flags:
+        print(f"turnrl {name}: {flags[0]}: the stage takes no options; it reads params.yaml (dvc exp run -S "
+              "key=value changes a value)", file=sys.stderr)
+        raise SystemExit(BAD_INPUT_EXIT)
 
 
 # Exceptions whose message is written for the user (it names the key or the plugin, and the fix):
