@@ -490,15 +490,17 @@ def check_inputs(cfg: Config, model: Path, data_dir: Path) -> None:
         if not model_type:
             raise FileNotFoundError(f"{model}/config.json: no model_type, so not a Hugging Face model's config; pass "
                                     "the folder save_pretrained wrote")
-        if not any(next(model.glob(pattern), None) for pattern in ("*.safetensors", "*.bin", "*.safetensors.index.json")):
+        weights = ("*.safetensors", "*.bin", "*.safetensors.index.json")
+        if not any(next(model.glob(pattern), None) for pattern in weights):
             raise FileNotFoundError(f"{model}: no weights (*.safetensors or *.bin); pass the folder save_pretrained "
-                                    "wrote (a LoRA adapter folder: merge it first, as the train stage's models/final is)")
+                                    "wrote (a LoRA adapter folder: merge it first, as the train stage's models/final "
+                                    "is)")
     manifest = check_data(cfg, data_dir)
     made_for = (manifest.get("env") or {}).get("name")
     if made_for and made_for != cfg.env.name:
         raise FileNotFoundError(f"{data_dir} was made for env.name = {made_for}, not {cfg.env.name}: its held-out "
-                                f"rows are that environment's; run `dvc repro preprocess` with env.name = {cfg.env.name} "
-                                "(or pass --data a folder made for it)")
+                                "rows are that environment's; run `dvc repro preprocess` with env.name = "
+                                f"{cfg.env.name} (or pass --data a folder made for it)")
 
 
 def evaluate_checkpoint(cfg: Config, model: str | Path, out: str | Path,
