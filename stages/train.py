@@ -70,6 +70,10 @@ def main(cfg):
     store, resume = checkpoints(cfg)
     if resume is not None:
         mlflow.set_tag("turnrl.resumed_from_step", resume.step)
+        try:   # the crashed attempt's failure tag: this run goes on (and is tagged again if it fails)
+            mlflow.MlflowClient().delete_tag(run.run_id, "turnrl.failed")
+        except Exception:   # noqa: BLE001 - no such tag (the attempt was killed before tagging)
+            pass
         # steps the crashed run had not sent before it died (metrics are sent in the background)
         runs.backfill_steps(run, resume.state["history"])
         done.extend(resume.state["history"])
@@ -82,8 +86,8 @@ def main(cfg):
     except BaseException as exc:   # whatever ends it, the steps done land: curves, metrics/train.json, MLflow
         keep_failed(run, done, exc, summarize_training(done, where, resume, start))
         if isinstance(exc, ActorFailure):   # e.g. a reward function that failed (reward.on_error: fail)
-            print(f"turnrl train: {exc}. Checkpoints in {cfg.train.checkpoint_dir} are kept; a rerun resumes from "
-                  "the last", file=sys.stderr)
+            print(f"turnrl train: {str(exc).rstrip('.')}. Checkpoints in {Path(cfg.train.checkpoint_dir).resolve()} "
+                  "are kept; a rerun resumes from the last", file=sys.stderr)
             raise SystemExit(1) from None
         if isinstance(exc, (UnhealthyTraining, EnvironmentFailure)):   # their message says checkpoints are kept
             print(f"turnrl train: {exc}", file=sys.stderr)

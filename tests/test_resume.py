@@ -230,3 +230,32 @@ def test_an_unhealthy_run_stops_with_its_checkpoint_and_resumes_with_warn(tiny_m
     summary = json.loads((root / "metrics/train.json").read_text())
     assert summary["steps"] == 5 and summary["health"]["flags"]["no_signal"] == {
         "first_step": 3, "last_step": 5, "steps": 3}
+
+
+def test_a_checkpoint_that_cannot_be_loaded_names_the_folder_to_delete(monkeypatch, tmp_path):
+    """A checkpoint whose files were cut short loads with an error on every rerun: the message names
+    the folder, what to delete and what the rerun then does; the stage exits 2 (a retry fails alike)."""
+    import turnrl.training.loop as loop
+    from turnrl.pipeline.stage import failure_exit
+    from turnrl.training.checkpoint import DamagedCheckpoint, Resume
+    from turnrl.training.cluster import ActorFailure
+
+    def damaged(workers, folder):
+        raise ActorFailure("policy rank 0 failed: RuntimeError: PytorchStreamReader failed reading zip archive")
+    monkeypatch.setattr(loop, "load_checkpoint", damaged)
+    resume = Resume(tmp_path / "step_000010", {"step": 10, "position": 40, "history": []})
+    with pytest.raises(DamagedCheckpoint) as err:
+        loop._begin(None, None, None, None, resume)
+    assert f"the checkpoint {tmp_path / 'step_000010'} could not be loaded" in str(err.value)
+    assert "delete that folder and rerun: the run resumes from the checkpoint before it" in str(err.value)
+    assert failure_exit("train", err.value) == 2
+
+
+def test_a_checkpoint_folder_that_cannot_be_made_is_a_params_problem(tmp_path):
+    from turnrl.config.checks import checkpoint_problems, stage_problems
+    (tmp_path / "afile").write_text("x")
+    bad = Config.model_validate({"train": {"checkpoint_dir": str(tmp_path / "afile" / "ckpt")}})
+    assert checkpoint_problems(bad) == [f"train.checkpoint_dir = '{tmp_path / 'afile' / 'ckpt'}': {tmp_path / 'afile'} "
+                                        "is a file, so no folder can be made there; name another folder"]
+    assert checkpoint_problems(bad)[0] in stage_problems(bad, "train")
+    assert checkpoint_problems(Config.model_validate({"train": {"checkpoint_dir": str(tmp_path / "new" / "c")}})) == []

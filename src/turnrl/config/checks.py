@@ -29,7 +29,7 @@ FIRST_ROWS = 20   # the rows a field mapping is checked against (preprocess then
 def all_problems(cfg: Config) -> list[str]:
     """Everything: what `turnrl config` and the Prefect flow's first task check."""
     return (data_problems(cfg) + sft_problems(cfg) + benchmark_problems(cfg) + judge_problems(cfg) + tool_problems(cfg)
-            + game_problems(cfg) + model_problems(cfg))
+            + game_problems(cfg) + model_problems(cfg) + checkpoint_problems(cfg))
 
 
 def stage_problems(cfg: Config, stage: str) -> list[str]:
@@ -39,7 +39,25 @@ def stage_problems(cfg: Config, stage: str) -> list[str]:
         return all_problems(cfg)
     if stage == "sft":
         return sft_problems(cfg)
-    return [] if stage == "report" else tool_problems(cfg) + game_problems(cfg) + model_problems(cfg)
+    if stage == "report":
+        return []
+    return (tool_problems(cfg) + game_problems(cfg) + model_problems(cfg)
+            + (checkpoint_problems(cfg) if stage == "train" else []))
+
+
+def checkpoint_problems(cfg: Config) -> list[str]:
+    """train.checkpoint_dir: a folder, or a path one can be made at, that can be written (found
+    at the first checkpoint, minutes in, it was an 'unexpected error')."""
+    path = Path(cfg.train.checkpoint_dir).expanduser()
+    key = f"train.checkpoint_dir = {cfg.train.checkpoint_dir!r}"
+    if path.exists() and not path.is_dir():
+        return [f"{key}: a file, not a folder; name a folder for the checkpoints"]
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return [f"{key}: {existing} is a file, so no folder can be made there; name another folder"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [f"{key}: {existing} cannot be written; name a folder you can write to"]
+    return []
 
 
 def sft_problems(cfg: Config) -> list[str]:

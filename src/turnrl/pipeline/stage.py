@@ -90,6 +90,7 @@ def _stage_arguments(name: str, argv: list[str]) -> None:
 USER_FACING = (("turnrl.plugins", "PluginError", BAD_INPUT_EXIT),
                ("turnrl.rewards.functions", "RewardFunctionError", 1),
                ("turnrl.training.cluster", "ActorFailure", 1),
+               ("turnrl.training.checkpoint", "DamagedCheckpoint", BAD_INPUT_EXIT),   # a retry would fail alike
                ("turnrl.training.loop", "EnvironmentFailure", 1),
                ("turnrl.training.health", "UnhealthyTraining", 1))
 

@@ -84,6 +84,11 @@ def step_seed(seed: int, step: int, stream: int | str = 0) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{step}:{stream}".encode()).digest()[:4], "little") & 0x7FFFFFFF
 
 
+class DamagedCheckpoint(RuntimeError):
+    """The checkpoint a run resumes from could not be loaded (a file cut short, edited, or of
+    another DeepSpeed layout): the message names the folder and what to delete."""
+
+
 @dataclass
 class Resume:
     """A checkpoint to continue from."""

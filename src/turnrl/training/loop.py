@@ -54,11 +54,11 @@ from turnrl.rewards.teacher import (check_server_tokenizer as check_teacher_serv
                                    check_tokenizer as check_teacher_tokenizer, teacher_metrics)
 from turnrl.rollout.multi_turn import ENV_ERROR, Trajectory, tool_rates
 from turnrl.training import served_models
-from turnrl.training.checkpoint import CheckpointStore, Resume, write_state
+from turnrl.training.checkpoint import CheckpointStore, DamagedCheckpoint, Resume, write_state
 from turnrl.training.health import HealthMonitor, UnhealthyTraining
 from turnrl.training.rollouts import Rollouts, make_rollouts
-from turnrl.training.cluster import (RolloutGroup, TrainerGroup, Workers, check_cluster, start_ray, start_workers,
-                                     two_models)
+from turnrl.training.cluster import (ActorFailure, RolloutGroup, TrainerGroup, Workers, check_cluster, start_ray,
+                                     start_workers, two_models)
 
 log = logging.getLogger(__name__)
 
@@ -485,7 +485,12 @@ def _begin(workers: Workers, sampler: PromptSampler, monitor: HealthMonitor, che
             checkpoints.discard_all()
         return 1, []
     log.info("resuming from step %d (%s)", resume.step, resume.path)
-    load_checkpoint(workers, resume.path)
+    try:
+        load_checkpoint(workers, resume.path)
+    except ActorFailure as exc:   # every rerun would fail the same way: say which folder to delete
+        raise DamagedCheckpoint(f"the checkpoint {resume.path} could not be loaded ({exc}); if it is damaged (a "
+                                "file cut short or edited), delete that folder and rerun: the run resumes from the "
+                                "checkpoint before it") from None
     for sync in _syncs(workers):
         sync.push()
     sampler.position = resume.state["position"]
