@@ -340,9 +340,10 @@ def test_a_served_teacher_of_another_tokenizer_is_refused_unless_its_tokenizer_i
     assert check_tokenizer(TeacherCfg(serve=str(tmp_path / "teacher"), tokenizer=str(tmp_path / "teacher")),
                            str(tmp_path / "policy")) is None
     assert check_tokenizer(TeacherCfg(serve=str(tmp_path / "policy")), str(tmp_path / "policy")) is None
-    missing = check_tokenizer(TeacherCfg(base_url="http://t/v1", tokenizer=str(tmp_path / "nowhere")),
-                              str(tmp_path / "policy"))
-    assert missing.startswith(f"reward.teacher.tokenizer = {tmp_path / 'nowhere'}: it does not load")
+    with pytest.raises(ValueError, match="tokenizer = .*nowhere': no such folder"):   # a path: refused in params
+        TeacherCfg(base_url="http://t/v1", tokenizer=str(tmp_path / "nowhere"))
+    missing = check_tokenizer(TeacherCfg(base_url="http://t/v1", tokenizer="nowhere-relative"), str(tmp_path / "policy"))
+    assert missing.startswith("reward.teacher.tokenizer = nowhere-relative: it does not load")
 
 
 def test_a_teacher_server_of_another_tokenizer_is_refused_once_it_answers(tokenizers, tmp_path):
