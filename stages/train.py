@@ -19,10 +19,11 @@ def checkpoints(cfg):
     """(store, resume or None) for this config: decided before the MLflow run opens."""
     if not _checkpoints:
         from turnrl.training.folders import model_dir
-        from turnrl.training.checkpoint import CheckpointStore, run_fingerprint
+        from turnrl.training.checkpoint import CheckpointStore, run_fingerprint, shaping_params
         high = cfg.levels.high_model_path   # a second model for the high level, from its own folder
         key = run_fingerprint(cfg, [Path(model_dir(START)), DATA / "train.parquet", *([Path(high)] if high else [])])
-        store = CheckpointStore(cfg.train.checkpoint_dir, key, keep=cfg.train.keep_checkpoints)
+        store = CheckpointStore(cfg.train.checkpoint_dir, key, keep=cfg.train.keep_checkpoints,
+                                params=shaping_params(cfg))
         _checkpoints.update(store=store, resume=store.resumable(cfg.train.steps))
     return _checkpoints["store"], _checkpoints["resume"]
 

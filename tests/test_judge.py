@@ -260,7 +260,7 @@ def test_hedge_after_a_quantile_waits_for_the_judges_own_latencies():
     assert Judge(_cfg(hedge_after=2.5)).hedge_after_s() == 2.5 and Judge(_cfg()).hedge_after_s() is None
 
 
-@pytest.mark.parametrize("hedge", ["p5", "fast", -1, 0])
+@pytest.mark.parametrize("hedge", ["p5", "fast", -1, 0, True])
 def test_a_hedge_after_that_means_nothing_is_refused_naming_the_key(hedge):
     with pytest.raises(ValueError, match="hedge_after"):
         _cfg(hedge_after=hedge)

@@ -73,6 +73,23 @@ def test_resume_needs_the_same_fingerprint_and_a_step_within_train_steps(tmp_pat
     assert store.complete() == []
 
 
+def test_a_checkpoint_of_another_configuration_says_which_params_differ(tmp_path, caplog):
+    """A rerun with train.lr changed starts afresh (removing the old checkpoints): the log names the
+    param and both values, not two hashes."""
+    from turnrl.training.checkpoint import shaping_params
+    before, after = (Config.model_validate({"train": {"lr": lr}}) for lr in (5e-4, 3e-4))
+    old = CheckpointStore(tmp_path, "old", keep=3, params=shaping_params(before))
+    with old.writing(4) as folder:
+        write_state(folder, {"step": 4, "fingerprint": "old", "params": old.params, "position": 16, "history": []})
+    new = CheckpointStore(tmp_path, "new", keep=3, params=shaping_params(after))
+    with caplog.at_level("WARNING"):
+        assert new.resumable(max_step=10) is None
+    assert "checkpoint step_000004 is from another configuration (train.lr 0.0005 -> 0.0003): not resuming" \
+        in caplog.text
+    same = CheckpointStore(tmp_path, "other-data", keep=3, params=shaping_params(before))
+    assert same.difference({"params": old.params}) == "the same params; its model, data or another input differs"
+
+
 def test_fingerprint_covers_what_shapes_training_and_not_how_long_or_where(tmp_path):
     base = Config()
     key = run_fingerprint(base)

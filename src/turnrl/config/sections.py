@@ -415,6 +415,14 @@ class JudgeCfg(_Section):
         "judge's own recent latencies (from its 20th answer); null: never"))
     max_tokens: int = Field(256, gt=0)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _hedge_not_a_switch(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("hedge_after"), bool):   # true would read as 1 s
+            raise ValueError(f"hedge_after = {data['hedge_after']}: seconds (e.g. 1.5), a quantile such as p90, or "
+                             "null (never); it is not a switch")
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> "JudgeCfg":
         hedge = self.hedge_after

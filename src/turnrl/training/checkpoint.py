@@ -107,8 +107,11 @@ class Resume:
 class CheckpointStore:
     """The checkpoints of one training configuration (its `run_fingerprint`, kept as `fingerprint`) in `root`."""
 
-    def __init__(self, root: str | Path, fingerprint: str, keep: int = 2):
+    def __init__(self, root: str | Path, fingerprint: str, keep: int = 2, params: dict[str, Any] | None = None):
+        """`params`: the shaping params the fingerprint hashes, kept in state.json so that a
+        checkpoint of another configuration can say which of them differ."""
         self.root, self.fingerprint, self.keep = Path(root).resolve(), fingerprint, keep
+        self.params = json.loads(json.dumps(params)) if params is not None else None   # as state.json reads back
 
     def complete(self) -> list[tuple[int, Path]]:
         """(step, folder) of every complete checkpoint, oldest first."""
@@ -131,8 +134,8 @@ class CheckpointStore:
             if state is None:
                 continue
             if state.get("fingerprint") != self.fingerprint:
-                log.info("checkpoint %s is from another configuration (fingerprint %s, this run %s): "
-                         "not resuming from it", folder.name, state.get("fingerprint"), self.fingerprint)
+                log.warning("checkpoint %s is from another configuration (%s): not resuming from it; a run that "
+                            "starts afresh removes it", folder.name, self.difference(state))
                 continue
             if step > max_step:
                 log.info("checkpoint %s is past train.steps = %d: not resuming from it", folder.name, max_step)
@@ -140,10 +143,21 @@ class CheckpointStore:
             return Resume(folder, state)
         return None
 
+    def difference(self, state: dict[str, Any]) -> str:
+        """What differs between this configuration and a checkpoint's state, in words."""
+        theirs = state.get("params")
+        if not isinstance(theirs, dict) or self.params is None:
+            return f"fingerprint {state.get('fingerprint')}, this run {self.fingerprint}"
+        changed = [f"{k} {theirs.get(k)!r} -> {self.params.get(k)!r}" for k in sorted({*theirs, *self.params})
+                   if theirs.get(k) != self.params.get(k)]
+        if not changed:
+            return "the same params; its model, data or another input differs"
+        return ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+
     def discard_all(self) -> None:
         """Remove every checkpoint (a run that starts afresh: they belong to another config)."""
         for _, folder in self.complete():
-            log.info("removing checkpoint %s (a fresh run does not continue it)", folder)
+            log.warning("removing checkpoint %s (a fresh run does not continue it)", folder)
             shutil.rmtree(folder)
         self._remove_partials()
 

@@ -689,7 +689,8 @@ def save_checkpoint(workers: Workers, store: CheckpointStore, step: int, state: 
     with store.writing(step) as folder:
         for role, group in _trainer_roles(workers):
             group.call("save_checkpoint", str(folder / role))
-        write_state(folder, {"step": step, "fingerprint": store.fingerprint, **state})
+        write_state(folder, {"step": step, "fingerprint": store.fingerprint,
+                             **({"params": store.params} if store.params is not None else {}), **state})
 
 
 def load_checkpoint(workers: Workers, folder: Path) -> None:
