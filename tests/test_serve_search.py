@@ -134,3 +134,18 @@ def test_the_service_is_an_http_tool_for_the_tools_environment(corpus_file):
         assert result.info["tool_ok"] is True and result.reward == 1.0
     finally:
         service.stop()
+
+
+def test_its_env_options_are_read_as_turnrl_env_reads_them(tmp_path, capsys):
+    """`-S env.options.KEY=VALUE` sets the search environment's options whatever params' env.name
+    (here code_tool), values read as YAML; a value that is not YAML is one line, exit 2."""
+    from turnrl.pipeline import serve_search
+    params = str(ROOT / "params.yaml")
+    assert serve_search.main(["--params", params, "-S", "env.options.top_k=[", "--port", "0"]) == 2
+    assert "-S 'env.options.top_k=[': the value is not YAML" in capsys.readouterr().err
+    # a good value passes the params check and the options check; the corpus named is what fails here
+    missing = tmp_path / "none.jsonl"
+    assert serve_search.main(["--params", params, "-S", "++env.options.top_k=3", "-S",
+                              f"env.options.corpus={missing}", "--port", "0"]) == 2
+    assert f"the corpus {str(missing)!r}" in capsys.readouterr().err
+    assert serve_search.settings(None, tmp_path, {"top_k": 3})["top_k"] == 3

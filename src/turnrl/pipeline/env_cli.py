@@ -45,7 +45,9 @@ class EnvCliError(ValueError):
     """Bad input to `turnrl env`; the message says what to fix."""
 
 
-def _options(pairs: list[str]) -> dict[str, Any]:
+def env_options(pairs: list[str]) -> dict[str, Any]:
+    """Environment options of `-S key=value` pairs (`env.options.` and dvc's `++` dropped, values read as
+    YAML); a pair that is not key=value, names another env key or holds bad YAML is an EnvCliError."""
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -200,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         name, options, max_turns, stop = args.name, {}, 3, None
         if not name:
             name, options, max_turns, stop = _from_params(args.params)
-        explore(name, {**options, **_options(args.options)}, args.row, args.steps, args.data, max_turns,
+        explore(name, {**options, **env_options(args.options)}, args.row, args.steps, args.data, max_turns,
                 args.stop if args.stop is not None else stop)
     except (EnvCliError, PluginError, ConfigError, DataSourceError, FileNotFoundError) as exc:
         print(f"turnrl env: {exc}", file=sys.stderr)   # (a data file missing: what to run says the message)

@@ -56,22 +56,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import yaml
-
     args = parse_args(argv)
     from turnrl.config import ConfigError, load_config
+    from turnrl.pipeline.env_cli import EnvCliError, env_options
     from turnrl.plugins import PluginError
     # -S env.options.KEY=VALUE are the search environment's options, whatever env.name params has
-    given = {k.split("=", 1)[0].strip().lstrip("+")[len("env.options."):]: v for k, v in
-             (o.split("=", 1) if "=" in o else (o, "") for o in args.overrides)
-             if k.strip().lstrip("+").startswith("env.options.")}
-    rest = [o for o in args.overrides if not o.strip().lstrip("+").startswith("env.options.")]
+    ours = [o for o in args.overrides if o.strip().lstrip("+").startswith("env.options.")]
+    rest = [o for o in args.overrides if o not in ours]
     try:
         if args.params != "params.yaml" and not Path(args.params).is_file():
             raise ConfigError(f"--params {args.params}: no such file")
         cfg = load_config(args.params, rest) if Path(args.params).is_file() or rest else None
-        chosen = settings(cfg, args.data, {k: yaml.safe_load(v) if v else "" for k, v in given.items()})
-    except (ConfigError, PluginError, yaml.YAMLError) as exc:
+        chosen = settings(cfg, args.data, env_options(ours))
+    except (ConfigError, PluginError, EnvCliError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     corpus = args.corpus or chosen["corpus"]
