@@ -160,8 +160,7 @@ def _first_training_rows(cfg: Config) -> list[dict]:
             return task.rows(FIRST_ROWS, seed=cfg.seed, split="train", exclude=set()) if task and task.rows else []
         if name in sources.DATASETS or not _looks_like_path(name) or not Path(name).is_file():
             return []
-        records = [rec for _, rec in islice(sources._iter_records(Path(name)), FIRST_ROWS) if isinstance(rec, Mapping)]
-        return [{**dict.fromkeys(sources.SCHEMA_FIELDS, ""), **rec} for rec in records]
+        return [{**dict.fromkeys(sources.SCHEMA_FIELDS, ""), **rec} for rec in _first_rows(Path(name))]
     except Exception:   # noqa: BLE001 - data the other checks (data_problems, check_plugins) report
         return []
 
@@ -209,6 +208,12 @@ def _missing_file(key: str, value: str, alternative: str = "") -> str | None:
             f"{' ' + alternative if alternative else ''}")
 
 
+def _first_rows(path: Path) -> list[Mapping]:
+    """The JSON-object rows among the first FIRST_ROWS records of a jsonl/json/parquet file."""
+    from turnrl.data import sources
+    return [rec for _, rec in islice(sources._iter_records(path), FIRST_ROWS) if isinstance(rec, Mapping)]
+
+
 def mapping_problems(path: Path, fields: Mapping[str, str] | None, key: str) -> list[str]:
     """The field mapping `fields` (schema field -> the file's field; None: guessed as the loader
     does) against the first rows of `path`: a mapped field none of them has is a typo. (A row
@@ -216,7 +221,7 @@ def mapping_problems(path: Path, fields: Mapping[str, str] | None, key: str) -> 
     data.bad_rows: drop.)"""
     from turnrl.data import sources
     try:
-        rows = [rec for _, rec in islice(sources._iter_records(path), FIRST_ROWS) if isinstance(rec, Mapping)]
+        rows = _first_rows(path)
         if not fields:
             fields = sources._guess_fields(path)
         else:
