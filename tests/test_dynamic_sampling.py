@@ -96,7 +96,10 @@ class Scripted:
     def group(self, example: dict, n: int) -> list:
         k = example["id"]
         rewards = [1.0] + [0.0] * (n - 1) if self.every and k % self.every == 0 else [0.0] * n
-        return [_traj(k, r, self.version) for r in rewards]
+        group = [_traj(k, r, self.version) for r in rewards]
+        for t in group:   # a judge's call per trajectory
+            t.info["judge_q"] = [{"prompt": f"p{k}", "answer": "7", "score": 0.7, "seconds": 0.1, "tries": 1}]
+        return group
 
     def timed_rollout(self, examples, n, generator_seed=None):
         return [t for e in examples for t in self.group(e, n)], 0.01
@@ -116,7 +119,7 @@ class Scripted:
         pass
 
 
-def _source(mode: str, every: int, budget: float = 3.0):
+def _source(mode: str, every: int, budget: float = 3.0, dynamic: bool = True):
     import ray
 
     from turnrl.training.cluster import RolloutGroup
@@ -125,7 +128,7 @@ def _source(mode: str, every: int, budget: float = 3.0):
     cfg = Config.model_validate({
         "train": {"mode": mode, "prompts_per_step": 4, **({"overlap_rollout": False} if mode == "sync" else {}),
                   "groups_in_flight": 4 if mode == "async" else 0},
-        "algorithm": {"name": "grpo", "dynamic_sampling": {"enabled": True, "budget": budget},
+        "algorithm": {"name": "grpo", "dynamic_sampling": {"enabled": dynamic, "budget": budget},
                       **({"policy_loss": "decoupled"} if mode == "async" else {})},
         "rollout": {"n": 2}})
     actor = ray.remote(Scripted).remote(every)
@@ -145,6 +148,22 @@ def test_groups_without_signal_are_refilled_until_the_batch_has_its_prompts(ray_
     assert metrics["dynamic_extra_trajectories"] >= 2 * 6
     if mode == "sync":
         assert sampler.position <= 3 * 4      # within the budget (async also keeps groups in flight)
+    rollouts.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_source_counts_the_judges_calls_once_with_or_without_dynamic_sampling(ray_cluster, mode):
+    """The judges' call metrics are the rollout source's: the trained groups' calls without dynamic
+    sampling, the dropped groups' too with it (rollout_metrics no longer counts them a second time)."""
+    from turnrl.training.loop import rollout_metrics
+    rollouts, _ = _source(mode, every=3, dynamic=False)
+    trajs, _, metrics = rollouts.next_batch(1)
+    assert len(trajs) == 8 and metrics["judge_q_calls"] == 8.0 and "dynamic_dropped_groups" not in metrics
+    assert not any(k.startswith("judge_") for k in rollout_metrics(trajs, 2))
+    rollouts.close()
+    rollouts, _ = _source(mode, every=3)   # a third of the prompts have signal: the rest judged and dropped
+    trajs, _, metrics = rollouts.next_batch(1)
+    assert metrics["judge_q_calls"] == len(trajs) + 2 * metrics["dynamic_dropped_groups"] > len(trajs)
     rollouts.close()
 
 

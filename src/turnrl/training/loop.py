@@ -48,7 +48,7 @@ from turnrl.config import AlgorithmCfg, Config, ConfigError, LevelsCfg, TrainCfg
 from turnrl.gateway.samples import episode_view, training_rows
 from turnrl.training.folders import high_level_folder
 from turnrl.rewards import endpoint
-from turnrl.rewards.judge import check_rows as check_judge_rows, judge_metrics
+from turnrl.rewards.judge import check_rows as check_judge_rows
 from turnrl.rewards.shaping import cut_by_budget
 from turnrl.rewards.teacher import (check_server_tokenizer as check_teacher_server,
                                    check_tokenizer as check_teacher_tokenizer, teacher_metrics)
@@ -211,7 +211,8 @@ def env_errors(trajs: Sequence[Trajectory]) -> tuple[float, str]:
 
 
 def rollout_metrics(trajs: Sequence[Trajectory], n: int) -> dict[str, float]:
-    """Reward, accuracy, turns, lengths, tool use and finish reasons of a rollout batch."""
+    """Reward, accuracy, turns, lengths, tool use and finish reasons of a rollout batch. (The judges'
+    call metrics are the rollout source's: it knows every group judged, dropped ones too.)"""
     count = len(trajs)
     rewards = [t.reward for t in trajs]
     episodes = [t for t in trajs if t.samples or "samples" in t.info]   # an agent program's episodes
@@ -252,7 +253,6 @@ def rollout_metrics(trajs: Sequence[Trajectory], n: int) -> dict[str, float]:
         out[f"finish_{reason}_frac"] = sum(t.finish == reason for t in trajs) / count
     for name in sorted({name for t in trajs for name in t.rewards}):   # reward functions, by name
         out[f"reward_{name}_mean"] = sum(t.rewards.get(name, 0.0) for t in trajs) / count
-    out.update(judge_metrics(trajs))   # reward.judges: their calls' latency, retries, failures
     out.update(teacher_metrics(trajs))   # reward.teacher of another tokenizer: how exact its mapping was
     return out
 

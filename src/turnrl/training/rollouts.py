@@ -20,6 +20,7 @@ from itertools import zip_longest
 from typing import Any, Protocol, Sequence
 
 from turnrl.config import Config
+from turnrl.rewards.judge import judge_metrics
 from turnrl.rollout.multi_turn import Trajectory
 from turnrl.training.checkpoint import step_seed
 from turnrl.training.dynamic_sampling import StepFilter, fill_up, filter_batch, min_groups_for
@@ -28,7 +29,8 @@ from turnrl.training.cluster import RolloutGroup, wait_all
 
 class Rollouts(Protocol):
     def next_batch(self, step: int) -> tuple[list[Trajectory], list[float], dict[str, float]]:
-        """(the step's trajectories, each engine's busy seconds for them, metrics of the source)."""
+        """(the step's trajectories, each engine's busy seconds for them, metrics of the source: the
+        judges' calls over every trajectory judged this step, those dynamic sampling dropped too)."""
     def push(self, pushes: Sequence) -> None:
         """The weight syncs of this step's update."""
     def unused_prompts(self, step: int) -> int:
@@ -69,7 +71,7 @@ class SyncRollouts:
             self.next = self.rollout.submit(self.sampler.next(self.prompts), self.n, step + 1)
         if self.dynamic.enabled:
             return self.refilled(trajs, engine_busy, step)
-        return trajs, engine_busy, {}
+        return trajs, engine_busy, judge_metrics(trajs)
 
     def refilled(self, trajs: list[Trajectory], engine_busy: list[float], step: int):
         """Dynamic sampling: the batch's groups with signal, refilled with new prompts' groups
@@ -195,7 +197,7 @@ class AsyncRollouts:
             "in_flight_groups": float(sum(s["in_flight"] + s["inbox"] for s in states.values())),
             "batch_wait_s": time.perf_counter() - waited, "policy_version": float(self.version),
             **(step_filter.metrics([t for group in batch for t in group], len(step_filter.dropped))
-               if step_filter is not None else {})}
+               if step_filter is not None else judge_metrics([t for group in batch for t in group]))}
         return [t for group in batch for t in group], engine_busy, metrics
 
     def push(self, pushes: Sequence) -> None:
