@@ -80,6 +80,17 @@ def test_a_failing_stage_marks_its_runs_failed(cfg, monkeypatch, tmp_path):
     assert {r.info.status for r in found} == {"FAILED"}
 
 
+def test_a_stage_stopped_by_ctrl_c_or_sigterm_marks_its_runs_killed(cfg, monkeypatch, tmp_path):
+    from turnrl.errors import Terminated
+    monkeypatch.setenv("TURNRL_PIPELINE_KEY", "unit:4")
+    with pytest.raises(Terminated):
+        with runs.stage_run("train", cfg):
+            raise Terminated("signal 15")
+    client = _client(cfg.tracking.uri)
+    found = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
+    assert {r.info.status for r in found} == {"KILLED"}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

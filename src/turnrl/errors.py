@@ -47,3 +47,18 @@ def _message(exc: BaseException) -> str:
         return str(exc)
     except Exception:   # noqa: BLE001 - a __str__ that raises still leaves the type
         return ""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's stop, `kill`, `docker stop`), raised in the main thread where the
+    program asked for it (`raise_on_sigterm`): every cleanup Ctrl-C runs, runs (the MLflow run
+    closed as killed, Ray's actors stopped), and the program says so in one line."""
+
+
+def raise_on_sigterm() -> None:
+    """From now on SIGTERM raises Terminated in the main thread (call it from there)."""
+    import signal
+
+    def handler(signum, frame):
+        raise Terminated(f"signal {signum}")
+    signal.signal(signal.SIGTERM, handler)

@@ -6,7 +6,8 @@ the user (a plugin, a reward function, an actor, the environment, an unhealthy r
 traceback first for an unexpected one (a bug: where it happened matters).
 
 Exit codes: 2 for bad input (params, data, model path: retrying will not help, and the
-Prefect flow does not retry it), 1 for anything else. A full disk is reported as such (what
+Prefect flow does not retry it), 130 for Ctrl-C and 143 for SIGTERM (the shell's codes; the
+MLflow run closed as killed), 1 for anything else. A full disk is reported as such (what
 was being written, where to free space), with exit code 1: it is not bad input, and a retry
 after space was freed succeeds. So is a tracking store that cannot be opened (one line naming
 tracking.uri; a server that does not answer only with `tracking.on_unreachable: fail`, else
@@ -23,10 +24,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from turnrl.config import Config, ConfigError, load_config
-from turnrl.errors import one_line
+from turnrl.errors import Terminated, one_line, raise_on_sigterm
 
 BAD_INPUT_EXIT = 2
 DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+RESUMES = "; a rerun resumes from the last checkpoint (train.checkpoint_every)"
 
 
 def run_stage(name: str, body: Callable[[Config], Any],
@@ -49,14 +51,18 @@ def run_stage(name: str, body: Callable[[Config], Any],
 
     from turnrl.data.sources import DataSourceError
     from turnrl.tracking import runs
+    raise_on_sigterm()   # SIGTERM (a scheduler, kill, docker stop) stops the stage as Ctrl-C does
     try:
         with runs.stage_run(name, cfg, resume_run(cfg) if resume_run else None):
             body(cfg)
     except (DataSourceError, FileNotFoundError, ConfigError) as exc:   # e.g. params that cannot work together
         print(f"turnrl {name}: {exc}", file=sys.stderr)
         raise SystemExit(BAD_INPUT_EXIT) from None
-    except KeyboardInterrupt:   # Ctrl-C: the MLflow run was closed as killed; a rerun resumes (train)
-        print(f"turnrl {name}: interrupted", file=sys.stderr)
+    except Terminated:   # the MLflow run was closed as killed; a rerun resumes (train)
+        print(f"turnrl {name}: stopped by SIGTERM{RESUMES if name == 'train' else ''}", file=sys.stderr)
+        raise SystemExit(143) from None
+    except KeyboardInterrupt:   # Ctrl-C: as SIGTERM
+        print(f"turnrl {name}: interrupted{RESUMES if name == 'train' else ''}", file=sys.stderr)
         raise SystemExit(130) from None
     except runs.TrackingUnavailable as exc:   # a server that is down: starting it and rerunning will do
         print(f"turnrl {name}: {exc}", file=sys.stderr)

@@ -222,7 +222,7 @@ def open_store(cfg: Config, stage: str) -> _Store:
 def stage_run(stage: str, cfg: Config, resume_run_id: str | None = None) -> Iterator[StageRun]:
     """Open the pipeline's parent run and a nested run for `stage`; log the config, params,
     git commit and DVC stage, start the Recorder and system metrics. On an exception both runs
-    are marked FAILED. A store that cannot be opened: see `open_store`.
+    are marked FAILED; stopped by Ctrl-C or SIGTERM, KILLED. A store that cannot be opened: see `open_store`.
 
     `resume_run_id` (a stage continuing after a crash, e.g. train from a checkpoint): that
     run is reopened and continued, where it was, so its metrics stay one history; the
@@ -251,6 +251,9 @@ def stage_run(stage: str, cfg: Config, resume_run_id: str | None = None) -> Iter
             system = SystemMetrics(rec, run.info.run_id)
         _stage = StageRun(run, store.parent, store.experiment_id, rec, cfg, stage)
         yield _stage
+    except KeyboardInterrupt:   # Ctrl-C, or SIGTERM where the stage asked for it (turnrl.errors.Terminated)
+        status = "KILLED"
+        raise
     except BaseException:
         status = "FAILED"
         raise

@@ -30,6 +30,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,6 +166,16 @@ def start_ray(cfg: Config) -> None:
     if ray.is_initialized():
         return
     modules = plugin_modules(cfg)   # the project's plugins, for actors in other processes and on other nodes
+    # ray.init sets a SIGTERM handler that exits mid-cleanup (SystemExit(15), then SIGABRT); a handler
+    # the program set first (a stage's: one line, the MLflow run closed) is put back after it
+    before = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    _init_ray(cfg, modules)
+    if callable(before):
+        signal.signal(signal.SIGTERM, before)
+
+
+def _init_ray(cfg: Config, modules: list[str]) -> None:
+    import ray
     if cfg.cluster.address:
         import turnrl
         try:   # py_modules: this checkout's turnrl goes with the job to every node's workers
