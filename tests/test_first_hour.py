@@ -472,6 +472,19 @@ def test_turnrl_env_refuses_what_a_rollout_refuses(tmp_path, monkeypatch, capsys
         in capsys.readouterr().err
 
 
+def test_turnrl_env_search_without_preprocessed_data_says_what_to_run_or_uses_the_corpus_given(
+        tmp_path, monkeypatch, capsys):
+    from turnrl.pipeline import env_cli
+    monkeypatch.chdir(tmp_path)   # no data/processed here
+    assert env_cli.main(["search"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("turnrl env: the search environment needs the preprocessed data folder") and \
+        "dvc repro preprocess" in err and "Traceback" not in err
+    (tmp_path / "passages.jsonl").write_text('{"id": "1", "title": "A", "text": "The code of Agent 4 is 77."}\n')
+    assert env_cli.main(["search", "-S", "corpus=passages.jsonl", "--step", "<search>Agent 4</search>"]) == 0
+    assert "The code of Agent 4 is 77." in capsys.readouterr().out
+
+
 def test_a_demonstration_of_the_wrong_shape_is_said_so():
     """A demonstration function returning one string (not a list of turns) or turns that are not
     text: a TypeError saying what to return, never a warm start on its characters."""

@@ -488,8 +488,14 @@ def make_search_env(*, context: EnvContext, corpus: str = "", top_k: int = 1, ma
     if endpoint:
         return SearchEnv(index=remote_index(endpoint, endpoint_timeout_s), top_k=top_k,
                          max_passage_chars=max_passage_chars, max_searches=max_searches, system_prompt=system_prompt)
-    if context.data_dir is None:
-        raise ValueError("the search environment needs the preprocessed data folder (its corpus.parquet)")
+    if context.data_dir is None:   # outside the pipeline (turnrl env without data/processed)
+        if corpus:
+            return SearchEnv(corpus=corpus, top_k=top_k, max_passage_chars=max_passage_chars,
+                             max_searches=max_searches, system_prompt=system_prompt)
+        raise FileNotFoundError("the search environment needs the preprocessed data folder (its corpus.parquet): "
+                                "run `dvc repro preprocess` with env.name = search, or give it a corpus "
+                                "(env.options.corpus: a passages file or data set) or a search service "
+                                "(env.options.endpoint, `turnrl serve-search`)")
     corpus_file = Path(context.data_dir) / CORPUS_FILE
     if not corpus_file.exists():
         raise FileNotFoundError(f"{corpus_file} is missing; run `dvc repro preprocess` with env.name = search")
