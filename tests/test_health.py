@@ -61,6 +61,17 @@ def test_no_signal_after_n_identical_steps():
     assert first_step(steps, "no_signal") is None
 
 
+def test_no_signal_is_not_a_teachers_algorithm_concern():
+    """opd learns from the teacher's logprobs: one sample per problem (rollout.n 1), or a solved task,
+    makes every group's rewards equal with the signal intact (a 20-step run was flagged from step 5)."""
+    from turnrl.algos.registry import resolve as resolve_algorithm
+    steps = [{**healthy_step(s), "groups_all_same_frac": 1.0} for s in range(1, 11)]
+    monitor = HealthMonitor(HealthCfg(no_signal_steps=5), reward_signal=not resolve_algorithm("opd").teacher)
+    for m in steps:
+        monitor.check(m)
+    assert first_step(steps, "no_signal") is None and not resolve_algorithm("grpo").teacher
+
+
 def test_entropy_collapse_and_explosion():
     collapsing = [healthy_step(s) for s in range(1, 21)]
     for m in collapsing:

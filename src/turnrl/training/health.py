@@ -5,7 +5,7 @@
 
 | check | fails when | why it matters |
 |---|---|---|
-| `no_signal` | every group's rewards identical (`groups_all_same_frac` 1) for `no_signal_steps` steps in a row | group-relative advantages are all 0: nothing is learned |
+| `no_signal` | every group's rewards identical (`groups_all_same_frac` 1) for `no_signal_steps` steps in a row (not for opd, whose signal is the teacher's) | group-relative advantages are all 0: nothing is learned |
 | `reward_collapse` | the mean reward of the last `window` steps < `reward_drop` x the run's best `window`-step mean (a best above 0) | the policy unlearned what it had learned (a run that reached 0.95 and answers wrong from one step to the next) |
 | `entropy_collapse` | entropy's mean over the last `window` steps < `entropy_low` x its mean over the first `window` | the policy stopped exploring |
 | `entropy_explosion` | that mean > `entropy_high` x the first `window`'s | the policy is falling apart into noise |
@@ -59,11 +59,14 @@ def _mean(values: Iterable[float]) -> float:
 
 
 class HealthMonitor:
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: Any, reward_signal: bool = True):
         """`cfg`: `train.health` (no_signal_steps, window, reward_drop, entropy_low, entropy_high,
         truncated_frac, kl_ref_max, logp_gap_p99_max, tool_error_frac_max, stale_frac_max,
-        is_weight_max, is_ess_min)."""
+        is_weight_max, is_ess_min). `reward_signal`: the algorithm learns from the rewards (False:
+        a teacher's logprobs are its signal, opd; groups of equal rewards then still teach, so
+        `no_signal` is not checked)."""
         self.cfg = cfg
+        self.reward_signal = reward_signal
         self.history: list[dict] = []
         self.failing: set[str] = set()
         self.best_reward = -math.inf   # the best mean reward over `window` steps so far (reward_collapse)
@@ -99,7 +102,7 @@ class HealthMonitor:
             flag("non_finite", "non-finite " + ", ".join(f"{k} = {metrics[k]}" for k in bad))
 
         same = [m.get("groups_all_same_frac", 0.0) for m in h[-c.no_signal_steps:]]
-        if len(same) == c.no_signal_steps and min(same) >= 1.0:
+        if self.reward_signal and len(same) == c.no_signal_steps and min(same) >= 1.0:
             flag("no_signal", f"every group's rewards were identical for the last {c.no_signal_steps} steps "
                               f"(reward {metrics.get('reward_mean', float('nan')):.3f}): all advantages are 0")
 

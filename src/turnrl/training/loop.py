@@ -383,9 +383,9 @@ def _train(cfg: Config, workers: Workers, model_dir: str, train_rows: list[dict]
            on_step, checkpoints: CheckpointStore | None, resume: Resume | None, mlflow_run_id: str | None,
            high_dir: str | None = None, heldout_rows: list[dict] = ()) -> list[dict]:
     sampler = PromptSampler(train_rows, cfg.seed)
-    monitor = HealthMonitor(cfg.train.health)
-    first, history = _begin(workers, sampler, monitor, checkpoints, resume)
     algorithm = resolve_algorithm(cfg.algorithm.name)
+    monitor = HealthMonitor(cfg.train.health, reward_signal=not algorithm.teacher)
+    first, history = _begin(workers, sampler, monitor, checkpoints, resume)
     eos_id = _end_of_turn_id(cfg, model_dir) if algorithm.prepare is not None else None
     rollouts = make_rollouts(cfg, workers.rollout, sampler, version=_pushes_so_far(history))
     try:
