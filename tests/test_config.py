@@ -86,13 +86,34 @@ def test_config_cli_prints_the_resolved_config_and_explains_itself(tmp_path, cap
     from turnrl.config import main
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
-    assert exit_.value.code == 0 and "usage: python -m turnrl.config" in capsys.readouterr().out
+    assert exit_.value.code == 0 and "usage: turnrl config" in capsys.readouterr().out
     assert main([str(ROOT / "params.yaml")]) == 0
     resolved = yaml.safe_load(capsys.readouterr().out)
     assert resolved["env"]["name"] == "code_tool" and "options" in resolved["env"]
     bad = tmp_path / "params.yaml"
     bad.write_text("train: {steps: -3}\n")
     assert main([str(bad)]) == 2 and "train.steps" in capsys.readouterr().err
+
+
+def test_every_command_takes_the_params_file_as_the_stages_do(tmp_path, monkeypatch, capsys):
+    """--params FILE in every command (config and doctor also take it positionally), and
+    $TURNRL_PARAMS, which the stages read, as every command's default."""
+    from turnrl.config import main
+    from turnrl.pipeline import env_cli
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: {steps: -3}\n")
+    assert main(["--params", str(bad), "-q"]) == 2 and "train.steps" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main([str(ROOT / "params.yaml"), "--params", str(bad)])
+    assert exit_.value.code == 2 and "two params files given" in capsys.readouterr().err
+    monkeypatch.setenv("TURNRL_PARAMS", str(bad))
+    assert main(["-q"]) == 2 and "train.steps" in capsys.readouterr().err
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["env"] = {"name": "math_refine"}
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(params))
+    monkeypatch.setenv("TURNRL_PARAMS", str(tmp_path / "mine.yaml"))
+    monkeypatch.chdir(tmp_path)
+    assert env_cli.main([]) == 0 and capsys.readouterr().out.startswith("environment: math_refine")
 
 
 @pytest.mark.parametrize("size, engine, engine_gpus, refused", [

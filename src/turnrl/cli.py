@@ -10,6 +10,8 @@
                                            env.options.endpoint (rollout workers on many nodes share it)
     turnrl env [NAME] [--row N] [--step T]  an environment's resolved options and tool schemas, a row's
                                            first observation, and steps with the given texts
+
+Every command reads params.yaml, or the file --params FILE or $TURNRL_PARAMS names (as the stages do).
 """
 from __future__ import annotations
 

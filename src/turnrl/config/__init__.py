@@ -10,7 +10,8 @@ value and what is allowed:
 
 Nothing here imports anything heavy, so a stage fails within a second on a bad value.
 """
-from turnrl.config.loading import check_plugins, load_config, main, parse_config
+from turnrl.config.loading import (add_params_argument, check_plugins, default_params_file, load_config, main,
+                                   params_file, parse_config)
 from turnrl.config.sections import (
     AlgorithmCfg, BENCHMARKS, BenchmarkCfg, ClusterCfg, Config, ConfigError, DataCfg, EnvCfg, EvalCfg,
     HealthCfg, LORA_EXCLUDED, LevelsCfg, LoraCfg, ModelCfg, RewardCfg, RolloutCfg, TinyModel, TracesCfg,
@@ -20,6 +21,6 @@ from turnrl.config.sections import (
 __all__ = [
     "AlgorithmCfg", "BENCHMARKS", "BenchmarkCfg", "ClusterCfg", "Config", "ConfigError", "DataCfg", "EnvCfg",
     "EvalCfg", "HealthCfg", "LORA_EXCLUDED", "LevelsCfg", "LoraCfg", "ModelCfg", "RewardCfg", "RolloutCfg",
-    "TinyModel", "TracesCfg", "TrackingCfg", "TrainCfg", "WarmStart", "check_plugins", "load_config", "main",
-    "parse_config"
+    "TinyModel", "TracesCfg", "TrackingCfg", "TrainCfg", "WarmStart", "add_params_argument", "check_plugins",
+    "default_params_file", "load_config", "main", "params_file", "parse_config"
 ]

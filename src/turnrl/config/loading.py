@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import re
 from pathlib import Path
 from types import UnionType
@@ -309,23 +310,48 @@ def load_config(path: str | Path = "params.yaml", overrides: list[str] | tuple[s
     return parse_config(data, source=str(path.name))
 
 
+PARAMS_ENV = "TURNRL_PARAMS"   # the params file the stages and every command read, when set
+
+
+def default_params_file() -> str:
+    """params.yaml, or the file $TURNRL_PARAMS names (as the stages read it)."""
+    return os.environ.get(PARAMS_ENV) or "params.yaml"
+
+
+def add_params_argument(parser, positional: bool = False) -> None:
+    """The params file option every command takes (`--params FILE`; default $TURNRL_PARAMS or
+    params.yaml); `positional`: also as the first argument (`turnrl config FILE`)."""
+    if positional:
+        parser.add_argument("params_file", nargs="?", metavar="params", help="the params file (or --params)")
+    parser.add_argument("--params", default=None, metavar="FILE",
+                        help=f"the params file (default: ${PARAMS_ENV} if set, else params.yaml)")
+
+
+def params_file(args, parser) -> str:
+    """The params file of arguments made by `add_params_argument` (two different files: an error)."""
+    given = getattr(args, "params_file", None)
+    if given and args.params and given != args.params:
+        parser.error(f"two params files given ({given} and --params {args.params}); give one")
+    return given or args.params or default_params_file()
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m turnrl.config [params.yaml] [-S key=value ...]`: validate params, check what
     the stages would check before heavy work (turnrl.config.checks: data and benchmark files,
     their field mappings, stdio MCP commands), print the resolved config. Exit 2 on a problem."""
     import argparse
     import sys
-    parser = argparse.ArgumentParser(prog="python -m turnrl.config",
+    parser = argparse.ArgumentParser(prog="turnrl config",
                                      description="Validate a params file, check the files and commands it names, "
                                                  "and print the resolved config (every key, defaults filled in).")
-    parser.add_argument("params", nargs="?", default="params.yaml", help="the params file (default: params.yaml)")
+    add_params_argument(parser, positional=True)
     parser.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a param, e.g. -S train.steps=3 (repeatable; as `dvc exp run -S`)")
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing when everything checks out")
     args = parser.parse_args(argv)
     from turnrl.config.checks import InputProblems, all_problems, require
     try:
-        cfg = load_config(args.params, args.overrides)
+        cfg = load_config(params_file(args, parser), args.overrides)
         require(all_problems(cfg))
     except (ConfigError, InputProblems) as exc:
         print("\n".join(f"error: {line}" for line in str(exc).splitlines()), file=sys.stderr)   # a line a problem

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from turnrl.config import Config, ConfigError, load_config
+from turnrl.config import Config, ConfigError, add_params_argument, load_config, params_file
 
 #: Versions this project was tested with (pinned in pyproject.toml); others may work.
 TESTED = {"torch": "2.13", "vllm": "0.32", "deepspeed": "0.19", "ray": "2.60", "transformers": "5.",
@@ -322,10 +322,11 @@ CHECKS: list[Callable[[Config], Check | list[Check]]] = [check_versions, check_g
 def main(argv: list[str] | None = None) -> int:
     import argparse
     parser = argparse.ArgumentParser(prog="turnrl doctor", description=__doc__.split("\n")[0])
-    parser.add_argument("params", nargs="?", default=os.environ.get("TURNRL_PARAMS", "params.yaml"))
+    add_params_argument(parser, positional=True)
     parser.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a params key, as `dvc exp run -S` (e.g. -S cluster.address=HEAD:6379)")
     args = parser.parse_args(argv)
+    args.params = params_file(args, parser)
     print(f"turnrl doctor ({args.params}{''.join(' -S ' + o for o in args.overrides)})")
     try:
         cfg = load_config(args.params, args.overrides)

@@ -32,6 +32,7 @@ from typing import Any
 import yaml
 
 from turnrl import envs
+from turnrl.config import add_params_argument, params_file
 from turnrl.config.sections import locked_env
 from turnrl.envs.base import step_result_problem
 from turnrl.errors import first_line, one_line
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="a string that ends a policy turn, as env.stop (repeat for more; replaces the "
                              "environment's own)")
     parser.add_argument("--data", default=None, help="rows from this file instead of data/processed/heldout.parquet")
-    parser.add_argument("--params", default="params.yaml", help="the params file NAME defaults from")
+    add_params_argument(parser)
     args = parser.parse_args(argv)
     if args.row < 0:
         parser.error(f"--row {args.row}: a row number, 0 or more")
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         name, options, max_turns, stop = args.name, {}, 3, None
         if not name:
-            name, options, max_turns, stop = _from_params(args.params)
+            name, options, max_turns, stop = _from_params(params_file(args, parser))
         explore(name, {**options, **env_options(args.options)}, args.row, args.steps, args.data, max_turns,
                 args.stop if args.stop is not None else stop)
     except (EnvCliError, PluginError, ConfigError, DataSourceError, FileNotFoundError) as exc:

@@ -70,7 +70,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from turnrl import envs
-from turnrl.config import BenchmarkCfg, Config
+from turnrl.config import BenchmarkCfg, Config, add_params_argument, params_file
 from turnrl.data import sources
 from turnrl.rollout.chat import ChatFormat
 from turnrl.rollout.episodes import StepRunner, runner_for
@@ -524,7 +524,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 description="Evaluate a Hugging Face checkpoint folder on the pipeline's benchmarks.")
     p.add_argument("model", type=Path, help="a Hugging Face checkpoint folder")
     p.add_argument("--out", type=Path, required=True, help="folder for metrics.json and the generations")
-    p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    add_params_argument(p)
     p.add_argument("--data", type=Path, default=Path("data/processed"),
                    help="the preprocess stage's output (default: data/processed)")
     p.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -541,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = load_config(args.params, args.overrides)
+        cfg = load_config(params_file(args, None), args.overrides)
         checks.before_evaluate(cfg)   # benchmark files, their fields, MCP commands: before evaluating anything
         check_inputs(cfg, args.model, args.data)
         if args.out.exists() and not args.out.is_dir():

@@ -25,6 +25,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from turnrl.config import add_params_argument
 from turnrl.envs.search import build_index
 from turnrl.envs.search_server import SearchService
 
@@ -43,7 +44,7 @@ def settings(cfg, data_dir: str | Path = "data/processed", given: dict | None = 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="turnrl serve-search", description=__doc__.split("\n\n")[0])
-    p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    add_params_argument(p)
     p.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a param, e.g. -S env.options.top_k=3 (repeatable)")
     p.add_argument("--data", default="data/processed", help="the preprocess stage's output (its corpus.parquet)")
@@ -57,16 +58,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from turnrl.config import ConfigError, load_config
+    from turnrl.config import ConfigError, load_config, params_file
     from turnrl.pipeline.env_cli import EnvCliError, env_options
     from turnrl.plugins import PluginError
     # -S env.options.KEY=VALUE are the search environment's options, whatever env.name params has
     ours = [o for o in args.overrides if o.strip().lstrip("+").startswith("env.options.")]
     rest = [o for o in args.overrides if o not in ours]
     try:
-        if args.params != "params.yaml" and not Path(args.params).is_file():
-            raise ConfigError(f"--params {args.params}: no such file")
-        cfg = load_config(args.params, rest) if Path(args.params).is_file() or rest else None
+        params = params_file(args, None)
+        if params != "params.yaml" and not Path(params).is_file():   # named (--params, $TURNRL_PARAMS): must be there
+            raise ConfigError(f"the params file {params}: no such file")
+        cfg = load_config(params, rest) if Path(params).is_file() or rest else None
         chosen = settings(cfg, args.data, env_options(ours))
     except (ConfigError, PluginError, EnvCliError) as exc:
         print(f"error: {exc}", file=sys.stderr)

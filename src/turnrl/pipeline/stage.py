@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from turnrl.config import Config, ConfigError, load_config
+from turnrl.config import Config, ConfigError, default_params_file, load_config
 from turnrl.errors import Terminated, one_line, raise_on_sigterm
 
 BAD_INPUT_EXIT = 2
@@ -37,7 +37,7 @@ def run_stage(name: str, body: Callable[[Config], Any],
     name an earlier run of this stage to continue (train after a crash)."""
     _stage_arguments(name, sys.argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    params = os.environ.get("TURNRL_PARAMS", "params.yaml")
+    params = default_params_file()
     try:
         cfg = load_config(params)
     except ConfigError as exc:
