@@ -301,7 +301,7 @@ def _checkpoint_cmd(project: Path, model: Path, out: str, *extra: str, data_dir:
     env.pop("TURNRL_DATA_DIR", None)
     if data_dir:
         env["TURNRL_DATA_DIR"] = data_dir
-    return subprocess.run([sys.executable, "-m", "turnrl.pipeline.evaluate", str(model), "--out", out, *extra],
+    return subprocess.run([sys.executable, "-m", "turnrl.cli", "evaluate", str(model), "--out", out, *extra],
                           cwd=project, env=env, capture_output=True, text=True, timeout=900)
 
 
@@ -317,7 +317,7 @@ def test_checkpoint_command_needs_the_preprocessed_data(tmp_path, tiny_model_dir
 
 @pytest.mark.slow
 def test_checkpoint_command_end_to_end_twice_on_vllm(tmp_path, tiny_model_dir, monkeypatch):
-    """`python -m turnrl.pipeline.evaluate` on the tiny model with vLLM, sampled, run twice in
+    """`turnrl evaluate` on the tiny model with vLLM, sampled, run twice in
     fresh processes with the same seed: identical metrics and generations."""
     data_dir = os.environ.get("TURNRL_DATA_DIR") or str(ROOT.parent / "shared" / "data")
     benchmarks = ["amc23"] if Path(data_dir, "amc23").is_dir() else []
@@ -334,6 +334,8 @@ def test_checkpoint_command_end_to_end_twice_on_vllm(tmp_path, tiny_model_dir, m
     for run in runs:
         assert run.returncode == 0, run.stderr[-3000:]
     first, second = (json.loads((tmp_path / o / "metrics.json").read_text()) for o in ("out1", "out2"))
+    # stdout is the summary alone (vLLM's log lines go to stderr): `turnrl evaluate ... | jq` works
+    assert json.loads(runs[0].stdout) == {b: {k: first[b][k] for k in ("accuracy", "n")} for b in first}
     assert first == second and list(first) == ["task", *benchmarks]
     assert first["task"]["n"] == 4 and "accuracy_greedy" in first["task"]       # eval.limit: 4 cuts the task too
     assert first["task"]["samples_per_problem"] == 2

@@ -16,6 +16,7 @@ Every command reads params.yaml, or the file --params FILE or $TURNRL_PARAMS nam
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 COMMANDS = {"config": "turnrl.config", "presets": "turnrl.presets",
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         if args:
             print(f"\nerror: unknown command {args[0]!r}; the commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    # vLLM logs to stdout by default: a command's stdout is its output (evaluate's JSON, config's YAML)
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
         return importlib.import_module(COMMANDS[args[0]]).main(args[1:])
     except KeyboardInterrupt:   # Ctrl-C: one line, the shell's code for it, no traceback

@@ -561,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics = evaluate_checkpoint(cfg, args.model, args.out, args.data)
     summary = {b: {k: v[k] for k in ("accuracy", "n") if k in v} for b, v in metrics.items()}
     print(json.dumps(summary, indent=2))
-    print(f"wrote {args.out / 'metrics.json'} and the generations in {args.out}/")
+    print(f"wrote {args.out / 'metrics.json'} and the generations in {args.out}/", file=sys.stderr)   # stdout: the JSON
     return 0
 
 
