@@ -37,6 +37,13 @@ def test_apply_writes_the_keys_and_keeps_comments(tmp_path):
     assert "# grpo, dr_grpo" in text            # comments survive
     cfg = load_config(params)
     assert cfg.algorithm.name == "ppo" and cfg.env.name == "intervention"
+    # only the preset's lines change: the other lines keep how they were written (null, "", 1.0e-05)
+    keys = presets.load("mt_grpo", ROOT / "params.yaml", ROOT / "configs")
+    shutil.copy(ROOT / "params.yaml", params)
+    presets.apply({**keys, "sft.lr": 1e-05}, params)   # a value params already has: its line stays
+    before, after = (ROOT / "params.yaml").read_text().splitlines(), params.read_text().splitlines()
+    changed = [(a, b) for a, b in zip(before, after) if a != b]
+    assert len(before) == len(after) and [b.split("#")[0].strip() for _, b in changed] == ["name: mt_grpo"]
 
 
 def test_unknown_preset_and_bad_key(tmp_path):

@@ -65,6 +65,9 @@ def apply(keys: dict[str, Any], params: str | Path = "params.yaml") -> None:
     """Write the keys into params.yaml, keeping its comments and order."""
     from ruamel.yaml import YAML
     rt = YAML()
+    rt.preserve_quotes = True   # "" stays "", not ''
+    rt.width = 4096             # long lines stay as they are, not folded
+    rt.representer.add_representer(type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))
     path = Path(params)
     data = rt.load(path.read_text())
     for key, value in keys.items():
@@ -72,7 +75,8 @@ def apply(keys: dict[str, Any], params: str | Path = "params.yaml") -> None:
         *parents, last = key.split(".")
         for part in parents:
             node = node[part]
-        node[last] = value
+        if last not in node or node[last] != value:   # a value already there keeps how it is written
+            node[last] = value
     with path.open("w") as fh:
         rt.dump(data, fh)
 
