@@ -94,7 +94,8 @@ PAIRS = [("opd", "grpo"), ("opd_lr4x", "grpo"), ("opd_lr4x", "grpo_lr4x"), ("opd
          ("opd_topk_mb8_cosine_rare_every1_e256", "grpo_rare_every1_e256"),
          ("opd_topk_mb8_cosine_lr2x_rare_every1_e256", "grpo_rare_every1_e256"),
          ("opd_topk_mb8_cosine_every1_e256", "grpo_every1_e256"),
-         ("opd_topk_mb8_cosine_n1_every1_e256", "grpo_every1_e256")]
+         ("opd_topk_mb8_cosine_n1_every1_e256", "grpo_every1_e256"),
+         ("opd_topk_mb16_cosine_n1_every1_e256", "grpo_every1_e256")]
 RARE = "model.warmstart.good_fraction=0.05"   # the rarer-reward rows' warm start (params.yaml: 0.3)
 # The teachers, by name: the default (ChatML, the students' format), and the same run of a tiny
 # model built in Llama 3.1's chat format (model.tiny.chat_format): a teacher of another chat format
@@ -190,6 +191,10 @@ def rows(work: Path) -> list[Row]:
         # are one sample each of 128 problems (rollout.n 1) instead of 8 of 16: more of the task per step
         Row("opd_topk_mb8_cosine_n1_every1_e256", "code_tool", "opd", sets=[
             *student_fine, *topk, "algorithm.mini_batches=8", "train.lr_schedule=cosine", "train.min_lr_ratio=0.1",
+            "rollout.n=1", "train.prompts_per_step=128"]),
+        # and with sixteen optimizer steps a step: with one sample per problem each mini-batch is 8 problems
+        Row("opd_topk_mb16_cosine_n1_every1_e256", "code_tool", "opd", sets=[
+            *student_fine, *topk, "algorithm.mini_batches=16", "train.lr_schedule=cosine", "train.min_lr_ratio=0.1",
             "rollout.n=1", "train.prompts_per_step=128"]),
         # a teacher of another chat format: the ChatML student's conversation rendered by the Llama-3
         # teacher's own template (reward.teacher.chat_template=teacher), its tokens mapped through the

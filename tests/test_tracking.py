@@ -12,6 +12,7 @@ import pytest
 
 from turnrl.tracking import artifacts, logs, model_logging, recorder, runs, traces
 from turnrl.config import Config
+from turnrl.errors import Terminated
 
 
 @pytest.fixture(scope="module")
@@ -70,25 +71,16 @@ def test_stages_with_one_key_share_a_parent(cfg, tmp_path, monkeypatch):
     assert {r.info.status for r in found} == {"FINISHED"}
 
 
-def test_a_failing_stage_marks_its_runs_failed(cfg, monkeypatch, tmp_path):
+@pytest.mark.parametrize("raised, status", [(RuntimeError("boom"), "FAILED"), (Terminated("signal 15"), "KILLED")])
+def test_a_failing_stage_marks_its_runs_failed_and_a_stopped_one_killed(cfg, monkeypatch, tmp_path, raised, status):
+    """An exception: FAILED; Ctrl-C or SIGTERM (Terminated, a KeyboardInterrupt): KILLED."""
     monkeypatch.setenv("TURNRL_PIPELINE_KEY", "unit:3")
-    with pytest.raises(RuntimeError):
+    with pytest.raises(type(raised)):
         with runs.stage_run("train", cfg):
-            raise RuntimeError("boom")
+            raise raised
     client = _client(cfg.tracking.uri)
     found = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
-    assert {r.info.status for r in found} == {"FAILED"}
-
-
-def test_a_stage_stopped_by_ctrl_c_or_sigterm_marks_its_runs_killed(cfg, monkeypatch, tmp_path):
-    from turnrl.errors import Terminated
-    monkeypatch.setenv("TURNRL_PIPELINE_KEY", "unit:4")
-    with pytest.raises(Terminated):
-        with runs.stage_run("train", cfg):
-            raise Terminated("signal 15")
-    client = _client(cfg.tracking.uri)
-    found = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
-    assert {r.info.status for r in found} == {"KILLED"}
+    assert {r.info.status for r in found} == {status}
 
 
 def _free_port() -> int:
