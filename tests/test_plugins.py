@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -162,6 +163,24 @@ def test_a_failing_reward_function_stops_the_step_naming_it_or_scores_zero(plugi
     zero.score(trajs, decode=str)
     assert [t.rewards for t in trajs] == [{"score_errors": 1.0, "score": 0.0}] * 2 and trajs[0].reward == 1.0
     assert sum("scored 0" in r.message for r in caplog.records) == 1   # one warning, then counted
+
+
+def test_a_reward_function_that_runs_long_is_named_in_the_log_while_it_runs(plugin_dir, monkeypatch, caplog):
+    """A function that may hang (an API call without a timeout) is named with its prompt while it
+    runs past rewards.functions.SLOW_CALL_S, instead of a run stalled in silence; its value counts."""
+    from turnrl.rewards import functions
+    monkeypatch.setattr(functions, "SLOW_CALL_S", 0.3)
+    _write(plugin_dir, "mytask_slow.py", "import time\ndef score(prompt, completion, answer, **info):\n"
+                                         "    time.sleep(1.5)\n    return 1.0\n")
+    trajs = [_traj(0.0)]
+    with caplog.at_level("WARNING", logger="turnrl.rewards.functions"):
+        RewardFunctions(["mytask_slow:score"]).score(trajs, decode=str)
+    said = [r.message for r in caplog.records if "has run" in r.message]
+    assert said and said[0].startswith("reward function mytask_slow:score on the trajectory of prompt 'q1' has run")
+    assert trajs[0].rewards == {"score": 1.0}
+    caplog.clear()
+    time.sleep(0.7)   # after the call: the watcher says nothing more of it
+    assert not [r for r in caplog.records if "has run" in r.message]
 
 
 # ----------------------------------------------------------------------------- benchmarks from files

@@ -21,11 +21,14 @@ and algorithms do: an import path, or a name that `register` added.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import decimal
 import functools
 import inspect
 import logging
 import math
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
@@ -169,15 +172,17 @@ class RewardFunctions:
             t.extra_reward = total
 
     def _checked(self, name: str, path: str, t: Any, compute: Callable[[], Any]) -> float:
+        prompt = t.example.get('id', t.example.get('prompt', ''))
         try:
-            value = compute()
+            with _SLOW.watch(f"reward function {path} on the trajectory of prompt {prompt!r}"):
+                value = compute()
             problem = _not_a_number(value)
         except Exception as exc:   # noqa: BLE001 - the user's function: name it, never a bare traceback
             problem = f"raised {type(exc).__name__}: {exc}"
         if problem is None:
             return float(value)
         where = path if path.startswith("reward.") else f"reward function {path} (reward.functions)"
-        message = f"{where} {problem} on the trajectory of prompt {t.example.get('id', t.example.get('prompt', ''))!r}"
+        message = f"{where} {problem} on the trajectory of prompt {prompt!r}"
         if self.on_error == "fail":
             raise RewardFunctionError(message + "; fix it, or set reward.on_error: zero to score such cases 0")
         t.rewards[f"{name}_errors"] = t.rewards.get(f"{name}_errors", 0.0) + 1.0
@@ -185,6 +190,52 @@ class RewardFunctions:
             self._warned.add(name)
             log.warning("%s; scored 0 (reward.on_error: zero), counted as reward_%s_errors", message, name)
         return 0.0
+
+
+SLOW_CALL_S = 60.0   # a reward call running this long is said in the log (and again each time as long)
+
+
+class _SlowCalls:
+    """Names the reward calls that run past SLOW_CALL_S seconds, in a warning (again each
+    SLOW_CALL_S): a function that hangs (an API call without a timeout) is named, instead of a run
+    that stalls in silence. One watcher thread for the process, started at the first call. It
+    cannot stop the call: Python cannot interrupt another thread, and a function may rely on its
+    own (signal-based timeouts such as math-verify's work in the main thread only)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.running: dict[int, tuple[str, float, float]] = {}   # thread -> (what, started, said at)
+        self.watcher: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def watch(self, what: str):
+        key, now = threading.get_ident(), time.monotonic()
+        with self.lock:
+            self.running[key] = (what, now, now)
+            if self.watcher is None:
+                self.watcher = threading.Thread(target=self._loop, daemon=True, name="reward-slow-calls")
+                self.watcher.start()
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.running.pop(key, None)
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(min(1.0, SLOW_CALL_S / 4))
+            now = time.monotonic()
+            with self.lock:
+                due = [(k, what, now - start) for k, (what, start, said) in self.running.items()
+                       if now - said >= SLOW_CALL_S]
+                for k, what, _ in due:
+                    self.running[k] = (what, self.running[k][1], now)
+            for _, what, seconds in due:
+                log.warning("%s has run %.0f s and not returned; a function that can hang needs a timeout of its own",
+                            what, seconds)
+
+
+_SLOW = _SlowCalls()
 
 
 def _given(value: Any) -> Any:
