@@ -140,9 +140,10 @@ def test_turnrl_config_with_overrides_names_every_problem_and_exits_2(tmp_path):
                   tmp_path)
     seconds = time.perf_counter() - start
     assert out.returncode == 2, out.stderr[-2000:]
-    lines = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("turnrl config: ")]
     assert [line.split(" = ")[0] for line in lines] == [
-        "error: data.train_set", "error: eval.benchmarks.0.path", "error: eval.benchmarks.1.fields.answer"], out.stderr
+        "turnrl config: data.train_set", "turnrl config: eval.benchmarks.0.path",
+        "turnrl config: eval.benchmarks.1.fields.answer"], out.stderr
     assert "Traceback" not in out.stderr and out.stdout == ""
     assert seconds < 60, seconds   # seconds (an import of turnrl), never a stage's minutes
 

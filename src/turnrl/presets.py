@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         keys = load(args.name)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"turnrl presets: {exc}", file=sys.stderr)
         return 2
     if args.apply:
         apply(keys)

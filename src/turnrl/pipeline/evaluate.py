@@ -548,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
             raise FileNotFoundError(f"--out {args.out}: a file, not a folder; name a folder for the metrics and "
                                     "generations")
     except (ConfigError, FileNotFoundError, DataSourceError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"turnrl evaluate: {exc}", file=sys.stderr)
         return BAD_INPUT_EXIT
     if args.mlflow:
         from turnrl.tracking.runs import stage_run

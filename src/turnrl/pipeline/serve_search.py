@@ -71,24 +71,24 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(params, rest) if Path(params).is_file() or rest else None
         chosen = settings(cfg, args.data, env_options(ours))
     except (ConfigError, PluginError, EnvCliError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"turnrl serve-search: {exc}", file=sys.stderr)
         return 2
     corpus = args.corpus or chosen["corpus"]
     top_k = args.top_k if args.top_k is not None else chosen["top_k"]
     max_chars = args.max_passage_chars if args.max_passage_chars is not None else chosen["max_passage_chars"]
     if top_k < 1 or max_chars < 1:
-        print("error: --top-k and --max-passage-chars must be at least 1", file=sys.stderr)
+        print("turnrl serve-search: --top-k and --max-passage-chars must be at least 1", file=sys.stderr)
         return 2
     try:
         index = build_index(corpus)
     except (FileNotFoundError, ValueError) as exc:
-        print(f"error: the corpus {corpus!r}: {exc}. Run `dvc repro preprocess` with env.name=search, or pass "
+        print(f"turnrl serve-search: the corpus {corpus!r}: {exc}. Run `dvc repro preprocess` with env.name=search, or pass "
               "--corpus FILE", file=sys.stderr)
         return 2
     try:
         service = SearchService(index, top_k=top_k, max_passage_chars=max_chars, host=args.host, port=args.port)
     except (OSError, OverflowError) as exc:   # the port in use or out of range, an unknown host
-        print(f"error: cannot serve at {args.host}:{args.port} ({exc}); pick another --port (0: any free one) or "
+        print(f"turnrl serve-search: cannot serve at {args.host}:{args.port} ({exc}); pick another --port (0: any free one) or "
               "--host", file=sys.stderr)
         return 2
     print(f"serving {len(index)} passages of {corpus} (top_k {top_k}, max_passage_chars {max_chars}) at "
