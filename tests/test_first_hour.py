@@ -72,7 +72,8 @@ def test_turnrl_config_catches_a_game_that_cannot_start(wordle_offline, capsys):
                  "-S", "env.options={make: textarena:Wordle-v0}"])
     err = capsys.readouterr().err
     assert code == 2
-    assert "turnrl config: env.options.make = textarena:Wordle-v0: the game cannot start: LookupError: Resource words" in err
+    assert ("turnrl config: env.options.make = textarena:Wordle-v0: the game cannot start: LookupError: "
+            "Resource words") in err
 
 
 def test_turnrl_config_passes_a_game_that_starts(capsys):
@@ -363,9 +364,9 @@ def test_own_tools_with_the_tiny_model_and_no_demonstration_are_refused_before_a
     assert main([str(ROOT / "params.yaml"), "-S", "env.name=tools",
                  "-S", "env.options={functions: [test_first_hour:population]}"]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if "model.path" in line]
-    assert lines == ["turnrl config: params.yaml: model.path = tiny: the tools environment's warm start demonstrates calls "
-                     "to the built-in calculator, which the configured tools (test_first_hour:population) do not "
-                     "include; set env.options.demonstration to module:function ((row, rng, good) -> the turns "
+    assert lines == ["turnrl config: params.yaml: model.path = tiny: the tools environment's warm start demonstrates "
+                     "calls to the built-in calculator, which the configured tools (test_first_hour:population) do "
+                     "not include; set env.options.demonstration to module:function ((row, rng, good) -> the turns "
                      "calling your tools, then the answer), add turnrl.envs.tools:calculator to "
                      "env.options.functions, or set model.path to a checkpoint"]
     from turnrl.pipeline.prepare_model import WarmStartError, demonstrable

@@ -354,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(params_file(args, parser), args.overrides)
         require(all_problems(cfg))
     except (ConfigError, InputProblems) as exc:
-        print("\n".join(f"turnrl config: {line}" for line in str(exc).splitlines()), file=sys.stderr)   # a line a problem
+        lines = str(exc).splitlines()   # a line a problem
+        print("\n".join(f"turnrl config: {line}" for line in lines), file=sys.stderr)
         return 2
     if args.quiet:
         return 0

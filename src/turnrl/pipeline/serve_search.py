@@ -82,14 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         index = build_index(corpus)
     except (FileNotFoundError, ValueError) as exc:
-        print(f"turnrl serve-search: the corpus {corpus!r}: {exc}. Run `dvc repro preprocess` with env.name=search, or pass "
-              "--corpus FILE", file=sys.stderr)
+        print(f"turnrl serve-search: the corpus {corpus!r}: {exc}. Run `dvc repro preprocess` with "
+              "env.name=search, or pass --corpus FILE", file=sys.stderr)
         return 2
     try:
         service = SearchService(index, top_k=top_k, max_passage_chars=max_chars, host=args.host, port=args.port)
     except (OSError, OverflowError) as exc:   # the port in use or out of range, an unknown host
-        print(f"turnrl serve-search: cannot serve at {args.host}:{args.port} ({exc}); pick another --port (0: any free one) or "
-              "--host", file=sys.stderr)
+        print(f"turnrl serve-search: cannot serve at {args.host}:{args.port} ({exc}); pick another --port (0: any "
+              "free one) or --host", file=sys.stderr)
         return 2
     print(f"serving {len(index)} passages of {corpus} (top_k {top_k}, max_passage_chars {max_chars}) at "
           f"{service.url}  (env.options.endpoint: {service.url})", flush=True)

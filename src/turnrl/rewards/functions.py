@@ -172,7 +172,7 @@ class RewardFunctions:
             t.extra_reward = total
 
     def _checked(self, name: str, path: str, t: Any, compute: Callable[[], Any]) -> float:
-        prompt = t.example.get('id', t.example.get('prompt', ''))
+        prompt = t.example.get("id", t.example.get("prompt", ""))
         try:
             with _SLOW.watch(f"reward function {path} on the trajectory of prompt {prompt!r}"):
                 value = compute()
