@@ -43,6 +43,12 @@ sample each at T=1), through `dvc exp run` as a user runs it:
   rebuilt at a later commit, with GRPO and the constant-rate row again beside it
   (benchmarks/results/distill-rebuilt-teacher.json), since a rebuilt teacher is not the earlier one;
   `opd_topk_mb8_cosine_lr2x_rare_every1_e256`: that at twice the peak rate, on the rebuilt teacher;
+- `grpo_every1_e256`, `opd_topk_mb8_cosine_every1_e256`: GRPO and the cosine eight-step OPD row from
+  params.yaml's warm start, the curve at every step on 256 problems (the rebuilt teacher);
+  `opd_topk_mb8_cosine_n1_every1_e256`: that OPD row with one sample per problem (`rollout.n=1`,
+  `train.prompts_per_step=128`: the same 128 trajectories a step, of 128 problems instead of 16; opd
+  needs no group baseline); `opd_topk_mb16_cosine_n1_every1_e256`: that with sixteen optimizer steps
+  a step (mini-batches of 8 problems);
 - `opd_llama3_teacher`: opd from a teacher of another chat format, `teacher_llama3` (the teacher's
   run with `model.tiny.chat_format=llama3`: Llama 3.1's headers, <|eot_id|>, tool results as
   ipython), the ChatML student's conversation rendered by the teacher's own template
